@@ -1,0 +1,239 @@
+"""The event contract: every fact Rollwire knows is one of these frozen, tagged msgspec Structs.
+
+All events share one envelope (the fields of `Event`): `event_id` (also the JetStream message id,
+so a re-sent event is a duplicate, not a second fact), `type` (the tag), `schema_version`,
+`run_id`, `rollout_id`, `attempt_id` and `time` (Unix seconds). Each event type adds its own
+fields. Evolution is additive: new fields get defaults, no field ever changes type, and
+`schema_version` says which revision wrote the event.
+
+Events are named for what happened. They are encoded as flat JSON objects with a `"type"` key,
+so a monitor in any language can read them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Union
+
+import msgspec
+
+from schemas.ids import (
+    CUSTOM_EVENT,
+    MODEL,
+    MODEL_REQUEST,
+    PHASE,
+    REWARD,
+    ROLLOUT_ATTEMPT,
+    ROLLOUT_CREATED,
+    ROLLOUT_STATUS,
+    RUN_SUBJECT,
+    check_id,
+)
+
+SCHEMA_VERSION = 1
+
+RolloutStatus = Literal["queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled"]
+TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+Mode = Literal["train", "val"]
+CallStatus = Literal["ok", "failed", "aborted"]
+Phase = Literal["rollout", "update"]
+RewardSource = Literal["agent", "evaluator", "admin"]
+
+
+def _new_event_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """The envelope every event carries."""
+
+    run_id: str
+    rollout_id: str | None = None
+    attempt_id: str | None = None
+    event_id: str = msgspec.field(default_factory=_new_event_id)
+    schema_version: int = SCHEMA_VERSION
+    time: float = msgspec.field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        check_id("run_id", self.run_id)
+        if self.rollout_id is not None:
+            check_id("rollout_id", self.rollout_id)
+        if self.attempt_id is not None:
+            check_id("attempt_id", self.attempt_id)
+        check_id("event_id", self.event_id)
+
+    @property
+    def subject(self) -> str:
+        """The NATS subject this event is published on."""
+        raise NotImplementedError
+
+    def _rollout(self) -> str:
+        if self.rollout_id is None:
+            raise msgspec.ValidationError(f"{type(self).__name__} needs a rollout_id")
+        return self.rollout_id
+
+
+class RunStarted(Event, frozen=True, kw_only=True, tag="run.started"):
+    """A run was declared: how its rollouts execute and how they are trained."""
+
+    name: str = ""
+    config: dict[str, Any] = {}
+
+    @property
+    def subject(self) -> str:
+        return RUN_SUBJECT.format(run=self.run_id)
+
+
+class RolloutCreated(Event, frozen=True, kw_only=True, tag="rollout.created"):
+    """A rollout was declared: one task input, in a group of rollouts of the same task."""
+
+    input: Any = None
+    group_id: str | None = None
+    mode: Mode = "train"
+    metadata: dict[str, Any] = {}
+    max_attempts: int = 1
+
+    @property
+    def subject(self) -> str:
+        return ROLLOUT_CREATED.format(run=self.run_id, rollout=self._rollout())
+
+
+class RolloutStatusChanged(Event, frozen=True, kw_only=True, tag="rollout.status"):
+    """A rollout moved to a new status; `attempt_id` names the attempt the change is about."""
+
+    status: RolloutStatus
+    previous: RolloutStatus | None = None
+    reason: str | None = None
+
+    @property
+    def subject(self) -> str:
+        return ROLLOUT_STATUS.format(run=self.run_id, rollout=self._rollout())
+
+
+class AttemptStarted(Event, frozen=True, kw_only=True, tag="attempt.started"):
+    """A new attempt of a rollout began (`attempt_id` in the envelope; `sequence` counts from 1)."""
+
+    sequence: int
+    executor: str | None = None
+    expires_at: float | None = None
+
+    @property
+    def subject(self) -> str:
+        return ROLLOUT_ATTEMPT.format(run=self.run_id, rollout=self._rollout())
+
+
+class ModelRequestRecorded(Event, frozen=True, kw_only=True, tag="model_request"):
+    """One model call (one choice of it) crossed the proxy: the exact tokens and logprobs.
+
+    `prompt_ids` are the tokens the engine consumed, `response_ids` the tokens it sampled and
+    `logprobs[i]` the behaviour log-probability of `response_ids[i]`. Only calls with
+    `status == "ok"` are training data; failed and aborted calls are kept for inspection.
+    """
+
+    call_id: str
+    mode: Mode = "train"
+    status: CallStatus = "ok"
+    choice_index: int = 0
+    model: str = ""
+    weights_version: int | None = None
+    prompt_ids: list[int] = []
+    response_ids: list[int] = []
+    logprobs: list[float] = []
+    finish_reason: str | None = None
+    request: dict[str, Any] = {}
+    response: dict[str, Any] = {}
+    usage: dict[str, int] = {}
+    latency_s: float = 0.0
+    error: str | None = None
+
+    @property
+    def subject(self) -> str:
+        return MODEL_REQUEST.format(run=self.run_id, rollout=self._rollout())
+
+
+class RewardReported(Event, frozen=True, kw_only=True, tag="reward"):
+    """A scalar reward for a rollout attempt (the last one of the succeeded attempt counts)."""
+
+    value: float
+    name: str | None = None
+    step: int | None = None
+    source: RewardSource = "agent"
+
+    @property
+    def subject(self) -> str:
+        return REWARD.format(run=self.run_id, rollout=self._rollout())
+
+
+class CustomEvent(Event, frozen=True, kw_only=True, tag="custom"):
+    """A user-defined event (logs, monitor flags, spans): free-form JSON payload."""
+
+    name: str
+    payload: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_id("name", self.name)
+
+    @property
+    def subject(self) -> str:
+        return CUSTOM_EVENT.format(run=self.run_id, rollout=self._rollout(), name=self.name)
+
+
+class ModelRegistered(Event, frozen=True, kw_only=True, tag="model.registered"):
+    """An inference endpoint was registered under `name` for the run."""
+
+    name: str
+    base_url: str
+    served_model: str | None = None
+    weights_version: int | None = None
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_id("name", self.name)
+
+    @property
+    def subject(self) -> str:
+        return MODEL.format(run=self.run_id, name=self.name)
+
+
+class ModelRemoved(Event, frozen=True, kw_only=True, tag="model.removed"):
+    """The endpoint registered under `name` was removed."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_id("name", self.name)
+
+    @property
+    def subject(self) -> str:
+        return MODEL.format(run=self.run_id, name=self.name)
+
+
+class PhaseChanged(Event, frozen=True, kw_only=True, tag="phase"):
+    """Collocated-async phase switch: `update` holds new calls, `rollout` serves `weights_version`."""
+
+    phase: Phase
+    weights_version: int | None = None
+
+    @property
+    def subject(self) -> str:
+        return PHASE.format(run=self.run_id)
+
+
+AnyEvent = Union[
+    RunStarted,
+    RolloutCreated,
+    RolloutStatusChanged,
+    AttemptStarted,
+    ModelRequestRecorded,
+    RewardReported,
+    CustomEvent,
+    ModelRegistered,
+    ModelRemoved,
+    PhaseChanged,
+]
+
+EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]

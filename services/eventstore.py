@@ -1,0 +1,335 @@
+"""The event store: Rollwire's one way to append and read events on NATS JetStream.
+
+Every service goes through this module, so the rules live in one place:
+
+- `append` publishes with `Nats-Msg-Id = event_id`: a re-sent event inside the stream's duplicate
+  window is acknowledged as a duplicate (`Appended.duplicate`), never stored twice.
+- `append(..., expected_last_subject_seq=n)` adds `Nats-Expected-Last-Subject-Sequence`: if another
+  writer got there first, JetStream answers error 10071 and we raise `ConcurrencyConflict`.
+- Reads use ephemeral pull consumers with no acks and stop when the consumer reports nothing
+  pending, so they end on an idle stream instead of waiting for new messages.
+
+    store = await EventStore.connect("nats://127.0.0.1:4222")
+    appended = await store.append(RewardReported(run_id="r1", rollout_id="x", value=1.0))
+    events = await store.read_rollout("r1", "x")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Literal
+from urllib.parse import urlparse
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+
+from schemas import AnyEvent, Event, RolloutStatusChanged, check_id, decode, encode
+from schemas.ids import ROLLOUT_ALL, ROLLOUT_STATUS, RUN_ALL, STREAM_NAME, STREAM_SUBJECTS
+
+WRONG_LAST_SEQUENCE = 10071
+FETCH_BATCH = 2048
+
+
+class EventStoreError(RuntimeError):
+    """A problem talking to the event store; the message says what to do."""
+
+
+class EventStoreUnavailable(EventStoreError):
+    """No NATS server with JetStream answers at the configured URL."""
+
+
+class ConcurrencyConflict(EventStoreError):
+    """Another writer appended to the subject first (JetStream error 10071)."""
+
+    def __init__(self, subject: str, expected: int, detail: str) -> None:
+        super().__init__(f"{subject}: expected last sequence {expected}, but the stream moved on ({detail})")
+        self.subject = subject
+        self.expected = expected
+
+
+class Appended(msgspec.Struct, frozen=True):
+    """The stream's answer to an append: its sequence and whether it was a duplicate."""
+
+    seq: int
+    duplicate: bool = False
+
+
+class StoredEvent(msgspec.Struct, frozen=True):
+    """An event as read back from the stream, with its stream sequence and subject."""
+
+    seq: int
+    subject: str
+    event: AnyEvent
+
+
+StartFrom = Literal["start", "new"]
+
+
+async def _probe(url: str, timeout: float) -> bool:
+    """True when something accepts TCP connections at one of the URLs' host:port."""
+    for one in url.split(","):
+        parsed = urlparse(one.strip() if "://" in one else f"nats://{one.strip()}")
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(parsed.hostname or "127.0.0.1", parsed.port or 4222), timeout
+            )
+        except (OSError, asyncio.TimeoutError):
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return True
+    return False
+
+
+def _to_stored(msg: Msg) -> StoredEvent:
+    return StoredEvent(seq=msg.metadata.sequence.stream, subject=msg.subject, event=decode(msg.data))
+
+
+class EventStore:
+    """Append-only access to the Rollwire stream (see the module docstring for the rules)."""
+
+    def __init__(self, nc: NATS, stream: str = STREAM_NAME) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.stream = stream
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        stream: str = STREAM_NAME,
+        timeout: float = 2.0,
+        ensure: bool = True,
+        replicas: int = 1,
+        duplicate_window_s: float = 120.0,
+        name: str = "rollwire",
+    ) -> EventStore:
+        """Connect (failing fast when nothing answers) and, unless `ensure=False`, ensure the stream."""
+        if not await _probe(url, timeout):
+            raise EventStoreUnavailable(
+                f"no NATS server answers at {url}: start one with `rollwire up` or point NATS_URL at a running server"
+            )
+        try:
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    url,
+                    name=name,
+                    connect_timeout=timeout,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                ),
+                timeout * 3,
+            )
+        except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            raise EventStoreUnavailable(f"could not connect to NATS at {url}: {exc}") from None
+        store = cls(nc, stream)
+        if ensure:
+            try:
+                await store.ensure_stream(replicas=replicas, duplicate_window_s=duplicate_window_s)
+            except BaseException:
+                await nc.close()
+                raise
+        return store
+
+    async def ensure_stream(self, *, replicas: int = 1, duplicate_window_s: float = 120.0) -> None:
+        """Create the stream (file storage, `rl.>`) or update its settings if it exists."""
+        config = StreamConfig(
+            name=self.stream,
+            subjects=[STREAM_SUBJECTS],
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+            duplicate_window=duplicate_window_s,
+            max_msg_size=-1,
+        )
+        try:
+            try:
+                await self.js.stream_info(self.stream)
+            except nats.js.errors.NotFoundError:
+                await self.js.add_stream(config)
+            else:
+                await self.js.update_stream(config)
+        except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError):
+            raise EventStoreUnavailable(
+                "the NATS server has no JetStream: start it with `-js` (or use `rollwire up`)"
+            ) from None
+
+    async def close(self) -> None:
+        """Flush pending publishes and close the connection."""
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+
+    async def __aenter__(self) -> EventStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- writing ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _headers(event: Event, expected_last_subject_seq: int | None) -> dict[str, str]:
+        headers = {"Nats-Msg-Id": event.event_id}
+        if expected_last_subject_seq is not None:
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_last_subject_seq)
+        return headers
+
+    async def append(self, event: Event, expected_last_subject_seq: int | None = None) -> Appended:
+        """Append one event; returns its stream sequence, or the original's when it is a duplicate."""
+        subject = event.subject
+        try:
+            ack = await self.js.publish(
+                subject,
+                encode(event),
+                headers=self._headers(event, expected_last_subject_seq),
+                stream=self.stream,
+            )
+        except nats.js.errors.APIError as exc:
+            raise self._translate(exc, subject, expected_last_subject_seq) from None
+        except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError):
+            raise EventStoreUnavailable(f"JetStream did not acknowledge {subject}; the event may not be stored") from None
+        return Appended(seq=ack.seq, duplicate=bool(ack.duplicate))
+
+    async def append_many(self, events: Iterable[Event]) -> list[Appended]:
+        """Append many events pipelined (publish all, then await every ack), in order."""
+        futures = []
+        for event in events:
+            futures.append(
+                await self.js.publish_async(
+                    event.subject, encode(event), headers=self._headers(event, None), stream=self.stream
+                )
+            )
+        results: list[Appended] = []
+        for future in futures:
+            try:
+                ack = await future
+            except nats.js.errors.APIError as exc:
+                raise self._translate(exc, "", None) from None
+            results.append(Appended(seq=ack.seq, duplicate=bool(ack.duplicate)))
+        return results
+
+    @staticmethod
+    def _translate(exc: nats.js.errors.APIError, subject: str, expected: int | None) -> EventStoreError:
+        if exc.err_code == WRONG_LAST_SEQUENCE:
+            return ConcurrencyConflict(subject, expected or 0, exc.description or "wrong last sequence")
+        return EventStoreError(f"JetStream refused {subject}: {exc.description} (code {exc.err_code})")
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    async def read(self, filter_subject: str | Sequence[str], *, after_seq: int = 0) -> AsyncIterator[StoredEvent]:
+        """Yield every stored event matching the filter(s), in stream order, then stop."""
+        async for batch in self.read_raw(filter_subject, after_seq=after_seq):
+            for msg in batch:
+                yield _to_stored(msg)
+
+    async def read_raw(self, filter_subject: str | Sequence[str], *, after_seq: int = 0) -> AsyncIterator[list[Msg]]:
+        """Yield batches of raw messages matching the filter(s) until none is pending."""
+        filters = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
+        config = ConsumerConfig(
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if after_seq else DeliverPolicy.ALL,
+            opt_start_seq=after_seq + 1 if after_seq else None,
+            inactive_threshold=30.0,
+            mem_storage=True,
+            max_ack_pending=-1,
+        )
+        if len(filters) == 1:
+            config.filter_subject = filters[0]
+        else:
+            config.filter_subjects = filters
+        psub = await self.js.pull_subscribe(filters[0], durable=None, stream=self.stream, config=config)
+        try:
+            remaining = (await psub.consumer_info()).num_pending
+            while remaining > 0:
+                try:
+                    msgs = await psub.fetch(min(FETCH_BATCH, remaining), timeout=5.0)
+                except nats.errors.TimeoutError:
+                    raise EventStoreUnavailable("JetStream stopped delivering during a read") from None
+                remaining -= len(msgs)
+                if msgs and msgs[-1].metadata.num_pending == 0:
+                    remaining = 0
+                yield msgs
+        finally:
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+
+    async def read_rollout(self, run_id: str, rollout_id: str) -> list[StoredEvent]:
+        """Every event of one rollout, in order (ends immediately when the stream is idle)."""
+        subject = ROLLOUT_ALL.format(run=check_id("run_id", run_id), rollout=check_id("rollout_id", rollout_id))
+        return [stored async for stored in self.read(subject)]
+
+    def read_run(self, run_id: str, *, after_seq: int = 0) -> AsyncIterator[StoredEvent]:
+        """Every event of one run, in order, as an async iterator (a run can be large)."""
+        return self.read(RUN_ALL.format(run=check_id("run_id", run_id)), after_seq=after_seq)
+
+    async def last_status(self, run_id: str, rollout_id: str) -> tuple[RolloutStatusChanged | None, int]:
+        """The rollout's last status event and its stream sequence (None, 0 when it has none)."""
+        subject = ROLLOUT_STATUS.format(run=check_id("run_id", run_id), rollout=check_id("rollout_id", rollout_id))
+        try:
+            raw = await self.js.get_last_msg(self.stream, subject)
+        except nats.js.errors.NotFoundError:
+            return None, 0
+        event = decode(raw.data or b"")
+        assert isinstance(event, RolloutStatusChanged)
+        return event, raw.seq or 0
+
+    async def last_sequence(self) -> int:
+        """The stream's last sequence number (0 when empty)."""
+        info = await self.js.stream_info(self.stream)
+        return info.state.last_seq
+
+    async def subscribe(
+        self,
+        pattern: str,
+        *,
+        start: StartFrom = "new",
+        durable: str | None = None,
+        since: float | None = None,
+    ) -> AsyncIterator[StoredEvent]:
+        """Follow events matching `pattern` forever (from the start, from now, or from a time).
+
+        With `durable`, the position is kept by the server: each event is acknowledged when the
+        consumer asks for the next one, so a restarted monitor resumes after the last event it
+        finished with.
+        """
+        if since is not None:
+            deliver = DeliverPolicy.BY_START_TIME
+        else:
+            deliver = DeliverPolicy.ALL if start == "start" else DeliverPolicy.NEW
+        config = ConsumerConfig(
+            ack_policy=AckPolicy.EXPLICIT if durable else AckPolicy.NONE,
+            deliver_policy=deliver,
+            opt_start_time=_rfc3339(since) if since is not None else None,
+            filter_subject=pattern,
+            inactive_threshold=None if durable else 60.0,
+            max_ack_pending=-1 if not durable else 10_000,
+        )
+        psub = await self.js.pull_subscribe(pattern, durable=durable, stream=self.stream, config=config)
+        try:
+            while True:
+                try:
+                    msgs = await psub.fetch(256, timeout=1.0)
+                except nats.errors.TimeoutError:
+                    continue
+                for msg in msgs:
+                    yield _to_stored(msg)
+                    if durable:
+                        await msg.ack()
+        finally:
+            if not durable:
+                with contextlib.suppress(Exception):
+                    await psub.unsubscribe()
+
+
+def _rfc3339(epoch_s: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(epoch_s)) + f".{int((epoch_s % 1) * 1e6):06d}Z"
