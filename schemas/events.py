@@ -223,7 +223,7 @@ class PhaseChanged(Event, frozen=True, kw_only=True, tag="phase"):
         return PHASE.format(run=self.run_id)
 
 
-AnyEvent = Union[
+AnyEvent = Union[  # noqa: UP007 - a runtime union object msgspec decodes into
     RunStarted,
     RolloutCreated,
     RolloutStatusChanged,

@@ -1,9 +1,9 @@
 """The rollout status machine: which status may follow which. Pure, shared by every writer.
 
-    (none) ─► queuing ─► preparing ─► running ─► succeeded
-                 │           │          │   └──► failed
-                 │           │          └──► requeuing ─► preparing | running   (a retry)
-                 └───────────┴──────────────► cancelled | failed
+(none) ─► queuing ─► preparing ─► running ─► succeeded
+             │           │          │   └──► failed
+             │           │          └──► requeuing ─► preparing | running   (a retry)
+             └───────────┴──────────────► cancelled | failed
 """
 
 from __future__ import annotations

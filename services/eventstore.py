@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Iterable, Sequence
+from datetime import UTC, datetime
 from typing import Literal
 from urllib.parse import urlparse
 
@@ -82,7 +82,7 @@ async def _probe(url: str, timeout: float) -> bool:
             _, writer = await asyncio.wait_for(
                 asyncio.open_connection(parsed.hostname or "127.0.0.1", parsed.port or 4222), timeout
             )
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             continue
         writer.close()
         with contextlib.suppress(OSError):
@@ -131,7 +131,7 @@ class EventStore:
                 ),
                 timeout * 3,
             )
-        except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
             raise EventStoreUnavailable(f"could not connect to NATS at {url}: {exc}") from None
         store = cls(nc, stream)
         if ensure:
@@ -197,7 +197,9 @@ class EventStore:
         except nats.js.errors.APIError as exc:
             raise self._translate(exc, subject, expected_last_subject_seq) from None
         except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError):
-            raise EventStoreUnavailable(f"JetStream did not acknowledge {subject}; the event may not be stored") from None
+            raise EventStoreUnavailable(
+                f"JetStream did not acknowledge {subject}; the event may not be stored"
+            ) from None
         return Appended(seq=ack.seq, duplicate=bool(ack.duplicate))
 
     async def append_many(self, events: Iterable[Event]) -> list[Appended]:
@@ -249,7 +251,7 @@ class EventStore:
             config.filter_subjects = filters
         psub = await self.js.pull_subscribe(filters[0], durable=None, stream=self.stream, config=config)
         try:
-            remaining = (await psub.consumer_info()).num_pending
+            remaining = (await psub.consumer_info()).num_pending or 0
             while remaining > 0:
                 try:
                     msgs = await psub.fetch(min(FETCH_BATCH, remaining), timeout=5.0)
@@ -309,27 +311,29 @@ class EventStore:
         config = ConsumerConfig(
             ack_policy=AckPolicy.EXPLICIT if durable else AckPolicy.NONE,
             deliver_policy=deliver,
-            opt_start_time=_rfc3339(since) if since is not None else None,
+            opt_start_time=datetime.fromtimestamp(since, tz=UTC) if since is not None else None,
             filter_subject=pattern,
             inactive_threshold=None if durable else 60.0,
             max_ack_pending=-1 if not durable else 10_000,
         )
         psub = await self.js.pull_subscribe(pattern, durable=durable, stream=self.stream, config=config)
+        unfinished: list[Msg] = []
         try:
             while True:
                 try:
-                    msgs = await psub.fetch(256, timeout=1.0)
+                    unfinished = await psub.fetch(256, timeout=1.0)
                 except nats.errors.TimeoutError:
                     continue
-                for msg in msgs:
-                    yield _to_stored(msg)
+                while unfinished:
+                    yield _to_stored(unfinished[0])
                     if durable:
-                        await msg.ack()
+                        await unfinished[0].ack()
+                    unfinished.pop(0)
         finally:
-            if not durable:
-                with contextlib.suppress(Exception):
-                    await psub.unsubscribe()
-
-
-def _rfc3339(epoch_s: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(epoch_s)) + f".{int((epoch_s % 1) * 1e6):06d}Z"
+            if durable:
+                # Hand back what was fetched but not finished, so a restart resumes right there.
+                for msg in unfinished:
+                    with contextlib.suppress(Exception):
+                        await msg.nak()
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()

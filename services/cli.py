@@ -1,0 +1,92 @@
+"""The `rollwire` command line. Each command is a thin shell over a library function.
+
+Errors a user can cause print one line (`error: ...`) and exit non-zero; no stack traces.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from schemas import InvalidId, MalformedEvent
+from services.embedded import EmbeddedServerError
+from services.eventstore import EventStoreError
+from services.stack import DEFAULT_GATEWAY_PORT, DEFAULT_NATS_PORT, DEFAULT_PG_PORT, StackConfig, StackError
+
+app = typer.Typer(
+    help="Rollwire: RL for LLM agents through their own harness.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+schemas_app = typer.Typer(help="The event contract.", no_args_is_help=True)
+app.add_typer(schemas_app, name="schemas")
+
+
+class CliError(Exception):
+    """A one-line error for the user, with the exit code to use."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@app.command()
+def up(
+    data_dir: Path = typer.Option(Path(".rollwire"), help="Where nats, Postgres, logs and secrets live."),
+    gateway_port: int = typer.Option(DEFAULT_GATEWAY_PORT, help="Gateway HTTP port (0 = any free port)."),
+    nats_port: int = typer.Option(DEFAULT_NATS_PORT, help="nats-server client port (0 = any free port)."),
+    pg_port: int = typer.Option(DEFAULT_PG_PORT, help="Postgres port (0 = any free port)."),
+    external: bool = typer.Option(False, help="Use the servers at NATS_URL and DATABASE_URL instead."),
+    services: str = typer.Option("all", help="Comma-separated services to start, 'all' or 'none'."),
+) -> None:
+    """Run the whole stack in the foreground: nats, Postgres and every service. Ctrl-C stops it."""
+    from services.stack import run_foreground
+
+    config = StackConfig(
+        data_dir=data_dir, gateway_port=gateway_port, nats_port=nats_port, pg_port=pg_port, external=external
+    )
+    if services != "all":
+        chosen = tuple(name for name in services.split(",") if name and name != "none")
+        unknown = sorted(set(chosen) - set(config.services))
+        if unknown:
+            raise CliError(f"unknown service {', '.join(unknown)}; choose from {', '.join(config.services)}", 2)
+        config.services = chosen
+    raise typer.Exit(run_foreground(config, say=lambda line: print(line, flush=True)))
+
+
+@schemas_app.command("export")
+def schemas_export(
+    check: bool = typer.Option(False, "--check", help="Only check that the committed files are current."),
+) -> None:
+    """Write the JSON Schema of every event type into schemas/json/."""
+    from schemas.export import JSON_DIR, export, stale_files
+
+    if check:
+        stale = stale_files()
+        if stale:
+            raise CliError(f"schemas/json is stale ({', '.join(stale)}); run `rollwire schemas export`")
+        print("schemas/json is current")
+        return
+    for path in export():
+        print(path.relative_to(JSON_DIR.parent.parent) if path.is_relative_to(JSON_DIR.parent.parent) else path)
+
+
+KNOWN_ERRORS = (CliError, StackError, EventStoreError, EmbeddedServerError, InvalidId, MalformedEvent)
+
+
+def main() -> None:
+    """Entry point of the `rollwire` script: run the app, turning known errors into one line."""
+    try:
+        app()
+    except KNOWN_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(getattr(exc, "exit_code", 1))
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

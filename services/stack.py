@@ -1,0 +1,300 @@
+"""The local stack behind `rollwire up`: nats-server, Postgres and every Rollwire service.
+
+Everything runs as child processes of one foreground command, with no Docker:
+
+1. take an exclusive lock on the data dir (two stacks on one data dir would corrupt it);
+2. check every port first, so a busy port fails before anything starts;
+3. start nats-server (JetStream) and Postgres from their wheels, data under the data dir;
+4. start each service (`python -m services.<name>`), wait for its health check;
+5. on Ctrl-C / SIGTERM stop them in reverse order.
+
+Secrets (the admin token and the token-signing key) are generated once and kept in the data dir,
+so agents' tokens stay valid across restarts; `ROLLWIRE_ADMIN_TOKEN` / `ROLLWIRE_SECRET` override.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from services.embedded import EmbeddedServerError, NatsServer, PostgresServer, free_port, port_in_use
+
+DEFAULT_NATS_PORT = 14222
+DEFAULT_PG_PORT = 15432
+DEFAULT_GATEWAY_PORT = 18080
+
+
+class StackError(RuntimeError):
+    """The stack cannot start; the message is the one line a user sees. `exit_code` is 2 for usage errors."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class StackConfig:
+    """Where the stack keeps its data and which ports it uses (0 = pick a free one)."""
+
+    data_dir: Path = Path(".rollwire")
+    nats_port: int = DEFAULT_NATS_PORT
+    pg_port: int = DEFAULT_PG_PORT
+    gateway_port: int = DEFAULT_GATEWAY_PORT
+    engine_port: int = 0
+    external: bool = False
+    services: tuple[str, ...] = ("gateway", "projector", "controller", "engine")
+    durable_postgres: bool = True
+
+
+@dataclass
+class ChildService:
+    """One Rollwire service running as `python -m services.<name>`."""
+
+    name: str
+    args: list[str]
+    health_url: str | None = None
+    endpoint: str | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    log: IO[bytes] | None = None
+
+
+@dataclass
+class Endpoints:
+    """What a running stack exposes; printed by `rollwire up`, used by the quickstart and tests."""
+
+    nats_url: str
+    database_url: str
+    gateway_url: str | None = None
+    engine_url: str | None = None
+    admin_token: str = ""
+    lines: list[str] = field(default_factory=list)
+
+
+def _read_or_create_secret(path: Path, env: str) -> tuple[str, bool]:
+    """The secret from `env`, else from `path`, else a new one written to `path` (True = generated)."""
+    if os.environ.get(env):
+        return os.environ[env], False
+    if path.exists():
+        return path.read_text().strip(), False
+    value = secrets.token_urlsafe(32)
+    path.write_text(value)
+    path.chmod(0o600)
+    return value, True
+
+
+class Stack:
+    """Start and stop the whole local stack (see the module docstring)."""
+
+    def __init__(self, config: StackConfig, say: Callable[[str], None] = print) -> None:
+        self.config = config
+        self.say = say
+        self.data_dir = config.data_dir.resolve()
+        self._lock_file: IO[str] | None = None
+        self.nats: NatsServer | None = None
+        self.postgres: PostgresServer | None = None
+        self.children: list[ChildService] = []
+        self.endpoints: Endpoints | None = None
+
+    # ---- start -----------------------------------------------------------------------------
+
+    def start(self) -> Endpoints:
+        """Start everything and return the endpoints; raises StackError with one readable line."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock()
+        try:
+            return self._start_locked()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _lock(self) -> None:
+        lock_path = self.data_dir / "stack.lock"
+        handle = open(lock_path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip() or "unknown"
+            handle.close()
+            raise StackError(
+                f"data dir {self.data_dir} is in use by another running stack (pid {owner}); "
+                "stop it or pass another --data-dir",
+                exit_code=2,
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self._lock_file = handle
+
+    def _ports(self) -> dict[str, int]:
+        cfg = self.config
+        ports = {"gateway": cfg.gateway_port or free_port(), "engine": cfg.engine_port or free_port()}
+        if not cfg.external:
+            ports["nats"] = cfg.nats_port or free_port()
+            ports["postgres"] = cfg.pg_port or free_port()
+        needed = {name: port for name, port in ports.items() if name in ("nats", "postgres") or name in cfg.services}
+        for name, port in needed.items():
+            if port_in_use(port):
+                flag = {"nats": "--nats-port", "postgres": "--pg-port", "gateway": "--gateway-port"}.get(name, "")
+                raise StackError(
+                    f"port {port} for {name} is already in use; free it or choose another with {flag}".rstrip(),
+                    exit_code=2,
+                )
+        return ports
+
+    def _start_locked(self) -> Endpoints:
+        ports = self._ports()
+        admin_token, generated = _read_or_create_secret(self.data_dir / "admin_token", "ROLLWIRE_ADMIN_TOKEN")
+        signing_key, _ = _read_or_create_secret(self.data_dir / "secret", "ROLLWIRE_SECRET")
+        if self.config.external:
+            nats_url = os.environ.get("NATS_URL", "")
+            database_url = os.environ.get("DATABASE_URL", "")
+            if not nats_url or not database_url:
+                raise StackError("--external needs NATS_URL and DATABASE_URL of running servers", exit_code=2)
+        else:
+            try:
+                self.nats = NatsServer(self.data_dir / "nats", ports["nats"]).start()
+                self.postgres = PostgresServer(
+                    self.data_dir / "postgres", ports["postgres"], durable=self.config.durable_postgres
+                ).start()
+            except EmbeddedServerError as exc:
+                raise StackError(str(exc)) from None
+            nats_url, database_url = self.nats.url, self.postgres.url
+        endpoints = Endpoints(nats_url=nats_url, database_url=database_url, admin_token=admin_token)
+        endpoints.lines += [f"nats: {nats_url}", f"postgres: {database_url}"]
+        if generated:
+            endpoints.lines.append(f"admin token: {admin_token} (saved in {self.data_dir / 'admin_token'})")
+        env = {
+            **os.environ,
+            "NATS_URL": nats_url,
+            "DATABASE_URL": database_url,
+            "ROLLWIRE_ADMIN_TOKEN": admin_token,
+            "ROLLWIRE_SECRET": signing_key,
+            "ROLLWIRE_DATA_DIR": str(self.data_dir),
+            "ROLLWIRE_GATEWAY_URL": f"http://127.0.0.1:{ports['gateway']}",
+            "ROLLWIRE_PUBLIC_URL": f"http://127.0.0.1:{ports['gateway']}",
+            "PYTHONUNBUFFERED": "1",
+        }
+        for spec in self._service_specs(ports):
+            self._start_child(spec, env)
+            if spec.endpoint:
+                endpoints.lines.append(spec.endpoint)
+        if "gateway" in self.config.services:
+            endpoints.gateway_url = f"http://127.0.0.1:{ports['gateway']}"
+        if "engine" in self.config.services:
+            endpoints.engine_url = f"http://127.0.0.1:{ports['engine']}"
+        self.endpoints = endpoints
+        return endpoints
+
+    def _service_specs(self, ports: dict[str, int]) -> list[ChildService]:
+        """The services to start, in order, for the names in the config."""
+        known: dict[str, ChildService] = {}
+        specs = [known[name] for name in self.config.services if name in known]
+        return specs
+
+    def _start_child(self, spec: ChildService, env: dict[str, str]) -> None:
+        logs = self.data_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        spec.log = open(logs / f"{spec.name}.log", "ab")
+        spec.proc = subprocess.Popen(
+            [sys.executable, "-m", f"services.{spec.name}", *spec.args],
+            stdout=spec.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self.children.append(spec)
+        if spec.health_url:
+            self._wait_healthy(spec, timeout=120.0)
+
+    def _wait_healthy(self, spec: ChildService, timeout: float) -> None:
+        assert spec.proc is not None and spec.health_url is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if spec.proc.poll() is not None:
+                raise StackError(
+                    f"{spec.name} exited with code {spec.proc.returncode}; see {self.data_dir / 'logs' / spec.name}.log"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(spec.health_url, timeout=1.0).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise StackError(f"{spec.name} did not become healthy within {timeout:.0f}s")
+
+    # ---- run and stop ----------------------------------------------------------------------
+
+    def dead_child(self) -> ChildService | None:
+        """A service that exited on its own, if any (the stack then stops)."""
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is not None:
+                return child
+        return None
+
+    def stop(self) -> None:
+        """Stop services in reverse order, then Postgres and nats-server; release the lock."""
+        for child in reversed(self.children):
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        for child in reversed(self.children):
+            if child.proc is not None:
+                try:
+                    child.proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(child.proc.pid, signal.SIGKILL)
+                    child.proc.wait(5)
+            if child.log is not None:
+                child.log.close()
+        self.children.clear()
+        if self.postgres is not None:
+            self.postgres.stop()
+            self.postgres = None
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+
+def run_foreground(config: StackConfig, say: Callable[[str], None] = print) -> int:
+    """`rollwire up`: start the stack, print its endpoints and `ready`, run until a signal."""
+    stopping = False
+
+    def _on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stack = Stack(config, say)
+    try:
+        endpoints = stack.start()
+        for line in endpoints.lines:
+            say(line)
+        say("ready")
+        while not stopping:
+            dead = stack.dead_child()
+            if dead is not None:
+                assert dead.proc is not None
+                say(f"{dead.name} exited with code {dead.proc.returncode}; stopping (log: {stack.data_dir}/logs)")
+                return 1
+            time.sleep(0.2)
+        say("stopping")
+        return 0
+    finally:
+        stack.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

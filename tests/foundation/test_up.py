@@ -1,0 +1,114 @@
+"""`rollwire up` as a user runs it: a real process, real servers, real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from schemas import RewardReported
+from services.embedded import free_port
+from services.eventstore import EventStore
+
+ROLLWIRE = [sys.executable, "-m", "services.cli"]
+
+
+def start_up(data_dir: Path, *extra: str) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    """Start `rollwire up` (infrastructure only) and wait for `ready`; returns the process and endpoints."""
+    proc = subprocess.Popen(
+        [
+            *ROLLWIRE,
+            "up",
+            "--data-dir",
+            str(data_dir),
+            "--nats-port",
+            "0",
+            "--pg-port",
+            "0",
+            "--services",
+            "none",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    endpoints: dict[str, str] = {}
+    deadline = time.monotonic() + 90
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.strip() == "ready":
+            return proc, endpoints
+        if ": " in line:
+            key, value = line.strip().split(": ", 1)
+            endpoints[key] = value
+    proc.kill()
+    raise AssertionError(f"rollwire up did not report ready; got {endpoints}")
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0
+
+
+async def append_and_count(nats_url: str, run_id: str, append: bool) -> int:
+    store = await EventStore.connect(nats_url)
+    try:
+        if append:
+            await store.append(RewardReported(run_id=run_id, rollout_id="ro", value=1.0))
+        return len(await store.read_rollout(run_id, "ro"))
+    finally:
+        await store.close()
+
+
+def test_up_reports_ready_and_keeps_data_across_restart(tmp_path: Path) -> None:
+    data = tmp_path / "stack"
+    proc, endpoints = start_up(data)
+    try:
+        assert endpoints["nats"].startswith("nats://127.0.0.1:")
+        assert endpoints["postgres"].startswith("postgresql://")
+        assert asyncio.run(append_and_count(endpoints["nats"], "persist", append=True)) == 1
+        second = subprocess.run(
+            [*ROLLWIRE, "up", "--data-dir", str(data), "--nats-port", "0", "--pg-port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode == 2
+        assert "in use by another running stack" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        stop(proc)
+    proc, endpoints = start_up(data)
+    try:
+        assert asyncio.run(append_and_count(endpoints["nats"], "persist", append=False)) == 1
+    finally:
+        stop(proc)
+
+
+@pytest.mark.parametrize("flag", ["--nats-port", "--pg-port"])
+def test_up_refuses_a_busy_port(tmp_path: Path, flag: str) -> None:
+    import socket
+
+    port = free_port()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        other = "--pg-port" if flag == "--nats-port" else "--nats-port"
+        result = subprocess.run(
+            [*ROLLWIRE, "up", "--data-dir", str(tmp_path / "d"), flag, str(port), other, "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert f"port {port}" in result.stderr and flag in result.stderr
