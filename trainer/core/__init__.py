@@ -1,0 +1,76 @@
+"""The trainer's adapter: pure functions from recorded model calls to weighted training samples.
+
+    events ─► rollout_calls ─► dedup_calls ─► merge_calls ─► group_advantages ─► loss_weights
+                                    └──────────── build_step / build_steps ──────────────┘
+
+No I/O and no torch here: the live trainer and the replay tool feed the same functions the same
+`RolloutCalls` and `AdapterConfig`, so a past run's samples can be recomputed under another scheme.
+"""
+
+from trainer.core.advantages import Estimator, group_advantages, group_baselines
+from trainer.core.batching import pack_bins, partition_balanced, plan_micro_batches, plan_steps
+from trainer.core.calls import (
+    SKIP_REASONS,
+    Call,
+    CollectedRollouts,
+    MalformedCall,
+    NotTrainable,
+    RolloutCalls,
+    call_from_event,
+    collect_rollouts,
+    events_by_rollout,
+    rollout_calls,
+)
+from trainer.core.config import AdapterConfig, AdapterConfigError, AdvantageLevel
+from trainer.core.dedup import dedup_calls
+from trainer.core.merge import MergeMode, MergeResult, Sample, merge_calls
+from trainer.core.step import (
+    MergedRollout,
+    StepBatch,
+    StepStats,
+    build_step,
+    build_steps,
+    merge_rollout,
+    merge_rollouts,
+    rollout_advantages,
+)
+from trainer.core.weights import NORMS, Norm, loss_weights
+
+__all__ = [
+    "NORMS",
+    "SKIP_REASONS",
+    "AdapterConfig",
+    "AdapterConfigError",
+    "AdvantageLevel",
+    "Call",
+    "CollectedRollouts",
+    "Estimator",
+    "MalformedCall",
+    "MergeMode",
+    "MergeResult",
+    "MergedRollout",
+    "Norm",
+    "NotTrainable",
+    "RolloutCalls",
+    "Sample",
+    "StepBatch",
+    "StepStats",
+    "build_step",
+    "build_steps",
+    "call_from_event",
+    "collect_rollouts",
+    "dedup_calls",
+    "events_by_rollout",
+    "group_advantages",
+    "group_baselines",
+    "loss_weights",
+    "merge_calls",
+    "merge_rollout",
+    "merge_rollouts",
+    "pack_bins",
+    "partition_balanced",
+    "plan_micro_batches",
+    "plan_steps",
+    "rollout_advantages",
+    "rollout_calls",
+]

@@ -1,0 +1,187 @@
+"""Merging a rollout's model calls into training samples, exactly.
+
+Why merge at all. An agent's rollout is a sequence of calls, each prompt usually the previous
+prompt plus the previous response plus a new observation (a tool result, a user turn). Training
+on each call separately re-encodes the whole shared prefix once per call (quadratic in the number
+of turns) and splits one trajectory into many samples. When the next prompt starts with everything
+the model has seen and said so far, the calls are one sequence: prompt, response 1, observation 1,
+response 2, ... — trained in one forward pass, with the loss mask on the sampled tokens only.
+
+Why exact. A sample is only correct if every token the loss is computed on was sampled by the
+model from exactly the context that precedes it in the sample. So a call may extend a sample only
+if the sample's entire token sequence is, token for token, a prefix of the call's prompt ids; the
+rest of the prompt (the observation) is appended with loss mask 0 and the response with mask 1
+and its recorded behaviour logprobs. Nothing is ever rewritten: when a harness re-renders the
+conversation and the tokenizer encodes the previous response differently (retokenization drift),
+the prefix does not match and the call starts a new sample. Replacing the re-encoded ids by the
+originally sampled ones would make the later response look sampled from a context the model never
+consumed (off-policy without the importance weight to show for it), so the adapter does not.
+
+Why several open chains. Harnesses run sub-agents in parallel and interleave their calls; a
+single "current sample" would be closed by every switch. The merger keeps every chain open and
+gives each call to the longest chain that is a prefix of its prompt (chains that are prefixes of
+one prompt are nested, so the longest is the most recent state of that conversation). A call that
+extends no chain opens one. A chain that was extended is no longer its old state: a later call
+forking from the old state (two branches from one turn) opens a new chain whose prompt carries the
+shared turn with mask 0, so no sampled token is ever trained twice.
+
+Length. A merged sample is exactly as long as its last call's prompt plus response (the chain is
+a prefix of that prompt), so a chain can only outgrow `max_length` through a call that is itself
+too long. Such a call closes the chain it would have extended (later calls open new chains) and is
+dropped and counted: keeping it would need truncation, and truncating the front of a prompt
+trains on a context the model did not see.
+
+`per-call` mode skips the merging (one sample per call) for comparison and for harnesses whose
+prompts never share prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import repeat
+from typing import Literal
+
+import msgspec
+
+from trainer.core.calls import Call
+
+MergeMode = Literal["exact", "per-call"]
+
+
+class Sample(msgspec.Struct, frozen=True, kw_only=True):
+    """One training sequence: the tokens, which of them were sampled, and their behaviour logprobs.
+
+    `tokens`, `loss_mask` and `logprobs` have one entry per token; `loss_mask[t]` is 1 exactly
+    where `tokens[t]` was sampled by the model, and `logprobs[t]` is its behaviour log-probability
+    (0.0 where the mask is 0). `advantage` and `token_weight` are set by the step builder; the
+    token loss of this sample counts with weight `token_weight` on each sampled token.
+    """
+
+    rollout_id: str
+    group_id: str | None
+    index: int
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    call_ids: list[str]
+    response_tokens: int
+    min_weights_version: int | None = None
+    max_weights_version: int | None = None
+    advantage: float = 0.0
+    token_weight: float = 0.0
+
+    @property
+    def num_calls(self) -> int:
+        """How many calls were merged into this sample."""
+        return len(self.call_ids)
+
+
+class MergeResult(msgspec.Struct, frozen=True, kw_only=True):
+    """The samples of one rollout, in the order their first call was made, and dropped calls."""
+
+    samples: list[Sample]
+    calls_too_long: int
+
+
+class _Chain:
+    """An open sample under construction (mutable; only `merge_calls` sees it)."""
+
+    __slots__ = ("call_ids", "logprobs", "mask", "response_tokens", "tokens", "touched", "versions")
+
+    def __init__(self, call: Call, touched: int) -> None:
+        prompt, response = call.prompt_ids, call.response_ids
+        self.tokens: list[int] = [*prompt, *response]
+        self.mask: list[int] = [0] * len(prompt)
+        self.mask.extend(repeat(1, len(response)))
+        self.logprobs: list[float] = [0.0] * len(prompt)
+        self.logprobs.extend(call.logprobs)
+        self.call_ids: list[str] = [call.call_id]
+        self.response_tokens = len(response)
+        self.versions: list[int] = [] if call.weights_version is None else [call.weights_version]
+        self.touched = touched
+
+    def extend(self, call: Call, touched: int) -> None:
+        """Append the call's unseen prompt suffix (observation, mask 0) and its response (mask 1)."""
+        observation = call.prompt_ids[len(self.tokens) :]
+        response = call.response_ids
+        self.tokens.extend(observation)
+        self.tokens.extend(response)
+        self.mask.extend(repeat(0, len(observation)))
+        self.mask.extend(repeat(1, len(response)))
+        self.logprobs.extend(repeat(0.0, len(observation)))
+        self.logprobs.extend(call.logprobs)
+        self.call_ids.append(call.call_id)
+        self.response_tokens += len(response)
+        if call.weights_version is not None:
+            self.versions.append(call.weights_version)
+        self.touched = touched
+
+    def to_sample(self, rollout_id: str, group_id: str | None, index: int) -> Sample:
+        return Sample(
+            rollout_id=rollout_id,
+            group_id=group_id,
+            index=index,
+            tokens=self.tokens,
+            loss_mask=self.mask,
+            logprobs=self.logprobs,
+            call_ids=self.call_ids,
+            response_tokens=self.response_tokens,
+            min_weights_version=min(self.versions) if self.versions else None,
+            max_weights_version=max(self.versions) if self.versions else None,
+        )
+
+
+def _longest_prefix_chain(chains: Sequence[_Chain], prompt: Sequence[int]) -> _Chain | None:
+    """The longest open chain whose whole token sequence is a prefix of `prompt` (ties: most recent)."""
+    best: _Chain | None = None
+    best_len = -1
+    for chain in chains:
+        tokens = chain.tokens
+        n = len(tokens)
+        # Cheap rejections first; only a surviving candidate pays for the full comparison.
+        if n == 0 or n > len(prompt) or n < best_len:
+            continue
+        if n == best_len and best is not None and chain.touched < best.touched:
+            continue
+        if prompt[n - 1] != tokens[-1] or prompt[0] != tokens[0]:
+            continue
+        if prompt[:n] == tokens:
+            best, best_len = chain, n
+    return best
+
+
+def merge_calls(
+    calls: Sequence[Call],
+    *,
+    rollout_id: str,
+    group_id: str | None,
+    mode: MergeMode = "exact",
+    max_length: int | None = None,
+) -> MergeResult:
+    """Turn one attempt's (deduplicated, ordered) calls into samples; see the module docstring.
+
+    `exact` gives each call to the longest open chain that is a prefix of its prompt, else opens
+    a chain; `per-call` makes one sample per call. A call longer than `max_length` (prompt plus
+    response) closes the chain it would have extended and is dropped (counted in the result).
+    """
+    if mode not in ("exact", "per-call"):
+        raise ValueError(f"merge mode {mode!r} is not one of 'exact', 'per-call'")
+    opened: list[_Chain] = []
+    live: list[_Chain] = []
+    too_long = 0
+    for position, call in enumerate(calls):
+        parent = _longest_prefix_chain(live, call.prompt_ids) if mode == "exact" else None
+        if max_length is not None and len(call.prompt_ids) + len(call.response_ids) > max_length:
+            too_long += 1
+            if parent is not None:
+                live.remove(parent)
+            continue
+        if parent is not None:
+            parent.extend(call, position)
+        else:
+            chain = _Chain(call, position)
+            opened.append(chain)
+            if mode == "exact":
+                live.append(chain)
+    samples = [chain.to_sample(rollout_id, group_id, i) for i, chain in enumerate(opened)]
+    return MergeResult(samples=samples, calls_too_long=too_long)
