@@ -93,6 +93,8 @@ class RolloutCreated(Event, frozen=True, kw_only=True, tag="rollout.created"):
     mode: Mode = "train"
     metadata: dict[str, Any] = {}
     max_attempts: int = 1
+    config: dict[str, Any] = {}
+    """Executor-facing settings of this rollout (Agent Lightning's `RolloutConfig`: timeout, local, k8s)."""
 
     @property
     def subject(self) -> str:

@@ -292,31 +292,40 @@ class EventStore:
 
     async def subscribe(
         self,
-        pattern: str,
+        pattern: str | Sequence[str],
         *,
         start: StartFrom = "new",
         durable: str | None = None,
         since: float | None = None,
+        after_seq: int | None = None,
     ) -> AsyncIterator[StoredEvent]:
-        """Follow events matching `pattern` forever (from the start, from now, or from a time).
+        """Follow events matching `pattern` (or several patterns, in stream order) forever.
 
-        With `durable`, the position is kept by the server: each event is acknowledged when the
-        consumer asks for the next one, so a restarted monitor resumes after the last event it
-        finished with.
+        Starts from the start, from now, from a time (`since`) or after a stream sequence
+        (`after_seq`). With `durable`, the position is kept by the server: each event is
+        acknowledged when the consumer asks for the next one, so a restarted monitor resumes
+        after the last event it finished with.
         """
-        if since is not None:
+        if after_seq is not None:
+            deliver = DeliverPolicy.BY_START_SEQUENCE
+        elif since is not None:
             deliver = DeliverPolicy.BY_START_TIME
         else:
             deliver = DeliverPolicy.ALL if start == "start" else DeliverPolicy.NEW
+        patterns = [pattern] if isinstance(pattern, str) else list(pattern)
         config = ConsumerConfig(
             ack_policy=AckPolicy.EXPLICIT if durable else AckPolicy.NONE,
             deliver_policy=deliver,
-            opt_start_time=datetime.fromtimestamp(since, tz=UTC) if since is not None else None,
-            filter_subject=pattern,
+            opt_start_time=datetime.fromtimestamp(since, tz=UTC) if since is not None and after_seq is None else None,
+            opt_start_seq=after_seq + 1 if after_seq is not None else None,
             inactive_threshold=None if durable else 60.0,
             max_ack_pending=-1 if not durable else 10_000,
         )
-        psub = await self.js.pull_subscribe(pattern, durable=durable, stream=self.stream, config=config)
+        if len(patterns) == 1:
+            config.filter_subject = patterns[0]
+        else:
+            config.filter_subjects = patterns
+        psub = await self.js.pull_subscribe(patterns[0], durable=durable, stream=self.stream, config=config)
         unfinished: list[Msg] = []
         try:
             while True:
