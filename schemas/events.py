@@ -45,8 +45,12 @@ def _new_event_id() -> str:
     return uuid.uuid4().hex
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
-    """The envelope every event carries."""
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
+    """The envelope every event carries.
+
+    `gc=False`: events hold only plain data and never form reference cycles, so the garbage
+    collector need not track them (replaying millions of events is then markedly faster).
+    """
 
     run_id: str
     rollout_id: str | None = None

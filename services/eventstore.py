@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import AsyncIterator, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Literal
@@ -63,7 +64,7 @@ class Appended(msgspec.Struct, frozen=True):
     duplicate: bool = False
 
 
-class StoredEvent(msgspec.Struct, frozen=True):
+class StoredEvent(msgspec.Struct, frozen=True, gc=False):
     """An event as read back from the stream, with its stream sequence and subject."""
 
     seq: int
@@ -91,8 +92,40 @@ async def _probe(url: str, timeout: float) -> bool:
     return False
 
 
+class _Batch:
+    """Collects the messages answering one pull request; `done` is set when it is complete."""
+
+    def __init__(self) -> None:
+        self.messages: list[Msg] = []
+        self.wanted = 0
+        self.done = asyncio.Event()
+
+    def expect(self, wanted: int) -> None:
+        self.messages = []
+        self.wanted = wanted
+        self.done.clear()
+
+    async def on_message(self, msg: Msg) -> None:
+        if msg.headers and "Status" in msg.headers:  # 404 no messages / 408 timeout: the batch ended early
+            self.done.set()
+            return
+        self.messages.append(msg)
+        if len(self.messages) >= self.wanted:
+            self.done.set()
+
+
+def _stream_sequence(reply: str) -> int:
+    """The stream sequence from a JetStream ack subject, without building nats-py's metadata object.
+
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>`; the newer
+    form adds `<domain>.<account hash>` after `$JS.ACK` (and a random token at the end).
+    """
+    tokens = reply.split(".")
+    return int(tokens[5] if len(tokens) == 9 else tokens[7])
+
+
 def _to_stored(msg: Msg) -> StoredEvent:
-    return StoredEvent(seq=msg.metadata.sequence.stream, subject=msg.subject, event=decode(msg.data))
+    return StoredEvent(seq=_stream_sequence(msg.reply), subject=msg.subject, event=decode(msg.data))
 
 
 class EventStore:
@@ -235,9 +268,14 @@ class EventStore:
                 yield _to_stored(msg)
 
     async def read_raw(self, filter_subject: str | Sequence[str], *, after_seq: int = 0) -> AsyncIterator[list[Msg]]:
-        """Yield batches of raw messages matching the filter(s) until none is pending."""
+        """Yield batches of raw messages matching the filter(s) until none is pending.
+
+        An ephemeral pull consumer with no acks; batches are requested with `no_wait` and
+        delivered to one callback subscription, which avoids a task per message in the client.
+        """
         filters = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
         config = ConsumerConfig(
+            name=secrets.token_hex(8),
             ack_policy=AckPolicy.NONE,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE if after_seq else DeliverPolicy.ALL,
             opt_start_seq=after_seq + 1 if after_seq else None,
@@ -249,21 +287,30 @@ class EventStore:
             config.filter_subject = filters[0]
         else:
             config.filter_subjects = filters
-        psub = await self.js.pull_subscribe(filters[0], durable=None, stream=self.stream, config=config)
+        info = await self.js.add_consumer(self.stream, config)
+        remaining = info.num_pending or 0
+        batch = _Batch()
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox, cb=batch.on_message, pending_bytes_limit=1 << 30)
+        next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{config.name}"
         try:
-            remaining = (await psub.consumer_info()).num_pending or 0
             while remaining > 0:
+                batch.expect(min(FETCH_BATCH, remaining))
+                await self.nc.publish(next_subject, b'{"batch":%d,"no_wait":true}' % batch.wanted, reply=inbox)
                 try:
-                    msgs = await psub.fetch(min(FETCH_BATCH, remaining), timeout=5.0)
-                except nats.errors.TimeoutError:
+                    await asyncio.wait_for(batch.done.wait(), 10.0)
+                except TimeoutError:
                     raise EventStoreUnavailable("JetStream stopped delivering during a read") from None
+                msgs = batch.messages
+                if not msgs:
+                    break
                 remaining -= len(msgs)
-                if msgs and msgs[-1].metadata.num_pending == 0:
-                    remaining = 0
                 yield msgs
         finally:
             with contextlib.suppress(Exception):
-                await psub.unsubscribe()
+                await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await self.js.delete_consumer(self.stream, config.name)
 
     async def read_rollout(self, run_id: str, rollout_id: str) -> list[StoredEvent]:
         """Every event of one rollout, in order (ends immediately when the stream is idle)."""
