@@ -274,8 +274,9 @@ class EventStore:
         delivered to one callback subscription, which avoids a task per message in the client.
         """
         filters = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
+        name = secrets.token_hex(8)
         config = ConsumerConfig(
-            name=secrets.token_hex(8),
+            name=name,
             ack_policy=AckPolicy.NONE,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE if after_seq else DeliverPolicy.ALL,
             opt_start_seq=after_seq + 1 if after_seq else None,
@@ -292,7 +293,7 @@ class EventStore:
         batch = _Batch()
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, cb=batch.on_message, pending_bytes_limit=1 << 30)
-        next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{config.name}"
+        next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{name}"
         try:
             while remaining > 0:
                 batch.expect(min(FETCH_BATCH, remaining))
@@ -310,7 +311,7 @@ class EventStore:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
             with contextlib.suppress(Exception):
-                await self.js.delete_consumer(self.stream, config.name)
+                await self.js.delete_consumer(self.stream, name)
 
     async def read_rollout(self, run_id: str, rollout_id: str) -> list[StoredEvent]:
         """Every event of one rollout, in order (ends immediately when the stream is idle)."""
