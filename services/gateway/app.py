@@ -1,0 +1,172 @@
+"""The gateway application: rollout API, proxy and phase gate on one event store.
+
+    app = create_app(settings_from_env())   # connects to NATS when the app starts (lifespan)
+
+The proxy is a plain ASGI handler placed in front of the FastAPI routes (`/proxy/...` never
+goes through routing or validation); everything else is ordinary FastAPI routes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from schemas import PhaseChanged
+from services.eventstore import EventStore, StoredEvent
+from services.gateway import api, bodies
+from services.gateway.auth import Authenticator, TokenSigner
+from services.gateway.context import Gateway
+from services.gateway.errors import ApiError, translate
+from services.gateway.http import decode, encode, read_body
+from services.gateway.idempotency import IdempotencyCache
+from services.gateway.phase import PhaseGate
+from services.gateway.proxy import PREFIX, Proxy
+from services.gateway.readmodel import RolloutReader, StreamRolloutReader
+from services.gateway.settings import GatewaySettings
+from services.gateway.state import GatewayState
+
+
+class _ProxyFirst:
+    """ASGI middleware: `/proxy/...` requests go straight to the proxy handler."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PREFIX):
+            await scope["app"].state.proxy(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None) -> FastAPI:
+    """The gateway as a FastAPI app; `reader` replaces the stream fold behind the GET endpoints."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = await EventStore.connect(settings.nats_url, stream=settings.stream, name="rollwire-gateway")
+        state = GatewayState(store, cache_size=settings.cache_size)
+        gate = PhaseGate(settings.phase_hold_timeout_s)
+        state.on_event(lambda stored: _follow_phase(gate, stored))
+        timeout = httpx.Timeout(settings.upstream_timeout_s, connect=settings.upstream_connect_timeout_s)
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=60.0)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as upstream:
+            gateway = Gateway(
+                settings=settings,
+                store=store,
+                state=state,
+                reader=reader or StreamRolloutReader(store),
+                auth=Authenticator(settings.admin_token, TokenSigner(settings.secret)),
+                idempotency=IdempotencyCache(settings.idempotency_cache_size),
+                gate=gate,
+                upstream=upstream,
+            )
+            await state.start()
+            app.state.gateway = gateway
+            app.state.proxy = Proxy(gateway)
+            try:
+                yield
+            finally:
+                await state.stop()
+                await store.close()
+
+    app = FastAPI(
+        title="Rollwire gateway", version="1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
+    )
+    app.add_middleware(_ProxyFirst)
+
+    @app.exception_handler(Exception)
+    async def _errors(request: Request, exc: Exception) -> Response:
+        error = translate(exc)
+        if error is None:
+            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+        return Response(error.body(), status_code=error.status, media_type="application/json", headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_errors(request: Request, exc: StarletteHTTPException) -> Response:
+        return Response(
+            encode({"error": str(exc.detail)}),
+            status_code=exc.status_code,
+            media_type="application/json",
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        field = ".".join(str(p) for p in first.get("loc", ()))
+        return Response(
+            encode({"error": f"{field}: {first.get('msg', 'invalid')}", "field": field}),
+            status_code=422,
+            media_type="application/json",
+        )
+
+    for exc_type in (ApiError,):
+        app.add_exception_handler(exc_type, _errors)  # type: ignore[arg-type]
+    api.register(app)
+    app.add_api_route("/api/phase", set_phase, methods=["POST"])
+    return app
+
+
+def _follow_phase(gate: PhaseGate, stored: StoredEvent) -> None:
+    """Phase events written by anyone (or replayed at start) open or close the run's gate."""
+    event = stored.event
+    if isinstance(event, PhaseChanged):
+        if event.phase == "update":
+            gate.close(event.run_id)
+        else:
+            gate.release(event.run_id)
+
+
+async def set_phase(request: Request) -> Response:
+    """`POST /api/phase` (admin): `update` holds new calls and drains in-flight ones; `rollout` releases."""
+    gw: Gateway = request.app.state.gateway
+    gw.admin(request)
+    body = await read_body(request, gw.settings.max_body_bytes)
+    phase = decode(body, bodies.PhaseBody)
+    run_id = api._id("run_id", phase.run_id or gw.settings.default_run)
+
+    async def command(key: str | None) -> tuple[int, bytes]:
+        previous = gw.state.phases.get(run_id)
+        version = (
+            phase.weights_version
+            if phase.weights_version is not None
+            else (previous.weights_version if previous else None)
+        )
+        event = PhaseChanged(
+            event_id=api._event_id(key, "phase", run_id), run_id=run_id, phase=phase.phase, weights_version=version
+        )
+        if phase.phase == "update":
+            gw.gate.close(run_id)
+            if not await gw.gate.drain(run_id, gw.settings.drain_timeout_s):
+                raise ApiError(
+                    504,
+                    f"calls of run {run_id} were still in flight after "
+                    f"{gw.settings.drain_timeout_s:g}s; new calls stay held",
+                    in_flight=gw.gate.in_flight(run_id),
+                )
+            try:
+                ack = await gw.append_registry(event)
+            except Exception:
+                gw.gate.release(run_id)
+                raise
+        else:
+            ack = await gw.append_registry(event)
+            gw.gate.release(run_id)
+        return 200, encode(
+            {
+                "run_id": run_id,
+                "phase": phase.phase,
+                "weights_version": version,
+                "seq": ack.seq,
+                "in_flight": gw.gate.in_flight(run_id),
+            }
+        )
+
+    return await api._keyed(request, "admin", body, command)

@@ -1,0 +1,98 @@
+"""Request bodies of the rollout API, as msgspec Structs (so a wrong type is a 422 naming the field).
+
+Where Agent Lightning 1.0 and Rollwire's contract shape a body differently, both are accepted:
+a bare list or `{"rollouts": [...]}` for a batch, `{"status": "running"}` or
+`{"status": {"state": "running", ...}}` for a patch, `{"type": "reward", ...}` or
+`{"event_type": ..., "data": ...}` for an event, `[{model, endpoint, version}]` or
+`{name, base_url, ...}` for a model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from schemas import RolloutStatus
+
+
+class NewRollout(msgspec.Struct, kw_only=True):
+    """One rollout to create (Agent Lightning's `RolloutCreate` plus Rollwire's fields)."""
+
+    input: Any
+    rollout_id: str | None = None
+    run_id: str | None = None
+    group_id: str | None = None
+    mode: Literal["train", "val"] | None = None
+    is_train: bool | None = None
+    metadata: dict[str, Any] | None = None
+    config: dict[str, Any] | None = None
+    max_attempts: int | None = None
+
+
+class RolloutBatch(msgspec.Struct, kw_only=True):
+    """Rollwire's batch shape: `{"rollouts": [...]}`."""
+
+    rollouts: list[NewRollout]
+
+
+class AglStatusPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Agent Lightning's nested status patch."""
+
+    state: RolloutStatus | None = None
+    k8s_job_name: str | None = None
+    last_attempt_id: str | None = None
+    error_message: str | None = None
+
+
+class RolloutPatch(msgspec.Struct, kw_only=True):
+    """`PATCH /api/rollouts/{id}`: a status string (Rollwire) or a status object (Agent Lightning)."""
+
+    status: RolloutStatus | AglStatusPatch | None = None
+    attempt_id: str | None = None
+    reason: str | None = None
+
+
+class NewAttempt(msgspec.Struct, kw_only=True):
+    """`POST /api/rollouts/{id}/attempts`."""
+
+    executor: str | None = None
+
+
+class EventBody(msgspec.Struct, kw_only=True):
+    """An event posted for an attempt: a reward, a custom event, or Agent Lightning's `EventCreate`."""
+
+    type: Literal["reward", "custom"] | None = None
+    value: float | None = None
+    name: str | None = None
+    step: int | None = None
+    payload: dict[str, Any] | None = None
+    event_type: str | None = None
+    data: dict[str, Any] | None = None
+
+
+class AglModel(msgspec.Struct, kw_only=True):
+    """Agent Lightning's `Model`: one endpoint of a served model."""
+
+    model: str
+    endpoint: str
+    version: int = 0
+
+
+class ModelBody(msgspec.Struct, kw_only=True):
+    """Rollwire's model registration."""
+
+    name: str
+    base_url: str
+    run_id: str | None = None
+    served_model: str | None = None
+    weights_version: int | None = None
+    api_key: str | None = None
+
+
+class PhaseBody(msgspec.Struct, kw_only=True):
+    """`POST /api/phase`."""
+
+    phase: Literal["rollout", "update"]
+    run_id: str | None = None
+    weights_version: int | None = None

@@ -1,0 +1,84 @@
+"""HTTP errors as JSON: every refusal names the problem, and nothing a client sends becomes a 500."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from schemas import IllegalTransition, InvalidId, MalformedEvent
+from services.eventstore import ConcurrencyConflict, EventStoreUnavailable
+
+RETRY_AFTER_S = 2
+_encoder = msgspec.json.Encoder()
+_FIELD = re.compile(r"at `\$\.?([^`]*)`")
+
+
+class ApiError(Exception):
+    """A refusal with an HTTP status; the body is `{"error": message, **extra}`."""
+
+    def __init__(self, status: int, message: str, *, headers: dict[str, str] | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+        self.extra = extra
+
+    def body(self) -> bytes:
+        """The JSON body of the error response."""
+        return _encoder.encode({"error": self.message, **self.extra})
+
+
+def unauthorized(message: str = "missing or invalid token: send `Authorization: Bearer <token>`") -> ApiError:
+    """401: no token, or one we did not issue."""
+    return ApiError(401, message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def forbidden(message: str) -> ApiError:
+    """403: a valid token whose scope does not cover this request."""
+    return ApiError(403, message)
+
+
+def not_found(message: str) -> ApiError:
+    """404: no such rollout, attempt, run or model."""
+    return ApiError(404, message)
+
+
+def unavailable(message: str) -> ApiError:
+    """503 with Retry-After: the event store cannot take the command right now."""
+    return ApiError(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def invalid(message: str, field: str | None = None) -> ApiError:
+    """422 naming the offending field."""
+    if field is None:
+        return ApiError(422, message)
+    return ApiError(422, message, field=field)
+
+
+def from_validation(exc: Exception, prefix: str = "") -> ApiError:
+    """A 422 from a msgspec or id validation error, with the field path it names."""
+    text = str(exc)
+    match = _FIELD.search(text)
+    field = match.group(1) if match else None
+    if isinstance(exc, InvalidId):
+        field = text.split(" ", 1)[0]
+    if prefix and field:
+        field = f"{prefix}.{field}"
+    return invalid(text, field)
+
+
+def translate(exc: Exception) -> ApiError | None:
+    """The HTTP error for a known domain exception (None for anything else)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, EventStoreUnavailable):
+        return unavailable(f"the event store is unavailable: {exc}; retry later")
+    if isinstance(exc, ConcurrencyConflict):
+        return ApiError(409, f"another writer changed this rollout first: {exc}")
+    if isinstance(exc, IllegalTransition):
+        return ApiError(409, str(exc), current={"status": exc.current})
+    if isinstance(exc, (msgspec.ValidationError, InvalidId, MalformedEvent)):
+        return from_validation(exc)
+    return None

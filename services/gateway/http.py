@@ -1,0 +1,70 @@
+"""Small HTTP helpers shared by the routes: bounded body reading, msgspec decoding, JSON responses."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, TypeVar
+
+import msgspec
+from fastapi import Request, Response
+
+from schemas import InvalidId
+from services.gateway.errors import ApiError, from_validation, invalid
+
+T = TypeVar("T")
+_encoder = msgspec.json.Encoder()
+
+
+def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON response encoded with msgspec."""
+    return Response(_encoder.encode(payload), status_code=status, media_type="application/json", headers=headers)
+
+
+def encode(payload: Any) -> bytes:
+    """JSON bytes of a payload."""
+    return _encoder.encode(payload)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) anything larger than `limit` bytes before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise too_large(limit)
+        except ValueError:
+            raise invalid("Content-Length is not a number", "content-length") from None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(limit: int) -> ApiError:
+    """413 naming the limit."""
+    return ApiError(413, f"request body is larger than the limit of {limit} bytes (ROLLWIRE_MAX_BODY_BYTES)")
+
+
+def decode(body: bytes, type_: type[T], *, empty: T | None = None) -> T:
+    """Decode JSON into `type_`; 422 naming the field on malformed JSON or a wrong type."""
+    if not body.strip():
+        if empty is not None:
+            return empty
+        raise invalid("the request body is empty; send a JSON object", "body")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        raise from_validation(exc) from None
+    except msgspec.DecodeError as exc:
+        raise invalid(f"malformed JSON: {exc}", "body") from None
+    except InvalidId as exc:
+        raise from_validation(exc) from None
+
+
+def fingerprint(body: bytes) -> str:
+    """A digest of the request body (an idempotency key must not be reused for another body)."""
+    return hashlib.sha256(body).hexdigest()

@@ -1,0 +1,58 @@
+"""Idempotency keys: a repeated command returns the first result and appends nothing.
+
+Two layers. Event ids (and the ids of rollouts and attempts a command creates) are derived from
+the `Idempotency-Key`, so a retry that reaches JetStream is acknowledged as a duplicate of the
+first append (`Nats-Msg-Id`), even from another gateway process. And inside one process,
+concurrent or repeated requests with the same key wait for the first one and get its response,
+so five identical commands in flight produce one event and five identical answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+from services.gateway.errors import ApiError
+
+Result = tuple[int, bytes]
+
+
+def derive_id(key: str, *parts: str, length: int = 32) -> str:
+    """A stable id (hex) for what a command with this key creates; `parts` name which thing."""
+    digest = hashlib.sha256("\x1f".join((key, *parts)).encode()).hexdigest()
+    return digest[:length]
+
+
+class IdempotencyCache:
+    """Responses of keyed commands, by (scope, method, path, key), bounded in size."""
+
+    def __init__(self, size: int = 20_000) -> None:
+        self.size = size
+        self._entries: OrderedDict[tuple[str, ...], tuple[str, asyncio.Future[Result]]] = OrderedDict()
+
+    async def run(self, scope: tuple[str, ...], fingerprint: str, command: Callable[[], Awaitable[Result]]) -> Result:
+        """Run `command` once per key; repeats (same body) get the first successful result."""
+        entry = self._entries.get(scope)
+        if entry is not None:
+            if entry[0] != fingerprint:
+                raise ApiError(409, "this Idempotency-Key was already used with a different request; use a fresh key")
+            return await asyncio.shield(entry[1])
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self._entries[scope] = (fingerprint, future)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        try:
+            result = await command()
+        except BaseException as exc:
+            # A failed command is not remembered: the retry runs again (and the derived event
+            # ids still make any append that did land a duplicate).
+            self._entries.pop(scope, None)
+            future.set_exception(exc)
+            future.exception()
+            raise
+        if result[0] >= 300:
+            self._entries.pop(scope, None)
+        future.set_result(result)
+        return result

@@ -1,0 +1,224 @@
+"""The gateway's in-memory picture of what it must check on every call, kept fresh from the stream.
+
+The proxy must not read the stream per call, so the gateway caches, per rollout, the fold of its
+`created`, `status` and `attempt` events (an LRU of bounded size), plus the registered models, the
+last phase of each run and each run's spec. One JetStream consumer over those subjects applies
+every new event in stream order; an entry only takes events newer than the last one it folded,
+so a cache entry loaded from the stream and the live feed never double-apply. A miss (or an
+attempt the entry does not know yet) falls back to reading the rollout's subjects once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+
+from schemas import (
+    AttemptStarted,
+    ModelRegistered,
+    ModelRemoved,
+    PhaseChanged,
+    RolloutCreated,
+    RolloutStatusChanged,
+    RunStarted,
+    check_id,
+)
+from services.eventstore import EventStore, StoredEvent
+from services.gateway.readmodel import RolloutView, apply
+
+ROLLOUT_PATTERNS = ("rl.*.rollout.*.created", "rl.*.rollout.*.status", "rl.*.rollout.*.attempt")
+REGISTRY_PATTERNS = ("rl.*.model.*", "rl.*.phase", "rl.*.run")
+
+
+class CachedRollout(msgspec.Struct, kw_only=True):
+    """A rollout view without its input (the cache keeps only what admission needs) and its position."""
+
+    view: RolloutView
+    last_seq: int
+
+
+class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """A registered inference endpoint."""
+
+    run_id: str
+    name: str
+    base_url: str
+    served_model: str | None
+    weights_version: int | None
+    api_key: str | None
+    seq: int
+
+    @property
+    def upstream_model(self) -> str:
+        """The model name to send upstream."""
+        return self.served_model or self.name
+
+
+class PhaseEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """The last phase of a run."""
+
+    phase: str
+    weights_version: int | None
+    seq: int
+
+
+class GatewayState:
+    """Rollout admission cache and registries (see the module docstring)."""
+
+    def __init__(self, store: EventStore, *, cache_size: int = 100_000) -> None:
+        self.store = store
+        self.cache_size = cache_size
+        self.rollouts: OrderedDict[str, CachedRollout] = OrderedDict()
+        self.models: dict[tuple[str, str], ModelEntry] = {}
+        self.phases: dict[str, PhaseEntry] = {}
+        self.runs: dict[str, tuple[dict[str, Any], int]] = {}
+        self._registry_seq: dict[str, int] = {}
+        self._listeners: list[Any] = []
+        self._task: asyncio.Task[None] | None = None
+        self._loads: dict[str, asyncio.Future[CachedRollout | None]] = {}
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the registries, then follow new events (from the sequence the load started at)."""
+        last = await self.store.last_sequence()
+        async for stored in self.store.read(list(REGISTRY_PATTERNS)):
+            self._apply_registry(stored)
+        self._task = asyncio.create_task(self._follow(last), name="rollwire-gateway-follow")
+
+    async def stop(self) -> None:
+        """Stop following the stream."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    def on_event(self, listener: Any) -> None:
+        """Call `listener(stored)` for every registry event applied (the phase gate listens)."""
+        self._listeners.append(listener)
+
+    async def _follow(self, after_seq: int) -> None:
+        while True:
+            try:
+                async for stored in self.store.subscribe([*ROLLOUT_PATTERNS, *REGISTRY_PATTERNS], after_seq=after_seq):
+                    after_seq = stored.seq
+                    self.apply(stored)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the connection dropped or the consumer vanished: resubscribe
+                await asyncio.sleep(0.5)
+
+    # ---- applying events -------------------------------------------------------------------
+
+    def apply(self, stored: StoredEvent) -> None:
+        """Apply one event from the live feed (or from our own write) to the cache and registries."""
+        event = stored.event
+        if isinstance(event, (RolloutCreated, RolloutStatusChanged, AttemptStarted)):
+            cached = self.rollouts.get(event.rollout_id or "")
+            if cached is not None and stored.seq > cached.last_seq and cached.view.run_id == event.run_id:
+                apply(cached.view, stored)
+                cached.last_seq = stored.seq
+        else:
+            self._apply_registry(stored)
+
+    def _apply_registry(self, stored: StoredEvent) -> None:
+        event = stored.event
+        key = stored.subject
+        if stored.seq <= self._registry_seq.get(key, 0):
+            return
+        self._registry_seq[key] = stored.seq
+        if isinstance(event, ModelRegistered):
+            self.models[(event.run_id, event.name)] = ModelEntry(
+                run_id=event.run_id,
+                name=event.name,
+                base_url=event.base_url.rstrip("/"),
+                served_model=event.served_model,
+                weights_version=event.weights_version,
+                api_key=event.api_key,
+                seq=stored.seq,
+            )
+        elif isinstance(event, ModelRemoved):
+            self.models.pop((event.run_id, event.name), None)
+        elif isinstance(event, PhaseChanged):
+            self.phases[event.run_id] = PhaseEntry(
+                phase=event.phase, weights_version=event.weights_version, seq=stored.seq
+            )
+        elif isinstance(event, RunStarted):
+            self.runs.setdefault(event.run_id, (dict(event.config), stored.seq))
+        for listener in self._listeners:
+            listener(stored)
+
+    # ---- rollouts --------------------------------------------------------------------------
+
+    def cached(self, rollout_id: str) -> RolloutView | None:
+        """The cached view of a rollout, if any (no I/O)."""
+        entry = self.rollouts.get(rollout_id)
+        if entry is None:
+            return None
+        self.rollouts.move_to_end(rollout_id)
+        return entry.view
+
+    async def rollout(self, rollout_id: str, run_id: str | None = None, *, refresh: bool = False) -> RolloutView | None:
+        """The rollout's admission view: from the cache, else (or with `refresh`) read from the stream."""
+        if not refresh:
+            view = self.cached(rollout_id)
+            if view is not None:
+                return view
+        pending = self._loads.get(rollout_id)
+        if pending is None:
+            pending = asyncio.get_running_loop().create_future()
+            self._loads[rollout_id] = pending
+            try:
+                pending.set_result(await self._load(rollout_id, run_id))
+            except BaseException as exc:
+                pending.set_exception(exc)
+                pending.exception()  # mark retrieved: concurrent waiters re-raise it themselves
+                raise
+            finally:
+                self._loads.pop(rollout_id, None)
+        entry = await asyncio.shield(pending)
+        return entry.view if entry is not None else None
+
+    async def _load(self, rollout_id: str, run_id: str | None) -> CachedRollout | None:
+        check_id("rollout_id", rollout_id)
+        run = run_id or "*"
+        view: RolloutView | None = None
+        last = 0
+        async for stored in self.store.read(
+            [f"rl.{run}.rollout.{rollout_id}.{s}" for s in ("created", "status", "attempt")]
+        ):
+            view = apply(view, stored)
+            last = stored.seq
+        if view is None:
+            return None
+        view.input = None  # admission never needs the task input; keep the cache small
+        entry = CachedRollout(view=view, last_seq=last)
+        current = self.rollouts.get(rollout_id)
+        if current is None or current.last_seq <= last:
+            self.rollouts[rollout_id] = entry
+            self.rollouts.move_to_end(rollout_id)
+            while len(self.rollouts) > self.cache_size:
+                self.rollouts.popitem(last=False)
+        return self.rollouts[rollout_id]
+
+    def forget(self, rollout_id: str) -> None:
+        """Drop a rollout from the cache (after it was deleted, or to force a re-read)."""
+        self.rollouts.pop(rollout_id, None)
+
+    # ---- registries ------------------------------------------------------------------------
+
+    def models_for(self, run_id: str, default_run: str) -> list[ModelEntry]:
+        """Endpoints registered for the run, else those registered without a run."""
+        own = [m for (run, _), m in self.models.items() if run == run_id]
+        if own:
+            return own
+        return [m for (run, _), m in self.models.items() if run == default_run]
+
+    def reward_from(self, run_id: str) -> str:
+        """Whose rewards count in this run: `agent` (default) or `evaluator`."""
+        spec = self.runs.get(run_id)
+        return str(spec[0].get("reward_from", "agent")) if spec else "agent"

@@ -1,0 +1,40 @@
+"""Gateway fixtures: the gateway and a fake vLLM upstream, each served by uvicorn in a thread.
+
+Tests isolate themselves by run id: each registers the fake upstream as the model of its own run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fake_vllm import FakeVLLM
+from gw_harness import GatewayHandle, Served, gateway_settings
+
+from services.gateway import create_app
+
+
+@pytest.fixture(scope="session")
+def fake() -> Iterator[FakeVLLM]:
+    """The fake vLLM app (its record of served calls); see `fake_url`."""
+    app = FakeVLLM()
+    with Served(app) as served:
+        app.url = served.url  # type: ignore[attr-defined]
+        yield app
+
+
+@pytest.fixture
+def fake_vllm(fake: FakeVLLM) -> FakeVLLM:
+    """The fake upstream, reset to defaults for this test."""
+    fake.reset()
+    return fake
+
+
+@pytest.fixture(scope="session")
+def gateway(nats_url: str) -> Iterator[GatewayHandle]:
+    """A gateway shared by the session's tests (isolated from each other by run id)."""
+    settings = gateway_settings(nats_url)
+    with Served(create_app(settings), settings.port) as served:
+        handle = GatewayHandle(served, settings)
+        yield handle
+        handle.admin.close()

@@ -1,0 +1,376 @@
+"""A fake vLLM-format chat-completions server: deterministic tokens, fast, and it remembers what it sampled.
+
+It speaks the format the gateway's proxy relies on: with `return_token_ids` the response has a
+top-level `prompt_token_ids` and per-choice `token_ids`; with `logprobs`, `logprobs.content[]`;
+streamed, the prompt ids come in the first chunk and `token_ids` as per-chunk deltas, and
+`stream_options.include_usage` adds a final usage chunk. `n > 1` and tool calls are supported.
+
+Every served choice is appended to `served` (prompt ids, token ids, logprobs, finish reason), so a
+test can check what the gateway recorded against what was actually sampled. Knobs: `delay_s`,
+`token_delay_s` (between streamed chunks), `fail_status`, `hang_s`, `weights_version`.
+
+    python tests/gateway/fake_vllm.py --port 9000        # serve until interrupted (the benchmark does this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder(dict[str, Any]).decode
+VOCAB = 32_000
+
+
+def tokenize(text: str) -> list[int]:
+    """A deterministic toy tokenizer: one token per 4 characters, hashed into the vocabulary."""
+    return [
+        int.from_bytes(hashlib.blake2b(text[i : i + 4].encode(), digest_size=4).digest(), "big") % VOCAB
+        for i in range(0, len(text), 4)
+    ]
+
+
+def prompt_ids(messages: list[Any]) -> list[int]:
+    """Token ids of a chat prompt (role and content of each message)."""
+    ids: list[int] = []
+    for message in messages:
+        if isinstance(message, dict):
+            content = message.get("content")
+            text = content if isinstance(content, str) else _encode(content).decode()
+            ids.append(1)
+            ids.extend(tokenize(f"{message.get('role', '')}:{text}"))
+    return ids
+
+
+def sample(prompt: list[int], index: int, count: int) -> tuple[list[int], list[float]]:
+    """Deterministic 'sampled' token ids and their logprobs for choice `index`."""
+    seed = hashlib.blake2b(_encode([prompt[-16:], len(prompt), index]), digest_size=8).digest()
+    state = int.from_bytes(seed, "big")
+    tokens, logprobs = [], []
+    for _ in range(count):
+        state = (state * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        tokens.append(100 + state % (VOCAB - 100))
+        logprobs.append(-((state >> 20) % 1000) / 500.0)
+    return tokens, logprobs
+
+
+def detokenize(tokens: list[int]) -> list[str]:
+    """One text piece per token."""
+    return [f"t{t} " for t in tokens]
+
+
+class FakeVLLM:
+    """The ASGI app (serve it with uvicorn) and its record of served choices."""
+
+    def __init__(self, *, weights_version: int | None = 7, model: str = "fake-model") -> None:
+        self.weights_version = weights_version
+        self.model = model
+        self.delay_s = 0.0
+        self.token_delay_s = 0.0
+        self.fail_status: int | None = None
+        self.hang_s = 0.0
+        self.record = True
+        self.served: list[dict[str, Any]] = []
+        self.requests: list[dict[str, Any]] = []
+        self.aborted = 0
+        self.started = 0
+        self.lock = threading.Lock()
+
+    def reset(self) -> None:
+        """Forget served calls and restore the default knobs."""
+        self.delay_s = self.token_delay_s = self.hang_s = 0.0
+        self.fail_status = None
+        self.served.clear()
+        self.requests.clear()
+        self.aborted = self.started = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path = scope["path"]
+        if scope["method"] == "GET" and path.endswith("/models"):
+            await self._json(
+                send, 200, {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake"}]}
+            )
+            return
+        if not path.endswith("/chat/completions"):
+            await self._json(send, 404, {"error": {"message": f"no route {path}"}})
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        request = _decode(body)
+        self.started += 1
+        if self.record:
+            self.requests.append(request)
+        if self.hang_s:
+            await asyncio.sleep(self.hang_s)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail_status is not None:
+            await self._json(
+                send,
+                self.fail_status,
+                {"error": {"message": "fake upstream failure", "type": "internal_error", "code": self.fail_status}},
+            )
+            return
+        if request.get("stream"):
+            await self._stream(request, receive, send)
+        else:
+            await self._complete(request, send)
+
+    def _headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
+        headers = [(b"content-type", content_type)]
+        if self.weights_version is not None:
+            headers.append((b"x-rollwire-weights-version", str(self.weights_version).encode()))
+        return headers
+
+    async def _json(self, send: Any, status: int, payload: Any) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": self._headers(b"application/json")})
+        await send({"type": "http.response.body", "body": _encode(payload)})
+
+    def _choices(self, request: dict[str, Any]) -> tuple[list[int], list[dict[str, Any]]]:
+        prompt = prompt_ids(request.get("messages") or [])
+        count = int(request.get("max_tokens") or request.get("max_completion_tokens") or 8)
+        tools = request.get("tools") or []
+        use_tool = bool(tools) and request.get("tool_choice") != "none"
+        choices = []
+        for index in range(int(request.get("n") or 1)):
+            tokens, logprobs = sample(prompt, index, count)
+            choice: dict[str, Any] = {
+                "index": index,
+                "tokens": tokens,
+                "logprobs": logprobs,
+                "pieces": detokenize(tokens),
+                "finish_reason": "length",
+            }
+            if use_tool:
+                name = tools[0].get("function", {}).get("name", "tool")
+                choice["tool_call"] = {
+                    "id": f"call_{index}_{tokens[0]}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": f'{{"x": {tokens[0] % 100}}}'},
+                }
+                choice["finish_reason"] = "tool_calls"
+            choices.append(choice)
+            if self.record:
+                with self.lock:
+                    self.served.append(
+                        {
+                            "prompt_ids": prompt,
+                            "token_ids": tokens,
+                            "logprobs": logprobs,
+                            "finish_reason": choice["finish_reason"],
+                            "index": index,
+                        }
+                    )
+        return prompt, choices
+
+    async def _complete(self, request: dict[str, Any], send: Any) -> None:
+        prompt, choices = self._choices(request)
+        out_choices = []
+        for c in choices:
+            text = None if "tool_call" in c else "".join(c["pieces"])
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if "tool_call" in c:
+                message["tool_calls"] = [c["tool_call"]]
+            choice: dict[str, Any] = {
+                "index": c["index"],
+                "message": message,
+                "finish_reason": c["finish_reason"],
+                "logprobs": None,
+            }
+            if request.get("logprobs"):
+                choice["logprobs"] = {
+                    "content": [
+                        {"token": p, "logprob": lp, "bytes": None, "top_logprobs": []}
+                        for p, lp in zip(c["pieces"], c["logprobs"], strict=True)
+                    ]
+                }
+            if request.get("return_token_ids"):
+                choice["token_ids"] = c["tokens"]
+            out_choices.append(choice)
+        completion = sum(len(c["tokens"]) for c in choices)
+        payload: dict[str, Any] = {
+            "id": f"chatcmpl-{prompt[-1] if prompt else 0}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": out_choices,
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": completion,
+                "total_tokens": len(prompt) + completion,
+            },
+        }
+        if request.get("return_token_ids"):
+            payload["prompt_token_ids"] = prompt
+        await self._json(send, 200, payload)
+
+    async def _stream(self, request: dict[str, Any], receive: Any, send: Any) -> None:
+        prompt, choices = self._choices(request)
+        await send({"type": "http.response.start", "status": 200, "headers": self._headers(b"text/event-stream")})
+        disconnected = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected.set()
+
+        watcher = asyncio.ensure_future(watch())
+        base = {
+            "id": "chatcmpl-stream",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.model,
+        }
+        usage_wanted = bool((request.get("stream_options") or {}).get("include_usage"))
+
+        def chunk(choices_: list[dict[str, Any]], first: bool = False) -> bytes:
+            payload = {**base, "choices": choices_}
+            if first and request.get("return_token_ids"):
+                payload["prompt_token_ids"] = prompt
+            if usage_wanted:
+                payload["usage"] = None
+            return b"data: " + _encode(payload) + b"\n\n"
+
+        try:
+            await send(
+                {
+                    "type": "http.response.body",
+                    "more_body": True,
+                    "body": chunk(
+                        [
+                            {
+                                "index": c["index"],
+                                "delta": {"role": "assistant", "content": ""},
+                                "finish_reason": None,
+                                "logprobs": None,
+                            }
+                            for c in choices
+                        ],
+                        first=True,
+                    ),
+                }
+            )
+            steps = max(len(c["tokens"]) for c in choices)
+            for step in range(steps):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                if disconnected.is_set():
+                    self.aborted += 1
+                    return
+                parts = []
+                for c in choices:
+                    if step >= len(c["tokens"]):
+                        continue
+                    last = step == len(c["tokens"]) - 1
+                    delta: dict[str, Any]
+                    if "tool_call" in c:
+                        call = c["tool_call"]
+                        delta = (
+                            {
+                                "tool_calls": [
+                                    {
+                                        "index": 0,
+                                        "id": call["id"],
+                                        "type": "function",
+                                        "function": {"name": call["function"]["name"], "arguments": ""},
+                                    }
+                                ]
+                            }
+                            if step == 0
+                            else {
+                                "tool_calls": [
+                                    {
+                                        "index": 0,
+                                        "function": {"arguments": call["function"]["arguments"] if last else ""},
+                                    }
+                                ]
+                            }
+                        )
+                    else:
+                        delta = {"content": c["pieces"][step]}
+                    part: dict[str, Any] = {
+                        "index": c["index"],
+                        "delta": delta,
+                        "finish_reason": c["finish_reason"] if last else None,
+                        "logprobs": None,
+                    }
+                    if request.get("logprobs"):
+                        part["logprobs"] = {
+                            "content": [
+                                {
+                                    "token": c["pieces"][step],
+                                    "logprob": c["logprobs"][step],
+                                    "bytes": None,
+                                    "top_logprobs": [],
+                                }
+                            ]
+                        }
+                    if request.get("return_token_ids"):
+                        part["token_ids"] = [c["tokens"][step]]
+                    parts.append(part)
+                await send({"type": "http.response.body", "more_body": True, "body": chunk(parts)})
+            tail = b""
+            if usage_wanted:
+                completion = sum(len(c["tokens"]) for c in choices)
+                tail += (
+                    b"data: "
+                    + _encode(
+                        {
+                            **base,
+                            "choices": [],
+                            "usage": {
+                                "prompt_tokens": len(prompt),
+                                "completion_tokens": completion,
+                                "total_tokens": len(prompt) + completion,
+                            },
+                        }
+                    )
+                    + b"\n\n"
+                )
+            await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
+        finally:
+            watcher.cancel()
+
+
+def main() -> None:
+    """Serve a FakeVLLM on a port (for the benchmark)."""
+    import uvicorn
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args()
+    app = FakeVLLM()
+    app.record = False
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        http="httptools",
+        loop="uvloop",
+        lifespan="off",
+    )
+
+
+if __name__ == "__main__":
+    main()
