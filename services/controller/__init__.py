@@ -1,0 +1,1 @@
+"""The controller: turns queued rollouts into executions and reports how they end."""
