@@ -1,0 +1,226 @@
+"""The replay report: a past run's samples, advantages and loss weights under one or more schemes.
+
+Everything that decides a number here is the trainer's adapter (`trainer.core`): each unit (one
+group of one step) goes through `merge_rollouts` and `rollout_advantages`, and each step's samples
+through `loss_weights`, the very functions `build_step` chains. What this module adds is the
+bookkeeping that lets a run be replayed one group at a time: a sample is kept as a row of counts
+(its token lists are dropped as soon as the group is done), and the loss weights, which need the
+step's totals, are computed from those rows once every group is in. `loss_weights` only reads a
+sample's rollout and response-token count, so the rows give it exactly what the full samples would.
+
+The summary's fields are named and computed as the trainer's `StepStats`; for a one-step replay
+they are equal to the stats the trainer logged.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+import msgspec
+
+from services.replay.schemes import Scheme
+from trainer.core import AdapterConfig, RolloutCalls, Sample, loss_weights, merge_rollouts, rollout_advantages
+
+
+class SampleRow(msgspec.Struct, kw_only=True):
+    """One training sample: its size, reward, advantage and the loss weight of each response token."""
+
+    rollout_id: str
+    group_id: str | None
+    step: int | None
+    index: int
+    prompt_tokens: int
+    """Tokens of the sample the model did not sample (the first prompt and every observation)."""
+    response_tokens: int
+    """Sampled tokens: the ones the loss is computed on."""
+    calls: int
+    reward: float
+    advantage: float
+    token_weight: float = 0.0
+    """The weight each of its response tokens gets in the step's loss."""
+
+
+class RolloutRow(msgspec.Struct, kw_only=True):
+    """One rollout: its reward and advantage, its samples, and its share of the step's loss."""
+
+    rollout_id: str
+    group_id: str | None
+    step: int | None
+    reward: float
+    advantage: float | None
+    """The advantage its samples carry (None when it has no sample)."""
+    samples: int
+    calls: int
+    response_tokens: int
+    tokens: int
+    loss_weight: float = 0.0
+    """Σ over its samples of token_weight × response_tokens: its share of the step's loss."""
+
+
+class GroupRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One group of one step: its baseline under the scheme and how many samples share it."""
+
+    group_id: str
+    step: int | None
+    rollouts: int
+    samples: int
+    baseline: float
+
+
+class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """The replay's figures. Names and definitions follow the trainer's `StepStats`."""
+
+    rollouts: int
+    rollouts_skipped: dict[str, int]
+    """Rollouts that give no training data, by the adapter's reason (not-succeeded, val-mode, ...)."""
+    rollouts_dropped_no_reward: int
+    rollouts_without_samples: int
+    ungrouped_rollouts: int
+    groups: int
+    steps: list[int]
+    calls: int
+    calls_deduped: int
+    calls_too_long: int
+    samples: int
+    merge_ratio: float
+    samples_per_rollout_mean: float
+    samples_per_rollout_max: int
+    samples_per_rollout: dict[str, int]
+    """Distribution: number of samples → number of rollouts with that many (keys are strings in JSON)."""
+    single_sample_rollouts: int
+    tokens: int
+    response_tokens: int
+    reward_mean: float
+    min_weights_version: int | None
+    max_weights_version: int | None
+
+
+class SchemeReport(msgspec.Struct, frozen=True, kw_only=True):
+    """A run replayed under one scheme."""
+
+    name: str
+    config: AdapterConfig
+    summary: RunSummary
+    groups: list[GroupRow]
+    rollouts: list[RolloutRow]
+    samples: list[SampleRow]
+
+
+_EMPTY: list[int] = []
+
+
+class SchemeAccumulator:
+    """Replays units one at a time under one scheme; `finish` computes the loss weights and figures."""
+
+    def __init__(self, scheme: Scheme) -> None:
+        self.scheme = scheme
+        self.config = scheme.config
+        self.rollouts: list[tuple[int, RolloutRow]] = []
+        self.samples: dict[str, list[SampleRow]] = {}
+        self.groups: list[GroupRow] = []
+        self.dropped = 0
+        self.deduped = 0
+        self.too_long = 0
+        self.versions: list[int] = []
+
+    def add(self, step: int | None, rollouts: Sequence[RolloutCalls], order: Mapping[str, int]) -> None:
+        """Merge one unit's rollouts and give them their advantages (the adapter's functions)."""
+        merged, dropped = merge_rollouts(rollouts, self.config)
+        advantages, baselines = rollout_advantages(merged, self.config)
+        self.dropped += dropped
+        for m, per_sample in zip(merged, advantages, strict=True):
+            rows = [
+                SampleRow(
+                    rollout_id=s.rollout_id, group_id=s.group_id, step=step, index=s.index,
+                    prompt_tokens=len(s.tokens) - s.response_tokens, response_tokens=s.response_tokens,
+                    calls=s.num_calls, reward=m.reward, advantage=a,
+                )
+                for s, a in zip(m.samples, per_sample, strict=True)
+            ]  # fmt: skip
+            self.samples[m.rollout_id] = rows
+            self.rollouts.append(
+                (
+                    order[m.rollout_id],
+                    RolloutRow(
+                        rollout_id=m.rollout_id, group_id=m.group_id, step=step, reward=m.reward,
+                        advantage=per_sample[0] if per_sample else None, samples=len(rows), calls=m.calls,
+                        response_tokens=sum(r.response_tokens for r in rows), tokens=m.tokens,
+                    ),
+                )
+            )  # fmt: skip
+            self.deduped += m.calls_deduped
+            self.too_long += m.calls_too_long
+            for s in m.samples:
+                if s.min_weights_version is not None:
+                    self.versions.append(s.min_weights_version)
+                if s.max_weights_version is not None:
+                    self.versions.append(s.max_weights_version)
+        for group_id, baseline in baselines.items():
+            members = [m for m in merged if m.group_id == group_id]
+            self.groups.append(
+                GroupRow(
+                    group_id=group_id, step=step, rollouts=len(members),
+                    samples=sum(len(m.samples) for m in members), baseline=baseline,
+                )
+            )  # fmt: skip
+
+    def finish(self, skipped: Mapping[str, str]) -> SchemeReport:
+        """Loss weights per step (from the rows, by `loss_weights`), rows in run order, and the figures."""
+        self.rollouts.sort(key=lambda pair: pair[0])
+        rollouts = [row for _, row in self.rollouts]
+        by_step: dict[int | None, list[SampleRow]] = {}
+        for row in rollouts:
+            by_step.setdefault(row.step, []).extend(self.samples[row.rollout_id])
+        for step_rows in by_step.values():
+            for sample, weight in zip(step_rows, loss_weights(_as_samples(step_rows), self.config.norm), strict=True):
+                sample.token_weight = weight
+        samples = [s for row in rollouts for s in self.samples[row.rollout_id]]
+        for row in rollouts:
+            row.loss_weight = sum(s.token_weight * s.response_tokens for s in self.samples[row.rollout_id])
+        return SchemeReport(
+            name=self.scheme.name,
+            config=self.config,
+            summary=self._summary(rollouts, samples, skipped),
+            groups=self.groups,
+            rollouts=rollouts,
+            samples=samples,
+        )
+
+    def _summary(self, rollouts: list[RolloutRow], samples: list[SampleRow], skipped: Mapping[str, str]) -> RunSummary:
+        counts = [r.samples for r in rollouts]
+        merged_calls = sum(s.calls for s in samples)
+        return RunSummary(
+            rollouts=len(rollouts),
+            rollouts_skipped=dict(sorted(Counter(skipped.values()).items())),
+            rollouts_dropped_no_reward=self.dropped,
+            rollouts_without_samples=sum(1 for c in counts if c == 0),
+            ungrouped_rollouts=sum(1 for r in rollouts if r.group_id is None),
+            groups=len({r.group_id for r in rollouts if r.group_id is not None}),
+            steps=sorted({r.step for r in rollouts if r.step is not None}),
+            calls=sum(r.calls for r in rollouts),
+            calls_deduped=self.deduped,
+            calls_too_long=self.too_long,
+            samples=len(samples),
+            merge_ratio=merged_calls / len(samples) if samples else 0.0,
+            samples_per_rollout_mean=len(samples) / len(rollouts) if rollouts else 0.0,
+            samples_per_rollout_max=max(counts, default=0),
+            samples_per_rollout={str(k): v for k, v in sorted(Counter(counts).items())},
+            single_sample_rollouts=sum(1 for c in counts if c == 1),
+            tokens=sum(r.tokens for r in rollouts),
+            response_tokens=sum(s.response_tokens for s in samples),
+            reward_mean=sum(r.reward for r in rollouts) / len(rollouts) if rollouts else 0.0,
+            min_weights_version=min(self.versions, default=None),
+            max_weights_version=max(self.versions, default=None),
+        )
+
+
+def _as_samples(rows: Iterable[SampleRow]) -> list[Sample]:
+    """Token-less stand-ins for `loss_weights`, which reads only the rollout and response-token count."""
+    return [
+        Sample(
+            rollout_id=r.rollout_id, group_id=r.group_id, index=r.index, tokens=_EMPTY, loss_mask=_EMPTY,
+            logprobs=[], call_ids=[], response_tokens=r.response_tokens,
+        )
+        for r in rows
+    ]  # fmt: skip

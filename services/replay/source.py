@@ -1,0 +1,321 @@
+"""Reading a past run for replay, one group at a time, so memory is bounded by a group, not the run.
+
+The advantages of a rollout only need its group; the loss weights need step totals, which are
+small numbers. So a run is read in two passes over the stream, never all at once:
+
+1. **Index** (small events only): `created`, `status`, `attempt`, `reward` and the trainer's
+   step records (`event.train_step`) of every rollout, plus the run's `RunStarted` and the number
+   of recorded calls per rollout (from the stream's per-subject counts, no message read). From
+   this the index knows each rollout's group, step and order, and which rollouts the trainer
+   would skip (the adapter's own `rollout_calls` decides, on the small events alone).
+2. **Calls**: the `model_request` events of a few whole groups at a time (one read whose filter
+   lists their rollouts' subjects, sized by a call budget), decoded group by group and handed to
+   the adapter's `rollout_calls` merged in stream order with the small events, exactly as if the
+   rollout's whole history had been read.
+
+A replay unit is one group of one trainer step: advantages are per group, and a group the trainer
+cut across steps was normalized within each step. A step is what the trainer recorded for the
+rollout (a `CustomEvent` named `train_step` with payload `{"step": N}`); a run without step
+records is replayed as one batch (step `None`).
+
+Decoding skips each call's `request` and `response` (the harness's messages and the reply, often
+most of the bytes): the adapter reads only token ids, logprobs and the call's identity.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
+
+import msgspec
+
+from schemas.events import (
+    AnyEvent,
+    CallStatus,
+    CustomEvent,
+    Event,
+    Mode,
+    ModelRequestRecorded,
+    RolloutCreated,
+    RunStarted,
+)
+from schemas.ids import MODEL_REQUEST, RUN_ALL, check_id
+from services.eventstore import EventStore, _stream_sequence
+from trainer.core import NotTrainable, RolloutCalls, rollout_calls
+
+STEP_EVENT = "train_step"
+"""Name of the `CustomEvent` the trainer records on each rollout it trains: payload `{"step": N}`."""
+
+CALL_BUDGET = 2048
+"""Calls read per stream request (whole groups; one larger group is read alone)."""
+
+MAX_SUBJECTS = 512
+"""Rollout subjects per stream request (keeps the consumer's filter small)."""
+
+
+class ReplayError(RuntimeError):
+    """A replay that cannot be done (no such run, no such step); the message says what to do."""
+
+
+class RunNotFound(ReplayError):
+    """No event of the run is on the stream."""
+
+
+class _CallFields(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="model_request", gc=False):
+    """The fields of a `ModelRequestRecorded` the adapter reads; `request`/`response` are skipped."""
+
+    run_id: str
+    event_id: str
+    call_id: str
+    rollout_id: str | None = None
+    attempt_id: str | None = None
+    time: float = 0.0
+    mode: Mode = "train"
+    status: CallStatus = "ok"
+    choice_index: int = 0
+    model: str = ""
+    weights_version: int | None = None
+    prompt_ids: list[int] = []
+    response_ids: list[int] = []
+    logprobs: list[float] = []
+    finish_reason: str | None = None
+
+
+_call_decoder = msgspec.json.Decoder(_CallFields)
+
+
+def decode_call(data: bytes) -> ModelRequestRecorded:
+    """A recorded call with everything the adapter reads (request and response left empty)."""
+    f = _call_decoder.decode(data)
+    return ModelRequestRecorded(
+        run_id=f.run_id, rollout_id=f.rollout_id, attempt_id=f.attempt_id, event_id=f.event_id, time=f.time,
+        call_id=f.call_id, mode=f.mode, status=f.status, choice_index=f.choice_index, model=f.model,
+        weights_version=f.weights_version, prompt_ids=f.prompt_ids, response_ids=f.response_ids,
+        logprobs=f.logprobs, finish_reason=f.finish_reason,
+    )  # fmt: skip
+
+
+class RolloutEntry(msgspec.Struct, kw_only=True):
+    """What the index knows of one rollout (mutable while the index is built)."""
+
+    rollout_id: str
+    order: int
+    """Stream sequence of its first indexed event: the order the trainer's `collect_rollouts` sees."""
+    group_id: str | None = None
+    step: int | None = None
+    calls: int = 0
+    events: list[tuple[int, AnyEvent]] = []
+    skip: str | None = None
+
+
+class RunIndex(msgspec.Struct, kw_only=True):
+    """Pass 1 of a replay: every rollout of the run, its group, step and whether it is trainable."""
+
+    run_id: str
+    rollouts: dict[str, RolloutEntry]
+    recorded_adapter: dict[str, Any] | None
+    has_steps: bool
+
+    @property
+    def steps(self) -> list[int]:
+        """The trainer steps recorded in the run, ascending."""
+        return sorted({e.step for e in self.rollouts.values() if e.step is not None})
+
+    def skipped(self) -> dict[str, str]:
+        """Rollouts that give no training data, with the adapter's reason."""
+        return {rid: e.skip for rid, e in self.rollouts.items() if e.skip is not None}
+
+
+class Unit(msgspec.Struct, frozen=True, kw_only=True):
+    """One replay unit: the trainable rollouts of one group in one step, in run order."""
+
+    step: int | None
+    group_id: str | None
+    rollout_ids: list[str]
+    calls: int
+
+
+async def subject_counts(store: EventStore, subject_filter: str) -> dict[str, int]:
+    """Messages per subject matching `subject_filter`, from the stream's info (paged; no message read)."""
+    counts: dict[str, int] = {}
+    offset = 0
+    while True:
+        request = json.dumps({"subjects_filter": subject_filter, "offset": offset}).encode()
+        reply = await store.nc.request(f"$JS.API.STREAM.INFO.{store.stream}", request, timeout=10.0)
+        answer = json.loads(reply.data)
+        if "error" in answer:
+            raise ReplayError(f"the stream refused its info: {answer['error'].get('description', answer['error'])}")
+        page = answer.get("state", {}).get("subjects") or {}
+        counts.update(page)
+        offset += len(page)
+        if not page or offset >= answer.get("total", 0):
+            return counts
+
+
+async def run_exists(store: EventStore, run_id: str) -> bool:
+    """True when at least one event of the run is on the stream."""
+    import nats.js.errors
+
+    try:
+        await store.js.get_last_msg(store.stream, RUN_ALL.format(run=check_id("run_id", run_id)))
+    except nats.js.errors.NotFoundError:
+        return False
+    return True
+
+
+def _small_subjects(run_id: str) -> list[str]:
+    prefix = f"rl.{run_id}"
+    return [
+        f"{prefix}.run",
+        f"{prefix}.rollout.*.created",
+        f"{prefix}.rollout.*.status",
+        f"{prefix}.rollout.*.attempt",
+        f"{prefix}.rollout.*.reward",
+        f"{prefix}.rollout.*.event.{STEP_EVENT}",
+    ]
+
+
+def _compact(event: AnyEvent) -> AnyEvent:
+    # The index keeps every rollout's small events; a created event's input can be a whole task.
+    if isinstance(event, RolloutCreated) and (event.input is not None or event.metadata or event.config):
+        return msgspec.structs.replace(event, input=None, metadata={}, config={})
+    return event
+
+
+def _step_of(event: CustomEvent) -> int | None:
+    step = event.payload.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+async def index_run(store: EventStore, run_id: str, *, nats_url: str = "") -> RunIndex:
+    """Pass 1: the run's rollouts from its small events and per-subject call counts.
+
+    Raises `RunNotFound` when the run has no event on the stream at all.
+    """
+    check_id("run_id", run_id)
+    if not await run_exists(store, run_id):
+        where = f" at {nats_url}" if nats_url else ""
+        raise RunNotFound(f"run {run_id!r} has no events on the stream{where}; `rollwire runs` lists the runs")
+    rollouts: dict[str, RolloutEntry] = {}
+    recorded: dict[str, Any] | None = None
+    has_steps = False
+    async for stored in store.read(_small_subjects(run_id)):
+        event = stored.event
+        if isinstance(event, RunStarted):
+            adapter = event.config.get("adapter")
+            recorded = dict(adapter) if isinstance(adapter, Mapping) else recorded
+            continue
+        if event.rollout_id is None:
+            continue
+        entry = rollouts.get(event.rollout_id)
+        if entry is None:
+            entry = rollouts[event.rollout_id] = RolloutEntry(rollout_id=event.rollout_id, order=stored.seq, events=[])
+        if isinstance(event, CustomEvent):  # a trainer step record
+            step = _step_of(event)
+            if step is not None:
+                entry.step, has_steps = step, True
+            adapter = event.payload.get("adapter")
+            if isinstance(adapter, Mapping):
+                recorded = dict(adapter)
+            continue
+        if isinstance(event, RolloutCreated):
+            entry.group_id = event.group_id
+        entry.events.append((stored.seq, _compact(event)))
+    counts = await subject_counts(store, MODEL_REQUEST.format(run=run_id, rollout="*"))
+    for subject, count in counts.items():
+        rollout_id = subject.split(".")[3]
+        entry = rollouts.get(rollout_id)
+        if entry is None:  # calls without any indexed event: the adapter skips it as not created
+            entry = rollouts[rollout_id] = RolloutEntry(rollout_id=rollout_id, order=1 << 62, events=[])
+        entry.calls = count
+    for entry in rollouts.values():
+        try:
+            rollout_calls(e for _, e in entry.events)
+        except NotTrainable as exc:
+            entry.skip = exc.reason
+    if has_steps:
+        for entry in rollouts.values():
+            if entry.skip is None and entry.step is None:
+                entry.skip = "not-in-a-step"
+    return RunIndex(run_id=run_id, rollouts=rollouts, recorded_adapter=recorded, has_steps=has_steps)
+
+
+def plan_units(index: RunIndex, step: int | None = None) -> list[Unit]:
+    """The replay units (step, group) in run order; only `step` when given.
+
+    Raises `ReplayError` when `step` is given and no rollout of the run was trained in it.
+    """
+    if step is not None:
+        if not index.has_steps:
+            raise ReplayError(
+                f"run {index.run_id!r} has no trainer step records ({STEP_EVENT} events); replay it without --step"
+            )
+        if step not in index.steps:
+            steps = index.steps
+            raise ReplayError(
+                f"run {index.run_id!r} has no trainer step {step}; its steps are {steps[0]}..{steps[-1]}"
+                if steps
+                else f"run {index.run_id!r} has no trained rollouts"
+            )
+    units: dict[tuple[Any, ...], list[RolloutEntry]] = {}
+    trainable = sorted((e for e in index.rollouts.values() if e.skip is None), key=lambda e: e.order)
+    for entry in trainable:
+        if step is not None and entry.step != step:
+            continue
+        group: tuple[Any, ...] = ("g", entry.group_id) if entry.group_id is not None else ("r", entry.rollout_id)
+        units.setdefault((entry.step, *group), []).append(entry)
+    return [
+        Unit(
+            step=entries[0].step,
+            group_id=entries[0].group_id,
+            rollout_ids=[e.rollout_id for e in entries],
+            calls=sum(e.calls for e in entries),
+        )
+        for entries in units.values()
+    ]
+
+
+def _chunks(units: list[Unit], budget: int) -> Iterable[list[Unit]]:
+    chunk: list[Unit] = []
+    calls = subjects = 0
+    for unit in units:
+        if chunk and (calls + unit.calls > budget or subjects + len(unit.rollout_ids) > MAX_SUBJECTS):
+            yield chunk
+            chunk, calls, subjects = [], 0, 0
+        chunk.append(unit)
+        calls += unit.calls
+        subjects += len(unit.rollout_ids)
+    if chunk:
+        yield chunk
+
+
+def _history(entry: RolloutEntry, calls: list[tuple[int, Event]]) -> list[Event]:
+    """The rollout's small events and calls in stream order (both lists are already sorted)."""
+    return [event for _, event in heapq.merge(entry.events, calls, key=lambda pair: pair[0])]
+
+
+async def stream_units(
+    store: EventStore, index: RunIndex, units: list[Unit], *, budget: int = CALL_BUDGET
+) -> AsyncIterator[tuple[Unit, list[RolloutCalls]]]:
+    """Pass 2: each unit with its rollouts' `RolloutCalls`, built by the adapter's `rollout_calls`.
+
+    Reads the calls of whole units, `budget` calls at a time; only one chunk's raw messages and one
+    unit's decoded calls are held at once.
+    """
+    run_id = index.run_id
+    for chunk in _chunks(units, budget):
+        wanted = [rid for unit in chunk for rid in unit.rollout_ids if index.rollouts[rid].calls]
+        raw: dict[str, list[tuple[int, bytes]]] = {rid: [] for rid in wanted}
+        if wanted:
+            subjects = [MODEL_REQUEST.format(run=run_id, rollout=rid) for rid in wanted]
+            async for batch in store.read_raw(subjects):
+                for msg in batch:
+                    raw[msg.subject.split(".", 4)[3]].append((_stream_sequence(msg.reply), msg.data))
+        for unit in chunk:
+            rollouts = []
+            for rid in unit.rollout_ids:
+                calls: list[tuple[int, Event]] = [(seq, decode_call(data)) for seq, data in raw.pop(rid, ())]
+                rollouts.append(rollout_calls(_history(index.rollouts[rid], calls)))
+            yield unit, rollouts
