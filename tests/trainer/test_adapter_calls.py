@@ -128,6 +128,12 @@ def test_rollout_without_attempt_ids_matches_calls_without_one() -> None:
     assert [c.call_id for c in rc.calls] == ["c1"] and rc.reward == 1.0 and rc.attempt_id is None
 
 
+def test_succeeded_without_attempt_id_falls_back_to_the_last_started_attempt() -> None:
+    events = [*_retried_rollout()[:-1], _status("ro1", None, "succeeded")]
+    rc = rollout_calls(events)
+    assert rc.attempt_id == "a2" and [c.call_id for c in rc.calls] == ["c1", "c2"]
+
+
 def test_mixed_rollouts_are_refused() -> None:
     with pytest.raises(ValueError, match="mixed"):
         rollout_calls([*_retried_rollout("ro1"), RolloutCreated(run_id=RUN, rollout_id="ro9")])

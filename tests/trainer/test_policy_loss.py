@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -62,7 +63,8 @@ def loss_and_grads(
     batch = collate(samples)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, T, V]
     ref = token_logprobs(logits, batch.input_ids).detach() - 0.3  # a reference that differs
-    loss, _ = policy_loss(token_logprobs(logits, batch.input_ids), batch, config, ref_logprobs=ref)
+    loss, metrics = policy_loss(token_logprobs(logits, batch.input_ids), batch, config, ref_logprobs=ref, logits=logits)
+    assert metrics.entropy is not None and 0.0 < metrics.entropy <= math.log(VOCAB) + 1e-4
     loss.backward()
     return loss.item(), [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
 
