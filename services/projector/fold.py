@@ -1,0 +1,312 @@
+"""The batch fold: a batch of events plus the loaded state they touch, in; the rows to write, out.
+
+Pure (no I/O), so it can be checked against a plain event-by-event fold of the stream. Rollout
+views are folded with the same `apply` as the gateway's stream reader, so both readers agree by
+construction; on top of the view each rollout keeps totals (tokens, samples, flags, ...) that the
+view does not carry. Events of a rollout that does not exist (yet) are stored in their own tables
+but count toward no rollout, exactly as the view ignores them.
+
+Loading is selective, because model calls dominate and need little: a rollout's attempts list is
+loaded only when the batch has status or attempt events for it, its rewards only when the batch
+has reward or status events for it (both can change the reward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from schemas import (
+    AttemptStarted,
+    CustomEvent,
+    ModelRegistered,
+    ModelRemoved,
+    ModelRequestRecorded,
+    PhaseChanged,
+    RewardReported,
+    RolloutStatusChanged,
+    RunStarted,
+)
+from services.eventstore import StoredEvent
+from services.gateway.readmodel import RolloutView, apply
+from services.projector import chains as chain_state
+from services.projector.flags import flag_names
+from services.projector.incoming import Incoming, event_type
+
+_json = msgspec.json.Encoder()
+
+RolloutKey = tuple[str, str]
+AttemptKey = tuple[str, str, str]
+
+NEEDS_ATTEMPTS = (RolloutStatusChanged, AttemptStarted)
+NEEDS_REWARDS = (RolloutStatusChanged, RewardReported)
+
+
+class Extras(msgspec.Struct, kw_only=True):
+    """A rollout's totals beyond its view (the extra columns of `rollouts`)."""
+
+    attempts: int = 0
+    reward: float | None = None
+    rewards: int = 0
+    calls: int = 0
+    failed_calls: int = 0
+    prompt_tokens: int = 0
+    response_tokens: int = 0
+    samples: int = 0
+    custom_events: int = 0
+    flags: list[str] = []
+    last_seq: int = 0
+    last_event_at: float = 0.0
+    ended_at: float | None = None
+
+
+class StatsDelta(msgspec.Struct, kw_only=True):
+    """What a batch adds to one `attempt_stats` row."""
+
+    calls: int = 0
+    failed_calls: int = 0
+    prompt_tokens: int = 0
+    response_tokens: int = 0
+    samples: int = 0
+    reward: float | None = None
+    reward_seq: int | None = None
+
+
+class RunDelta(msgspec.Struct, kw_only=True):
+    """What a batch adds to one `runs` row (merged with the stored row by the upsert)."""
+
+    events: int = 0
+    first_seq: int = 0
+    last_seq: int = 0
+    last_event_at: float = 0.0
+    name: str | None = None
+    config: str | None = None
+    started_at: float | None = None
+    started_seq: int | None = None
+    phase: str | None = None
+    weights_version: int | None = None
+    phase_seq: int | None = None
+
+
+class ModelDelta(msgspec.Struct, kw_only=True):
+    """The batch's last registration and last removal of one model name."""
+
+    base_url: str | None = None
+    served_model: str | None = None
+    weights_version: int | None = None
+    registered_at: float | None = None
+    registered_seq: int | None = None
+    removed_at: float | None = None
+    removed_seq: int | None = None
+
+
+class Loaded(msgspec.Struct, kw_only=True):
+    """Stored state the batch touches. `views` holds only rollouts that exist."""
+
+    views: dict[RolloutKey, RolloutView] = {}
+    extras: dict[RolloutKey, Extras] = {}
+    with_attempts: set[RolloutKey] = set()
+    with_rewards: set[RolloutKey] = set()
+    chains: dict[AttemptKey, bytes] = {}
+
+
+class Plan(msgspec.Struct, kw_only=True):
+    """Everything one batch writes, in one transaction."""
+
+    last_seq: int = 0
+    events: list[tuple[Any, ...]] = []
+    model_calls: list[tuple[Any, ...]] = []
+    rewards: list[tuple[Any, ...]] = []
+    custom_events: list[tuple[Any, ...]] = []
+    phases: list[tuple[Any, ...]] = []
+    dead_letters: list[tuple[Any, ...]] = []
+    created: set[RolloutKey] = set()
+    touched: set[RolloutKey] = set()
+    views: dict[RolloutKey, RolloutView] = {}
+    extras: dict[RolloutKey, Extras] = {}
+    with_attempts: set[RolloutKey] = set()
+    with_rewards: set[RolloutKey] = set()
+    stats: dict[AttemptKey, StatsDelta] = {}
+    chains: dict[AttemptKey, bytes] = {}
+    runs: dict[str, RunDelta] = {}
+    models: dict[tuple[str, str], ModelDelta] = {}
+
+
+def needs(items: Iterable[Incoming]) -> tuple[set[RolloutKey], set[RolloutKey], set[RolloutKey], set[AttemptKey]]:
+    """Keys to load for a batch: touched rollouts, those needing attempts, rewards; call chains."""
+    touched: set[RolloutKey] = set()
+    attempts: set[RolloutKey] = set()
+    rewards: set[RolloutKey] = set()
+    calls: set[AttemptKey] = set()
+    for item in items:
+        event = item.event
+        if event is None or event.rollout_id is None:
+            continue
+        key = (event.run_id, event.rollout_id)
+        touched.add(key)
+        if isinstance(event, NEEDS_ATTEMPTS):
+            attempts.add(key)
+        if isinstance(event, NEEDS_REWARDS):
+            rewards.add(key)
+        if isinstance(event, ModelRequestRecorded) and event.status == "ok":
+            calls.add((*key, event.attempt_id or ""))
+    return touched, attempts, rewards, calls
+
+
+def _run_delta(plan: Plan, item: Incoming) -> None:
+    event = item.event
+    assert event is not None
+    delta = plan.runs.get(event.run_id)
+    if delta is None:
+        delta = plan.runs[event.run_id] = RunDelta(first_seq=item.seq)
+    delta.events += 1
+    delta.last_seq = item.seq
+    delta.last_event_at = event.time
+    if isinstance(event, RunStarted) and delta.started_seq is None:
+        delta.name, delta.config = event.name, _json.encode(event.config).decode()
+        delta.started_at, delta.started_seq = event.time, item.seq
+    elif isinstance(event, PhaseChanged):
+        delta.phase, delta.weights_version, delta.phase_seq = event.phase, event.weights_version, item.seq
+
+
+def _model_delta(plan: Plan, item: Incoming) -> None:
+    event = item.event
+    assert isinstance(event, (ModelRegistered, ModelRemoved))
+    delta = plan.models.setdefault((event.run_id, event.name), ModelDelta())
+    if isinstance(event, ModelRegistered):
+        delta.base_url, delta.served_model, delta.weights_version = (
+            event.base_url,
+            event.served_model,
+            event.weights_version,
+        )
+        delta.registered_at, delta.registered_seq = event.time, item.seq
+    else:
+        delta.removed_at, delta.removed_seq = event.time, item.seq
+
+
+def _detail_rows(plan: Plan, item: Incoming) -> None:
+    """Rows of the event's own tables (written whether or not a rollout view exists)."""
+    event = item.event
+    assert event is not None
+    plan.events.append(
+        (item.seq, event.run_id, event.rollout_id, event.attempt_id, event_type(event), event.event_id,
+         event.schema_version, event.time, item.body)
+    )  # fmt: skip
+    if isinstance(event, RewardReported):
+        plan.rewards.append(
+            (item.seq, event.run_id, event.rollout_id, event.attempt_id, event.time, event.value, event.name,
+             event.step, event.source)
+        )  # fmt: skip
+    elif isinstance(event, CustomEvent):
+        plan.custom_events.append(
+            (item.seq, event.run_id, event.rollout_id, event.attempt_id, event.time, event.name,
+             _json.encode(event.payload).decode())
+        )  # fmt: skip
+    elif isinstance(event, PhaseChanged):
+        plan.phases.append((item.seq, event.run_id, event.phase, event.weights_version, event.time))
+    elif isinstance(event, (ModelRegistered, ModelRemoved)):
+        _model_delta(plan, item)
+
+
+def _call_row(item: Incoming, new_sample: bool) -> tuple[Any, ...]:
+    event, call = item.event, item.call
+    assert isinstance(event, ModelRequestRecorded) and call is not None
+    return (
+        item.seq, event.run_id, event.rollout_id, event.attempt_id, event.time, event.call_id, event.choice_index,
+        event.mode, event.status, event.model, event.weights_version, call.prompt_ids, call.response_ids,
+        call.logprobs, call.prompt_tokens, call.response_tokens, call.prompt_text, call.response_text,
+        call.response_pieces, event.finish_reason, call.request, call.response, call.usage, event.latency_s,
+        event.error, new_sample, call.flags,
+    )  # fmt: skip
+
+
+def _add_flags(extras: Extras, names: Iterable[str]) -> None:
+    merged = set(extras.flags) | set(names)
+    if len(merged) != len(extras.flags):
+        extras.flags = sorted(merged)
+
+
+def _fold_call(plan: Plan, loaded: Loaded, item: Incoming, extras: Extras) -> bool:
+    """Count an accepted model call toward its rollout and attempt; True if it opens a sample."""
+    event, call = item.event, item.call
+    assert isinstance(event, ModelRequestRecorded) and call is not None
+    akey = (event.run_id, event.rollout_id or "", event.attempt_id or "")
+    stats = plan.stats.setdefault(akey, StatsDelta())
+    ok = event.status == "ok"
+    opens = False
+    if ok:
+        state = chain_state.load(plan.chains.get(akey, loaded.chains.get(akey)))
+        opens = chain_state.advance(state, call.prompt_ids, call.response_ids)
+        plan.chains[akey] = chain_state.dump(state)
+    stats.calls += 1
+    stats.failed_calls += not ok
+    stats.prompt_tokens += call.prompt_tokens
+    stats.response_tokens += call.response_tokens
+    stats.samples += opens
+    extras.calls += 1
+    extras.failed_calls += not ok
+    extras.prompt_tokens += call.prompt_tokens
+    extras.response_tokens += call.response_tokens
+    extras.samples += opens
+    if call.flags:
+        _add_flags(extras, flag_names(call.flags))
+    return opens
+
+
+def fold_batch(items: Sequence[Incoming], loaded: Loaded) -> Plan:
+    """Fold `items` (in stream order, none applied yet) over `loaded`; returns the rows to write."""
+    plan = Plan(
+        views=loaded.views,
+        extras=loaded.extras,
+        with_attempts=set(loaded.with_attempts),
+        with_rewards=set(loaded.with_rewards),
+    )
+    for item in items:
+        plan.last_seq = item.seq
+        event = item.event
+        if event is None:
+            plan.dead_letters.append((item.seq, item.subject, item.error or "undecodable", item.data))
+            continue
+        _detail_rows(plan, item)
+        _run_delta(plan, item)
+        if event.rollout_id is None:
+            continue
+        key = (event.run_id, event.rollout_id)
+        before = plan.views.get(key)
+        terminal_before = before.terminal_seq if before is not None else 0
+        view = apply(before, StoredEvent(seq=item.seq, subject=item.subject, event=event))
+        if view is None:
+            if item.call is not None:
+                plan.model_calls.append(_call_row(item, False))
+            continue
+        if before is None:
+            plan.created.add(key)
+            plan.with_attempts.add(key)
+            plan.with_rewards.add(key)
+            plan.extras[key] = Extras()
+        plan.views[key] = view
+        plan.touched.add(key)
+        extras = plan.extras[key]
+        extras.last_seq, extras.last_event_at = item.seq, event.time
+        if view.terminal_seq != terminal_before:
+            extras.ended_at = event.time
+        if isinstance(event, ModelRequestRecorded):
+            plan.model_calls.append(_call_row(item, _fold_call(plan, loaded, item, extras)))
+        elif isinstance(event, RewardReported):
+            extras.rewards += 1
+            stats = plan.stats.setdefault((*key, event.attempt_id or ""), StatsDelta())
+            stats.reward, stats.reward_seq = event.value, item.seq
+        elif isinstance(event, CustomEvent):
+            extras.custom_events += 1
+            if event.name.startswith("flag"):
+                _add_flags(extras, [event.name])
+    for key in plan.touched:
+        extras = plan.extras[key]
+        view = plan.views[key]
+        if key in plan.with_attempts:
+            extras.attempts = len(view.attempts)
+        if key in plan.with_rewards:
+            extras.reward = view.reward
+    return plan

@@ -1,0 +1,180 @@
+"""Turning stream messages into what the fold needs, before any transaction is open.
+
+Decoding, packing token ids, decoding text with a tokenizer and matching the flag rules are the
+CPU-heavy part of projecting; doing them here, while the previous batch is being written, keeps
+the Postgres transaction short. A message that cannot be decoded or packed becomes an `Incoming`
+with `error` set: the fold turns it into a dead letter.
+
+Model calls, nearly all of the stream's bytes, are decoded with their bulky fields left as raw
+JSON (`WireCall`): the id lists are packed straight from their text and the request and response
+go to `jsonb` as they are, without a round trip through Python objects. The fold then sees a
+`ModelRequestRecorded` with those fields empty; their values are in `Incoming.call`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Union
+
+import msgspec
+from msgspec import UNSET, Raw, UnsetType
+from nats.aio.msg import Msg
+
+from schemas import EVENT_TYPES, AnyEvent, InvalidId, ModelRegistered, ModelRequestRecorded, to_dict
+from schemas.events import CallStatus, Mode
+from services.projector.flags import call_flags
+from services.projector.packing import pack_float64_json, pack_int32_json, unpack_int32
+from services.projector.tokens import Detokenizer
+
+_json = msgspec.json.Encoder()
+# Types whose JSON body lives in a table of their own (model_calls, rewards, custom_events).
+TYPED_BODIES = frozenset({"model_request", "reward", "custom"})
+# ModelRequestRecorded's fields that WireCall keeps as raw JSON.
+RAW_FIELDS = ("prompt_ids", "response_ids", "logprobs", "request", "response")
+
+
+class WireCall(msgspec.Struct, kw_only=True, tag_field="type", tag="model_request"):
+    """A `ModelRequestRecorded` as decoded by the projector: the same fields, bulky ones raw.
+
+    Unset envelope fields take `ModelRequestRecorded`'s own defaults (see `envelope`).
+    """
+
+    run_id: str
+    rollout_id: str | UnsetType | None = UNSET
+    attempt_id: str | UnsetType | None = UNSET
+    event_id: str | UnsetType = UNSET
+    schema_version: int | UnsetType = UNSET
+    time: float | UnsetType = UNSET
+    call_id: str
+    mode: Mode | UnsetType = UNSET
+    status: CallStatus | UnsetType = UNSET
+    choice_index: int | UnsetType = UNSET
+    model: str | UnsetType = UNSET
+    weights_version: int | UnsetType | None = UNSET
+    prompt_ids: Raw = Raw(b"[]")
+    response_ids: Raw = Raw(b"[]")
+    logprobs: Raw = Raw(b"[]")
+    finish_reason: str | UnsetType | None = UNSET
+    request: Raw = Raw(b"{}")
+    response: Raw = Raw(b"{}")
+    usage: dict[str, int] | UnsetType = UNSET
+    latency_s: float | UnsetType = UNSET
+    error: str | UnsetType | None = UNSET
+
+    def envelope(self) -> ModelRequestRecorded:
+        """The event without its raw fields (validates ids exactly as `schemas.decode` does)."""
+        fields = {
+            name: value
+            for name in self.__struct_fields__
+            if name not in RAW_FIELDS and (value := getattr(self, name)) is not UNSET
+        }
+        return ModelRequestRecorded(**fields)
+
+
+_WIRE_TYPES: tuple[Any, ...] = (*tuple(t for t in EVENT_TYPES if t is not ModelRequestRecorded), WireCall)
+_decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(Union[_WIRE_TYPES])  # type: ignore[valid-type]  # noqa: UP007
+
+
+class CallRow(msgspec.Struct):
+    """A model call's column values that do not depend on the rest of the stream."""
+
+    prompt_ids: bytes
+    response_ids: bytes
+    logprobs: bytes
+    prompt_tokens: int
+    response_tokens: int
+    prompt_text: str | None
+    response_text: str | None
+    response_pieces: list[str] | None
+    request: str
+    response: str
+    usage: str
+    flags: list[str]
+
+
+class Incoming(msgspec.Struct):
+    """One stream message, decoded: its event (or why it has none) and its precomputed rows."""
+
+    seq: int
+    subject: str
+    data: bytes
+    stream_time: float
+    event: AnyEvent | None = None
+    error: str | None = None
+    body: str | None = None
+    call: CallRow | None = None
+
+
+def event_type(event: Any) -> str:
+    """The event's `type` tag (msgspec keeps tags on the class, not on instances)."""
+    return str(type(event).__struct_config__.tag)
+
+
+def _json_object(raw: Raw, field: str) -> str:
+    text = bytes(raw).strip()
+    if text[:1] != b"{":
+        raise msgspec.ValidationError(f"Expected `object` - at `$.{field}`")
+    return text.decode()
+
+
+def _response_dict(raw: str) -> dict[str, Any]:
+    # Only replies that carry tool calls or code blocks can match a rule: skip parsing the rest.
+    if "tool_calls" not in raw and "```" not in raw:
+        return {}
+    value = msgspec.json.decode(raw)
+    return value if isinstance(value, dict) else {}
+
+
+def _call_row(wire: WireCall, event: ModelRequestRecorded, detok: Detokenizer | None) -> CallRow:
+    prompt = pack_int32_json(bytes(wire.prompt_ids))
+    response = pack_int32_json(bytes(wire.response_ids))
+    logprobs = pack_float64_json(bytes(wire.logprobs))
+    response_json = _json_object(wire.response, "response")
+    decoded = detok.decode(event.model, unpack_int32(prompt), unpack_int32(response)) if detok else None
+    return CallRow(
+        prompt_ids=prompt,
+        response_ids=response,
+        logprobs=logprobs,
+        prompt_tokens=len(prompt) // 4 or int(event.usage.get("prompt_tokens", 0)),
+        response_tokens=len(response) // 4 or int(event.usage.get("completion_tokens", 0)),
+        prompt_text=decoded.prompt_text if decoded else None,
+        response_text=decoded.response_text if decoded else None,
+        response_pieces=decoded.response_pieces if decoded else None,
+        request=_json_object(wire.request, "request"),
+        response=response_json,
+        usage=_json.encode(event.usage).decode(),
+        flags=call_flags(_response_dict(response_json), event.finish_reason, event.status, event.error),
+    )
+
+
+def _body(event: AnyEvent, data: bytes) -> str | None:
+    if event_type(event) in TYPED_BODIES:
+        return None
+    if isinstance(event, ModelRegistered):
+        body = to_dict(event)
+        body.pop("api_key", None)  # secrets stay on the stream, never in the read models
+        return _json.encode(body).decode()
+    return data.decode()
+
+
+def prepare_one(seq: int, subject: str, data: bytes, stream_time: float, detok: Detokenizer | None) -> Incoming:
+    """Decode one message and precompute its rows; an undecodable one carries `error`."""
+    try:
+        decoded = _decoder.decode(data)
+        event = decoded.envelope() if isinstance(decoded, WireCall) else decoded
+        call = _call_row(decoded, event, detok) if isinstance(decoded, WireCall) else None
+        body = _body(event, data)
+    except (msgspec.ValidationError, msgspec.DecodeError, InvalidId) as exc:
+        return Incoming(seq, subject, data, stream_time, error=f"undecodable event: {exc}")
+    except (OverflowError, UnicodeDecodeError) as exc:
+        return Incoming(seq, subject, data, stream_time, error=f"cannot store the event: {exc}")
+    return Incoming(seq, subject, data, stream_time, event=event, body=body, call=call)
+
+
+def prepare(msgs: Sequence[Msg], detok: Detokenizer | None = None) -> list[Incoming]:
+    """`prepare_one` over fetched JetStream messages."""
+    out: list[Incoming] = []
+    for msg in msgs:
+        meta = msg.metadata
+        out.append(prepare_one(meta.sequence.stream, msg.subject, msg.data, meta.timestamp.timestamp(), detok))
+    return out

@@ -1,0 +1,375 @@
+"""Postgres side of the projection: load what a batch touches, write its plan, move the position.
+
+`apply_batch` is the exactly-once step. In one transaction it locks the position row, drops the
+events at or below the stored sequence (a redelivery or a replay), loads the state the rest
+touch, folds them (`fold.fold_batch`), COPYs the append-only rows, upserts the aggregates, and
+stores the new position. Either all of it commits or none of it does, so a crash at any point
+loses nothing and, since the position moved with the rows, duplicates nothing.
+
+A batch that Postgres refuses for its data (class 22/23/54: a NUL in a string, a value out of
+range) is split in halves until the one event at fault is alone; that event becomes a dead
+letter and the others are applied (`apply_isolating`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import asyncpg
+import msgspec
+
+from services.gateway.readmodel import RolloutView
+from services.projector.fold import Extras, Loaded, Plan, RolloutKey, fold_batch, needs
+from services.projector.incoming import Incoming
+
+NOTIFY_CHANNEL = "rollwire_projection"
+POISON_CLASSES = frozenset({"22", "23", "54"})
+
+# The view's fields that have columns of their own (large JSON written once at creation)...
+BULKY_FIELDS = ("input", "metadata", "config")
+# ...and those copied into columns for filtering and sorting (the `state` jsonb holds them all).
+PROMOTED_FIELDS = (
+    "group_id",
+    "mode",
+    "status",
+    "attempt_id",
+    "created_at",
+    "updated_at",
+    "created_seq",
+    "terminal_seq",
+)
+LIST_FIELDS = ("attempts", "rewards")
+EXTRA_COLUMNS = (
+    "ended_at", "attempts", "reward", "rewards", "calls", "failed_calls", "prompt_tokens", "response_tokens",
+    "samples", "custom_events", "flags", "last_seq", "last_event_at",
+)  # fmt: skip
+_MUTABLE = ("state", *PROMOTED_FIELDS, *EXTRA_COLUMNS)
+ROLLOUT_COLUMNS = ("run_id", "rollout_id", *BULKY_FIELDS, *_MUTABLE)
+
+EVENT_COLUMNS = ("seq", "run_id", "rollout_id", "attempt_id", "type", "event_id", "schema_version", "time", "body")
+MODEL_CALL_COLUMNS = (
+    "seq", "run_id", "rollout_id", "attempt_id", "time", "call_id", "choice_index", "mode", "status", "model",
+    "weights_version", "prompt_ids", "response_ids", "logprobs", "prompt_tokens", "response_tokens", "prompt_text",
+    "response_text", "response_pieces", "finish_reason", "request", "response", "usage", "latency_s", "error",
+    "new_sample", "flags",
+)  # fmt: skip
+REWARD_COLUMNS = ("seq", "run_id", "rollout_id", "attempt_id", "time", "value", "name", "step", "source")
+CUSTOM_COLUMNS = ("seq", "run_id", "rollout_id", "attempt_id", "time", "name", "payload")
+PHASE_COLUMNS = ("seq", "run_id", "phase", "weights_version", "time")
+DEAD_LETTER_COLUMNS = ("seq", "subject", "reason", "data")
+
+_KEYS = "SELECT * FROM unnest($1::text[], $2::text[]) AS k(run_id, rollout_id)"
+
+_INSERT_ROLLOUT = (
+    f"INSERT INTO rollouts ({', '.join(ROLLOUT_COLUMNS)}) "
+    f"VALUES ({', '.join(f'${i + 1}' for i in range(len(ROLLOUT_COLUMNS)))})"
+)
+_UPDATE_ROLLOUT = (
+    f"UPDATE rollouts SET {', '.join(f'{c} = ${i + 3}' for i, c in enumerate(_MUTABLE))} "
+    "WHERE run_id = $1 AND rollout_id = $2"
+)
+_UPSERT_ATTEMPT = """
+INSERT INTO attempts (run_id, rollout_id, attempt_id, idx, sequence, started_at, executor, ended)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+ON CONFLICT (run_id, rollout_id, attempt_id) DO UPDATE SET
+    idx = excluded.idx, sequence = excluded.sequence, started_at = excluded.started_at,
+    executor = excluded.executor, ended = excluded.ended
+"""
+_UPSERT_STATS = """
+INSERT INTO attempt_stats AS s (run_id, rollout_id, attempt_key, calls, failed_calls, prompt_tokens,
+                                response_tokens, samples, reward, reward_seq)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+ON CONFLICT (run_id, rollout_id, attempt_key) DO UPDATE SET
+    calls = s.calls + excluded.calls, failed_calls = s.failed_calls + excluded.failed_calls,
+    prompt_tokens = s.prompt_tokens + excluded.prompt_tokens,
+    response_tokens = s.response_tokens + excluded.response_tokens, samples = s.samples + excluded.samples,
+    reward = CASE WHEN excluded.reward_seq IS NULL THEN s.reward ELSE excluded.reward END,
+    reward_seq = coalesce(excluded.reward_seq, s.reward_seq)
+"""
+_UPSERT_CHAINS = """
+INSERT INTO sample_chains (run_id, rollout_id, attempt_key, chains) VALUES ($1, $2, $3, $4)
+ON CONFLICT (run_id, rollout_id, attempt_key) DO UPDATE SET chains = excluded.chains
+"""
+_UPSERT_RUN = """
+INSERT INTO runs AS r (run_id, name, config, started_at, started_seq, phase, weights_version, phase_seq,
+                       events, first_seq, last_seq, last_event_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+ON CONFLICT (run_id) DO UPDATE SET
+    name = CASE WHEN r.started_seq IS NULL THEN excluded.name ELSE r.name END,
+    config = CASE WHEN r.started_seq IS NULL THEN excluded.config ELSE r.config END,
+    started_at = CASE WHEN r.started_seq IS NULL THEN excluded.started_at ELSE r.started_at END,
+    started_seq = coalesce(r.started_seq, excluded.started_seq),
+    phase = CASE WHEN excluded.phase_seq IS NULL THEN r.phase ELSE excluded.phase END,
+    weights_version = CASE WHEN excluded.phase_seq IS NULL THEN r.weights_version ELSE excluded.weights_version END,
+    phase_seq = coalesce(excluded.phase_seq, r.phase_seq),
+    events = r.events + excluded.events,
+    first_seq = least(r.first_seq, excluded.first_seq),
+    last_seq = greatest(r.last_seq, excluded.last_seq),
+    last_event_at = excluded.last_event_at
+"""
+_UPSERT_MODEL = """
+INSERT INTO models AS m (run_id, name, base_url, served_model, weights_version, registered_at, registered_seq,
+                         removed_at, removed_seq)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+ON CONFLICT (run_id, name) DO UPDATE SET
+    base_url = CASE WHEN excluded.registered_seq IS NULL THEN m.base_url ELSE excluded.base_url END,
+    served_model = CASE WHEN excluded.registered_seq IS NULL THEN m.served_model ELSE excluded.served_model END,
+    weights_version = CASE WHEN excluded.registered_seq IS NULL THEN m.weights_version
+                           ELSE excluded.weights_version END,
+    registered_at = coalesce(excluded.registered_at, m.registered_at),
+    registered_seq = coalesce(excluded.registered_seq, m.registered_seq),
+    removed_at = coalesce(excluded.removed_at, m.removed_at),
+    removed_seq = coalesce(excluded.removed_seq, m.removed_seq)
+"""
+
+_json = msgspec.json.Encoder()
+
+
+class PositionMoved(RuntimeError):
+    """The stored position is not where this projector left it (a rebuild, or another projector)."""
+
+    def __init__(self, stored: int, expected: int) -> None:
+        super().__init__(f"stored position is {stored}, expected {expected}: resuming from the stored one")
+        self.stored = stored
+
+
+def is_poison(exc: BaseException) -> bool:
+    """True when Postgres refused the data itself (retrying the same rows cannot succeed)."""
+    state = getattr(exc, "sqlstate", None)
+    return isinstance(exc, asyncpg.PostgresError) and isinstance(state, str) and state[:2] in POISON_CLASSES
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else msgspec.json.decode(text)
+
+
+def view_from_row(row: asyncpg.Record, attempts: list[dict[str, Any]], rewards: list[dict[str, Any]]) -> RolloutView:
+    """A rollout view from a `rollouts` row and its attempts' and rewards' rows (as dicts)."""
+    fields = msgspec.json.decode(row["state"])
+    for name in BULKY_FIELDS:
+        fields[name] = _loads(row[name])
+    fields["attempts"], fields["rewards"] = attempts, rewards
+    return msgspec.convert(fields, RolloutView)
+
+
+def extras_from_row(row: asyncpg.Record) -> Extras:
+    """A rollout's totals from its `rollouts` row."""
+    return Extras(**{column: row[column] for column in EXTRA_COLUMNS})
+
+
+def attempt_fields(row: asyncpg.Record) -> dict[str, Any]:
+    """One attempt view's fields from an `attempts` row."""
+    return {
+        "attempt_id": row["attempt_id"], "sequence": row["sequence"], "started_at": row["started_at"],
+        "executor": row["executor"], "ended": row["ended"],
+    }  # fmt: skip
+
+
+def reward_fields(row: asyncpg.Record) -> dict[str, Any]:
+    """One reward view's fields from a `rewards` row."""
+    return {
+        "value": row["value"], "attempt_id": row["attempt_id"], "name": row["name"], "source": row["source"],
+        "time": row["time"],
+    }  # fmt: skip
+
+
+async def load_lists(
+    conn: asyncpg.Connection, keys: Sequence[RolloutKey]
+) -> tuple[dict[RolloutKey, list[dict[str, Any]]], dict[RolloutKey, list[dict[str, Any]]]]:
+    """Attempts (in view order) and rewards (after creation, in stream order) of these rollouts."""
+    runs, rollouts = [k[0] for k in keys], [k[1] for k in keys]
+    attempts: dict[RolloutKey, list[dict[str, Any]]] = {k: [] for k in keys}
+    rewards: dict[RolloutKey, list[dict[str, Any]]] = {k: [] for k in keys}
+    for row in await conn.fetch(
+        f"SELECT a.* FROM attempts a JOIN ({_KEYS}) k USING (run_id, rollout_id) ORDER BY a.idx", runs, rollouts
+    ):
+        attempts[(row["run_id"], row["rollout_id"])].append(attempt_fields(row))
+    for row in await conn.fetch(
+        f"SELECT w.* FROM rewards w JOIN ({_KEYS}) k USING (run_id, rollout_id) "
+        "JOIN rollouts r USING (run_id, rollout_id) WHERE w.seq > r.created_seq ORDER BY w.seq",
+        runs,
+        rollouts,
+    ):
+        rewards[(row["run_id"], row["rollout_id"])].append(reward_fields(row))
+    return attempts, rewards
+
+
+async def load(conn: asyncpg.Connection, items: Sequence[Incoming]) -> Loaded:
+    """The stored state `items` touch (see `fold.needs` for what is loaded when)."""
+    touched, want_attempts, want_rewards, calls = needs(items)
+    loaded = Loaded(views={}, extras={}, with_attempts=set(), with_rewards=set(), chains={})
+    if touched:
+        keys = sorted(touched)
+        rows = await conn.fetch(
+            f"SELECT r.* FROM rollouts r JOIN ({_KEYS}) k USING (run_id, rollout_id)",
+            [k[0] for k in keys],
+            [k[1] for k in keys],
+        )
+        present = {(row["run_id"], row["rollout_id"]): row for row in rows}
+        listed = sorted((want_attempts | want_rewards) & present.keys())
+        attempts, rewards = await load_lists(conn, listed) if listed else ({}, {})
+        for key, row in present.items():
+            loaded.views[key] = view_from_row(row, attempts.get(key, []), rewards.get(key, []))
+            loaded.extras[key] = extras_from_row(row)
+        loaded.with_attempts = want_attempts & present.keys()
+        loaded.with_rewards = want_rewards & present.keys()
+    if calls:
+        ckeys = sorted(calls)
+        for row in await conn.fetch(
+            "SELECT c.* FROM sample_chains c JOIN unnest($1::text[], $2::text[], $3::text[]) "
+            "AS k(run_id, rollout_id, attempt_key) USING (run_id, rollout_id, attempt_key)",
+            [k[0] for k in ckeys],
+            [k[1] for k in ckeys],
+            [k[2] for k in ckeys],
+        ):
+            loaded.chains[(row["run_id"], row["rollout_id"], row["attempt_key"])] = row["chains"]
+    return loaded
+
+
+def _rollout_values(view: RolloutView, extras: Extras) -> dict[str, Any]:
+    fields = msgspec.to_builtins(view)
+    values = {name: _json.encode(fields.pop(name, None)).decode() for name in BULKY_FIELDS}
+    for name in LIST_FIELDS:
+        fields.pop(name, None)
+    values.update({name: fields.get(name) for name in PROMOTED_FIELDS})
+    values.update({name: getattr(extras, name) for name in EXTRA_COLUMNS})
+    values.update(run_id=view.run_id, rollout_id=view.rollout_id, state=_json.encode(fields).decode())
+    return values
+
+
+async def _copy(conn: asyncpg.Connection, table: str, columns: Sequence[str], rows: list[tuple[Any, ...]]) -> None:
+    if rows:
+        await conn.copy_records_to_table(table, records=rows, columns=list(columns))
+
+
+async def write(conn: asyncpg.Connection, plan: Plan) -> None:
+    """Write a folded batch (inside the caller's transaction)."""
+    await _copy(conn, "events", EVENT_COLUMNS, plan.events)
+    await _copy(conn, "model_calls", MODEL_CALL_COLUMNS, plan.model_calls)
+    await _copy(conn, "rewards", REWARD_COLUMNS, plan.rewards)
+    await _copy(conn, "custom_events", CUSTOM_COLUMNS, plan.custom_events)
+    await _copy(conn, "phases", PHASE_COLUMNS, plan.phases)
+    await _copy(conn, "dead_letters", DEAD_LETTER_COLUMNS, plan.dead_letters)
+    inserts, updates = [], []
+    for key in sorted(plan.touched):
+        values = _rollout_values(plan.views[key], plan.extras[key])
+        if key in plan.created:
+            inserts.append(tuple(values[c] for c in ROLLOUT_COLUMNS))
+        else:
+            updates.append((key[0], key[1], *(values[c] for c in _MUTABLE)))
+    if inserts:
+        await conn.executemany(_INSERT_ROLLOUT, inserts)
+    if updates:
+        await conn.executemany(_UPDATE_ROLLOUT, updates)
+    attempt_rows = [
+        (key[0], key[1], a.attempt_id, idx, a.sequence, a.started_at, a.executor, a.ended)
+        for key in sorted(plan.with_attempts & plan.touched)
+        for idx, a in enumerate(plan.views[key].attempts)
+    ]
+    if attempt_rows:
+        await conn.executemany(_UPSERT_ATTEMPT, attempt_rows)
+    if plan.stats:
+        await conn.executemany(
+            _UPSERT_STATS,
+            [
+                (*k, d.calls, d.failed_calls, d.prompt_tokens, d.response_tokens, d.samples, d.reward, d.reward_seq)
+                for k, d in sorted(plan.stats.items())
+            ],
+        )
+    if plan.chains:
+        await conn.executemany(_UPSERT_CHAINS, [(*k, v) for k, v in sorted(plan.chains.items())])
+    if plan.runs:
+        await conn.executemany(
+            _UPSERT_RUN,
+            [
+                (run, d.name, d.config, d.started_at, d.started_seq, d.phase, d.weights_version, d.phase_seq,
+                 d.events, d.first_seq, d.last_seq, d.last_event_at)
+                for run, d in sorted(plan.runs.items())
+            ],
+        )  # fmt: skip
+    if plan.models:
+        await conn.executemany(
+            _UPSERT_MODEL,
+            [
+                (*k, d.base_url, d.served_model, d.weights_version, d.registered_at, d.registered_seq, d.removed_at,
+                 d.removed_seq)
+                for k, d in sorted(plan.models.items())
+            ],
+        )  # fmt: skip
+
+
+async def ensure_position(conn: asyncpg.Connection, stream: str) -> int:
+    """The stored position of `stream` (creating it at 0)."""
+    await conn.execute(
+        "INSERT INTO projector_position (stream, last_seq) VALUES ($1, 0) ON CONFLICT (stream) DO NOTHING", stream
+    )
+    return int(await conn.fetchval("SELECT last_seq FROM projector_position WHERE stream = $1", stream))
+
+
+async def _lock_position(conn: asyncpg.Connection, stream: str, expected: int | None) -> int:
+    stored = await conn.fetchval("SELECT last_seq FROM projector_position WHERE stream = $1 FOR UPDATE", stream)
+    stored = int(stored or 0)
+    if expected is not None and stored != expected:
+        raise PositionMoved(stored, expected)
+    return stored
+
+
+async def _store_position(conn: asyncpg.Connection, stream: str, seq: int) -> None:
+    await conn.execute("UPDATE projector_position SET last_seq = $2, updated_at = now() WHERE stream = $1", stream, seq)
+    await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, f"{stream}:{seq}")
+
+
+async def apply_batch(
+    conn: asyncpg.Connection, stream: str, items: Sequence[Incoming], expected: int | None
+) -> tuple[int, int]:
+    """Apply `items` exactly once (see the module docstring).
+
+    `expected` is the position this projector last stored (None: accept whatever is stored).
+    Returns the new stored position and how many dead letters the batch recorded.
+    """
+    async with conn.transaction():
+        stored = await _lock_position(conn, stream, expected)
+        fresh = [item for item in items if item.seq > stored]
+        if not fresh:
+            return stored, 0
+        plan = fold_batch(fresh, await load(conn, fresh))
+        await write(conn, plan)
+        await _store_position(conn, stream, plan.last_seq)
+        return plan.last_seq, len(plan.dead_letters)
+
+
+async def dead_letter(
+    conn: asyncpg.Connection, stream: str, item: Incoming, reason: str, expected: int | None
+) -> tuple[int, int]:
+    """Record `item` as a dead letter and move the position past it (same return as `apply_batch`)."""
+    async with conn.transaction():
+        stored = await _lock_position(conn, stream, expected)
+        if item.seq <= stored:
+            return stored, 0
+        await _copy(conn, "dead_letters", DEAD_LETTER_COLUMNS, [(item.seq, item.subject, reason, item.data)])
+        await _store_position(conn, stream, item.seq)
+        return item.seq, 1
+
+
+async def apply_isolating(
+    conn: asyncpg.Connection, stream: str, items: Sequence[Incoming], expected: int | None
+) -> tuple[int, int]:
+    """`apply_batch`, splitting the batch around events Postgres refuses, which become dead letters."""
+    try:
+        return await apply_batch(conn, stream, items, expected)
+    except asyncpg.PostgresError as exc:
+        if not is_poison(exc):
+            raise
+        if len(items) == 1:
+            reason = f"rejected by Postgres ({exc.sqlstate}): {exc}"
+            return await dead_letter(conn, stream, items[0], reason, expected)
+    middle = len(items) // 2
+    position, first = await apply_isolating(conn, stream, items[:middle], expected)
+    position, second = await apply_isolating(conn, stream, items[middle:], position)
+    return position, first + second
+
+
+async def dead_letter_count(conn: asyncpg.Connection) -> int:
+    """How many messages could not be projected."""
+    return int(await conn.fetchval("SELECT count(*) FROM dead_letters"))
