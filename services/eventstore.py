@@ -379,7 +379,7 @@ class EventStore:
             while True:
                 try:
                     unfinished = await psub.fetch(256, timeout=1.0)
-                except nats.errors.TimeoutError:
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises both on an idle fetch
                     continue
                 while unfinished:
                     yield _to_stored(unfinished[0])
