@@ -1,0 +1,1 @@
+"""Data files shipped with the engine (the tokenizer corpus prose)."""

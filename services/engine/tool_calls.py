@@ -1,0 +1,88 @@
+"""Parsing Hermes-style tool calls out of generated text.
+
+A model following the chat template answers a tool call as
+
+    optional text<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>  (one block per call)
+
+`parse_tool_calls` returns the text before the first block as content and the calls in OpenAI's
+shape (`arguments` is a JSON string). The last block may lack its closing tag (generation stopped
+right after the JSON). If any block is not a JSON object with a string `name` and an object (or
+JSON string) `arguments`, nothing is parsed: the whole text stays content, as vLLM's Hermes parser
+does. Text after the last block is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+import msgspec
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+
+class FunctionCall(msgspec.Struct, frozen=True):
+    """A function name and its arguments as a JSON string (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    """One tool call of an assistant message, as OpenAI returns it."""
+
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ParsedOutput(msgspec.Struct, frozen=True):
+    """Content (None when empty) and the tool calls found in a generated text."""
+
+    content: str | None
+    tool_calls: tuple[ToolCall, ...]
+
+
+def _arguments_json(arguments: Any) -> str | None:
+    if isinstance(arguments, dict):
+        return json.dumps(arguments, ensure_ascii=False)
+    if isinstance(arguments, str):
+        try:
+            return arguments if isinstance(json.loads(arguments), dict) else None
+        except ValueError:
+            return None
+    return None
+
+
+def _parse_block(body: str) -> FunctionCall | None:
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None
+    arguments = _arguments_json(call.get("arguments", {}))
+    return None if arguments is None else FunctionCall(name=call["name"], arguments=arguments)
+
+
+def new_tool_call_id() -> str:
+    """A fresh tool call id (`call_` + 24 hex digits)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_tool_calls(text: str) -> ParsedOutput:
+    """Split generated text into content and Hermes tool calls (see the module docstring)."""
+    start = text.find(TOOL_CALL_START)
+    if start < 0:
+        return ParsedOutput(content=text or None, tool_calls=())
+    calls: list[ToolCall] = []
+    for match in _BLOCK.finditer(text, start):
+        function = _parse_block(match.group(1).strip())
+        if function is None:
+            return ParsedOutput(content=text or None, tool_calls=())
+        calls.append(ToolCall(id=new_tool_call_id(), function=function))
+    return ParsedOutput(content=text[:start] or None, tool_calls=tuple(calls))

@@ -1,0 +1,46 @@
+"""Engine fixtures: the tiny model built once into a temp dir, and an engine serving it over real HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from services.engine.background import BackgroundServer
+from services.engine.engine import Engine
+from services.engine.server import create_app
+from services.engine.tiny_model import build_tiny_model
+from services.engine.tokenizer import load_tokenizer
+
+SERVED_NAME = "tiny-test"
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny model (seed 0), built once for the engine tests."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerFast:
+    """The tiny model's tokenizer, loaded the way the engine loads it."""
+    return load_tokenizer(tiny_model_dir)
+
+
+class EngineHandle:
+    """A served engine: its base URL and the in-process Engine behind it."""
+
+    def __init__(self, server: BackgroundServer, engine: Engine) -> None:
+        self.url = server.url
+        self.engine = engine
+
+
+@pytest.fixture(scope="module")
+def engine_server(tiny_model_dir: Path) -> Iterator[EngineHandle]:
+    """An engine over the tiny model on a free port (context limit 1024 so overflow tests stay cheap)."""
+    app = create_app(tiny_model_dir, served_name=SERVED_NAME, seed=1234, max_model_len=MAX_MODEL_LEN)
+    with BackgroundServer(app) as server:
+        yield EngineHandle(server, app.state.engine)
