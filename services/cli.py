@@ -13,6 +13,7 @@ import typer
 from schemas import InvalidId, MalformedEvent
 from services.embedded import EmbeddedServerError
 from services.eventstore import EventStoreError
+from services.replay import cli as replay_cli
 from services.stack import DEFAULT_GATEWAY_PORT, DEFAULT_NATS_PORT, DEFAULT_PG_PORT, StackConfig, StackError
 
 app = typer.Typer(
@@ -73,6 +74,11 @@ def schemas_export(
     for path in export():
         print(path.relative_to(JSON_DIR.parent.parent) if path.is_relative_to(JSON_DIR.parent.parent) else path)
 
+
+app.command("replay")(replay_cli.replay)
+app.command("tail")(replay_cli.tail)
+app.command("export")(replay_cli.export)
+app.command("runs")(replay_cli.runs)
 
 KNOWN_ERRORS = (CliError, StackError, EventStoreError, EmbeddedServerError, InvalidId, MalformedEvent)
 

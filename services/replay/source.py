@@ -54,9 +54,15 @@ CALL_BUDGET = 2048
 MAX_SUBJECTS = 512
 """Rollout subjects per stream request (keeps the consumer's filter small)."""
 
+STREAM_NOT_FOUND = 10059
+
 
 class ReplayError(RuntimeError):
     """A replay that cannot be done (no such run, no such step); the message says what to do."""
+
+
+class StreamMissing(ReplayError):
+    """The event store's stream does not exist (nothing was ever recorded on this server)."""
 
 
 class RunNotFound(ReplayError):
@@ -146,6 +152,8 @@ async def subject_counts(store: EventStore, subject_filter: str) -> dict[str, in
         reply = await store.nc.request(f"$JS.API.STREAM.INFO.{store.stream}", request, timeout=10.0)
         answer = json.loads(reply.data)
         if "error" in answer:
+            if answer["error"].get("err_code") == STREAM_NOT_FOUND:
+                raise StreamMissing(f"the stream {store.stream} does not exist; nothing was recorded on this server")
             raise ReplayError(f"the stream refused its info: {answer['error'].get('description', answer['error'])}")
         page = answer.get("state", {}).get("subjects") or {}
         counts.update(page)

@@ -1,0 +1,196 @@
+"""The `rollwire replay`, `tail`, `export` and `runs` commands (wired into `services.cli`).
+
+Each is a thin shell over this package. Errors a user can cause (no such run, a wrong scheme, no
+server) print one line, `error: ...`, and exit non-zero (2 for a wrong option value, 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import typer
+
+from schemas import InvalidId, MalformedEvent
+from services.eventstore import EventStore, EventStoreError
+from services.replay.export import EXPORT_FORMATS, ExportUnavailable, export_run
+from services.replay.plot import PlotUnavailable
+from services.replay.render import FORMATS
+from services.replay.source import ReplayError, RunNotFound, run_exists
+from services.replay.tail import TAIL_FORMATS, BadTime, line, parse_since
+from services.stack import DEFAULT_NATS_PORT
+from trainer.core import AdapterConfigError, MalformedCall
+
+T = TypeVar("T")
+
+DEFAULT_NATS_URL = f"nats://127.0.0.1:{DEFAULT_NATS_PORT}"
+NATS_URL = typer.Option(
+    DEFAULT_NATS_URL, "--nats-url", envvar="NATS_URL", help="The NATS server (default: the one `rollwire up` starts)."
+)
+
+
+class UsageError(ValueError):
+    """An option value the command cannot take (exit code 2)."""
+
+
+_USAGE = (UsageError, AdapterConfigError, BadTime)
+_FAILURES = (ReplayError, EventStoreError, InvalidId, MalformedEvent, MalformedCall, PlotUnavailable, ExportUnavailable)
+
+
+@contextlib.contextmanager
+def _one_line_errors() -> Iterator[None]:
+    try:
+        yield
+    except _USAGE as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    except _FAILURES as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(1) from None
+
+
+def _run(url: str, job: Callable[[EventStore], Awaitable[T]]) -> T:
+    async def main() -> T:
+        store = await EventStore.connect(url, ensure=False, name="rollwire-cli")
+        try:
+            return await job(store)
+        finally:
+            await store.close()
+
+    with _one_line_errors():
+        return asyncio.run(main())
+
+
+def _choice(option: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UsageError(f"{option} {value!r} is not allowed; choose one of: {', '.join(allowed)}")
+
+
+def _write(data: bytes, out: Path | None) -> None:
+    if out is None or str(out) == "-":
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(data)
+    print(f"wrote {out}", file=sys.stderr)
+
+
+def replay(
+    run: str = typer.Argument(..., help="The run to replay."),
+    more: list[str] | None = typer.Argument(None, hidden=True, help="More schemes after --compare."),
+    merge: str | None = typer.Option(None, "--merge", help="exact | per-call"),
+    advantage: str | None = typer.Option(None, "--advantage", help="Group statistics over: rollout | sample"),
+    estimator: str | None = typer.Option(None, "--estimator", help="grpo | rloo"),
+    std: bool | None = typer.Option(None, "--std/--no-std", help="Divide advantages by the group's std."),
+    norm: str | None = typer.Option(None, "--norm", help="token-mean | seq-mean-token-mean | rollout-mean"),
+    step: int | None = typer.Option(None, "--step", help="Only the rollouts the trainer trained in step N."),
+    compare: list[str] | None = typer.Option(
+        None, "--compare", help="Schemes to put side by side (e.g. --compare rollout-mean seq-mean-token-mean)."
+    ),
+    fmt: str = typer.Option("table", "--format", help="table | json | csv"),
+    out: Path | None = typer.Option(None, "--out", help="Write the report to FILE instead of stdout."),
+    plot: Path | None = typer.Option(None, "--plot", help="Draw the loss weights per rollout into FILE.png."),
+    nats_url: str = NATS_URL,
+) -> None:
+    """Rebuild a past run's samples from its events under other schemes; no agent runs again.
+
+    Options not given take the run's recorded adapter config, else the adapter's defaults.
+
+    A --compare scheme is one or more of merge=.., advantage=.., estimator=.., std|no-std, norm=.. joined by '+'.
+    """
+    from services.replay.render import render
+    from services.replay.replay import replay_run
+
+    with _one_line_errors():
+        _choice("--format", fmt, FORMATS)
+        if more and not compare:
+            raise UsageError(f"unexpected argument(s) {' '.join(more)}; schemes to compare follow --compare")
+    options = {"merge": merge, "advantage": advantage, "estimator": estimator, "std": std, "norm": norm}
+    specs = [*(compare or []), *(more or [])]
+    report = _run(
+        nats_url,
+        lambda store: replay_run(store, run, options=options, compare_specs=specs, step=step, nats_url=nats_url),
+    )
+    _write(render(report, fmt), out)
+    if plot is not None:
+        from services.replay.plot import plot as draw
+
+        with _one_line_errors():
+            draw(report, plot)
+        print(f"wrote {plot}", file=sys.stderr)
+
+
+def tail(
+    pattern: str = typer.Argument(..., help="Subject pattern, e.g. 'rl.*.rollout.*.reward' or 'rl.RUN.>'."),
+    from_start: bool = typer.Option(False, "--from-start", help="Begin with the oldest stored event."),
+    since: str | None = typer.Option(None, "--since", help="Begin at a time: 15m, 2h, 1d ago, an ISO time."),
+    fmt: str = typer.Option("pretty", "--format", help="pretty | json (one event per line)"),
+    nats_url: str = NATS_URL,
+) -> None:
+    """Print live events matching a subject pattern (Ctrl-C stops)."""
+    with _one_line_errors():
+        _choice("--format", fmt, TAIL_FORMATS)
+        if from_start and since is not None:
+            raise UsageError("--from-start and --since exclude each other; give one")
+        start_time = parse_since(since) if since is not None else None
+        if not pattern.startswith("rl.") and pattern not in (">", "rl.>"):
+            raise UsageError(f"pattern {pattern!r} is outside the stream's subjects; they start with 'rl.'")
+
+    async def follow(store: EventStore) -> None:
+        async for stored in store.subscribe(pattern, start="start" if from_start else "new", since=start_time):
+            sys.stdout.write(line(stored, fmt) + "\n")
+            sys.stdout.flush()
+
+    try:
+        _run(nats_url, follow)
+    except BrokenPipeError:  # `rollwire tail ... | head`: the reader left
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def export(
+    run: str = typer.Argument(..., help="The run to export."),
+    fmt: str = typer.Option("jsonl", "--format", help="jsonl | parquet (parquet needs pyarrow)"),
+    out: Path | None = typer.Option(None, "--out", help="File to write (default RUN.FORMAT; - is stdout)."),
+    nats_url: str = NATS_URL,
+) -> None:
+    """Write every event of a run to a file for offline analysis."""
+    with _one_line_errors():
+        _choice("--format", fmt, EXPORT_FORMATS)
+        if fmt == "parquet" and out is not None and str(out) == "-":
+            raise UsageError("parquet cannot go to stdout; give --out FILE")
+    target: Path | None = None if out is not None and str(out) == "-" else (out or Path(f"{run}.{fmt}"))
+
+    async def job(store: EventStore) -> int:
+        if not await run_exists(store, run):
+            raise RunNotFound(f"run {run!r} has no events on the stream at {nats_url}; `rollwire runs` lists the runs")
+        if target is None:
+            n = await export_run(store, run, fmt, sys.stdout.buffer)
+            sys.stdout.flush()
+            return n
+        return await export_run(store, run, fmt, target)
+
+    n = _run(nats_url, job)
+    print(f"exported {n} events of run {run}" + (f" to {target}" if target else ""), file=sys.stderr)
+
+
+def runs(nats_url: str = NATS_URL) -> None:
+    """List the runs on the stream with their rollouts, events and bytes."""
+    from services.replay.runs import list_runs, runs_table
+
+    found = _run(nats_url, list_runs)
+    sys.stdout.write(runs_table(found))
+
+
+def register(app: typer.Typer) -> None:
+    """Add this package's commands to the `rollwire` app."""
+    app.command("replay")(replay)
+    app.command("tail")(tail)
+    app.command("export")(export)
+    app.command("runs")(runs)

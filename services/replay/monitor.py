@@ -1,0 +1,170 @@
+"""Custom monitors: typed events for subject patterns, and custom events published back.
+
+    async with await Monitor.connect("nats://127.0.0.1:14222", name="my-monitor") as monitor:
+        async for event in monitor.events("rl.*.rollout.*.model_request", durable="my-monitor"):
+            if looks_wrong(event):
+                await monitor.flag(event, rule="looks-wrong", severity="warning", detail="...")
+
+`events` follows the stream through the event store's own subscription (`EventStore.subscribe`):
+from now (default), from the start, or from a time. With a `durable` name the server keeps the
+position: an event counts as done when the monitor asks for the next one, so a monitor that is
+stopped and started again resumes right after the last event it finished (the one it was working
+on comes again). A monitor's reaction should therefore be idempotent, and `flag` makes it so: the
+flag's event id is derived from the monitor, the event it is about and the rule, so flagging the
+same thing twice is acknowledged by JetStream as a duplicate (within the stream's duplicate window)
+instead of being stored twice.
+
+A flag is a `CustomEvent` named `flag` on the rollout's subject (`rl.<run>.rollout.<id>.event.flag`)
+with payload `{monitor, rule, severity, detail, call_id}`; the trajectory viewer shows it with the
+rollout's other custom events.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from schemas import AnyEvent, CustomEvent, Event, ModelRequestRecorded, check_id
+from services.eventstore import Appended, EventStore, StartFrom, StoredEvent
+
+FLAG_EVENT = "flag"
+Severity = Literal["info", "warning", "critical"]
+SEVERITIES: tuple[str, ...] = ("info", "warning", "critical")
+
+
+class Flag(msgspec.Struct, frozen=True, kw_only=True):
+    """The payload of a monitor's `flag` event."""
+
+    monitor: str
+    rule: str
+    severity: Severity = "warning"
+    detail: str = ""
+    call_id: str | None = None
+
+
+def flag_event_id(monitor: str, about: str, rule: str) -> str:
+    """The deterministic event id of a flag, so that flagging the same thing again is a duplicate."""
+    return hashlib.sha256(f"{monitor}\x00{about}\x00{rule}".encode()).hexdigest()[:40]
+
+
+class Monitor:
+    """A monitor's connection: follow events by pattern, look back in a rollout, publish flags."""
+
+    def __init__(self, store: EventStore, name: str, *, owns_store: bool = False) -> None:
+        self.store = store
+        self.name = check_id("monitor name", name)
+        self._owns_store = owns_store
+
+    @classmethod
+    async def connect(cls, url: str, *, name: str) -> Monitor:
+        """Connect to the event store at `url` as the monitor `name` (the stream must exist)."""
+        store = await EventStore.connect(url, ensure=False, name=f"monitor-{name}")
+        return cls(store, name, owns_store=True)
+
+    async def close(self) -> None:
+        """Close the connection if the monitor opened it."""
+        if self._owns_store:
+            await self.store.close()
+
+    async def __aenter__(self) -> Monitor:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def stored(
+        self,
+        pattern: str | Sequence[str],
+        *,
+        start: StartFrom = "new",
+        since: float | None = None,
+        durable: str | None = None,
+    ) -> AsyncIterator[StoredEvent]:
+        """Events matching the pattern(s) with their stream sequence and subject, forever."""
+        return self.store.subscribe(pattern, start=start, since=since, durable=durable)
+
+    async def events(
+        self,
+        pattern: str | Sequence[str],
+        *,
+        start: StartFrom = "new",
+        since: float | None = None,
+        durable: str | None = None,
+        types: tuple[type[Event], ...] = (),
+    ) -> AsyncIterator[AnyEvent]:
+        """Typed events matching the pattern(s), in stream order, forever (only `types` when given).
+
+        `start="start"` replays the stream's history first; `since` (Unix seconds) starts at a
+        time; `durable` resumes where a monitor of that name stopped (see the module docstring).
+        """
+        async for stored in self.stored(pattern, start=start, since=since, durable=durable):
+            if not types or isinstance(stored.event, types):
+                yield stored.event
+
+    async def earlier(self, subject: str, before_seq: int) -> list[StoredEvent]:
+        """The events on `subject` stored before `before_seq`: what happened before the monitor came.
+
+        A monitor that starts late, or resumes after a restart, rebuilds its state for a rollout
+        from this the first time it sees the rollout. Costs one request when there is none.
+        """
+        import nats.js.errors
+
+        try:
+            first = await self.store.js.get_msg(self.store.stream, seq=1, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            return []
+        if not first.seq or first.seq >= before_seq:
+            return []
+        found = []
+        async for stored in self.store.read(subject):
+            if stored.seq >= before_seq:
+                break
+            found.append(stored)
+        return found
+
+    async def publish(self, event: CustomEvent) -> Appended:
+        """Publish a custom event of the monitor's own (a duplicate event id is a no-op)."""
+        return await self.store.append(event)
+
+    async def flag(
+        self,
+        about: Event,
+        *,
+        rule: str,
+        severity: Severity = "warning",
+        detail: str = "",
+        key: str | None = None,
+    ) -> Appended:
+        """Flag the rollout of `about` (a call, or any event of a rollout) for `rule`.
+
+        `key` says what one flag is about (default: the event's id, so one flag per event and
+        rule); the runaway monitor passes the rollout id to flag a rollout once per rule.
+        """
+        if about.rollout_id is None:
+            raise ValueError(f"{type(about).__name__} has no rollout to flag")
+        if severity not in SEVERITIES:
+            raise ValueError(f"severity {severity!r} is not one of {', '.join(SEVERITIES)}")
+        payload = Flag(
+            monitor=self.name,
+            rule=rule,
+            severity=severity,
+            detail=detail,
+            call_id=about.call_id if isinstance(about, ModelRequestRecorded) else None,
+        )
+        event = CustomEvent(
+            run_id=about.run_id,
+            rollout_id=about.rollout_id,
+            attempt_id=about.attempt_id,
+            event_id=flag_event_id(self.name, key or about.event_id, rule),
+            name=FLAG_EVENT,
+            payload=msgspec.to_builtins(payload),
+        )
+        return await self.publish(event)
+
+
+def flags_of(events: Sequence[AnyEvent]) -> list[tuple[str | None, dict[str, Any]]]:
+    """(rollout id, payload) of every flag among `events` (for tests and reports)."""
+    return [(e.rollout_id, e.payload) for e in events if isinstance(e, CustomEvent) and e.name == FLAG_EVENT]

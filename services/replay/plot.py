@@ -1,0 +1,93 @@
+"""A PNG of how schemes weight the rollouts (matplotlib, Agg backend: no display needed).
+
+Panels: each rollout's loss weight against its response tokens under every scheme (how a
+normalization treats long and short rollouts); with two or more schemes, each scheme's weights
+against the reference's (above the diagonal = the rollout gains), and the relative change of every
+rollout, ranked (how much weight moves, and how many rollouts it moves between).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.replay.replay import ReplayReport
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed."""
+
+
+def plot(report: ReplayReport, path: Path) -> Path:
+    """Draw the report's schemes (and comparison) into `path` (PNG) and return it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotUnavailable("--plot needs matplotlib: pip install matplotlib") from None
+
+    comparison = report.comparison
+    panels = 3 if comparison is not None else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.0 * panels, 5.0), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    scope = f"step {report.step}" if report.step is not None else "all rollouts"
+    fig.suptitle(f"run {report.run_id} ({scope}): loss weight per rollout", fontsize=13)
+
+    ax = axes[0][0]
+    markers = ["o", "s", "^", "D", "v", "P"]
+    for i, scheme in enumerate(report.schemes):
+        rows = [r for r in scheme.rollouts if r.response_tokens > 0]
+        ax.scatter(
+            [r.response_tokens for r in rows],
+            [r.loss_weight for r in rows],
+            s=18,
+            alpha=0.7,
+            marker=markers[i % len(markers)],
+            color=colors[i % len(colors)],
+            label=scheme.name,
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("response tokens of the rollout")
+    ax.set_ylabel("loss weight of the rollout (share of its step)")
+    ax.set_title("weight against length")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+    if comparison is not None:
+        ref = comparison.reference
+        ax = axes[0][1]
+        reference = [s.loss_weight[ref] for s in comparison.rollouts]
+        top = max([*reference, *[w for s in comparison.rollouts for w in s.loss_weight.values()]], default=1.0)
+        ax.plot([0, top], [0, top], color="grey", linewidth=1, linestyle="--", label="unchanged")
+        for i, name in enumerate(comparison.schemes[1:], start=1):
+            ax.scatter(
+                reference,
+                [s.loss_weight[name] for s in comparison.rollouts],
+                s=18,
+                alpha=0.7,
+                color=colors[i % len(colors)],
+                label=name,
+            )
+        ax.set_xlabel(f"loss weight under {ref}")
+        ax.set_ylabel("loss weight under the scheme")
+        ax.set_title("above the line: the rollout gains")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+
+        ax = axes[0][2]
+        for i, name in enumerate(comparison.schemes[1:], start=1):
+            changes = sorted(100.0 * r for s in comparison.rollouts if (r := s.relative[name]) is not None)
+            ax.plot(range(len(changes)), changes, color=colors[i % len(colors)], label=name, linewidth=2)
+        ax.axhline(0.0, color="grey", linewidth=1)
+        ax.set_xlabel("rollouts, ranked by change")
+        ax.set_ylabel(f"change of loss weight vs {ref} (%)")
+        ax.set_title("who gains and who loses")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
