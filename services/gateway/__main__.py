@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
+import signal
 import sys
 
 import msgspec
@@ -73,6 +75,11 @@ async def main(argv: list[str] | None = None) -> int:
         timeout_graceful_shutdown=30,
     )
     server = uvicorn.Server(config)
+    # Our own handlers: uvicorn's would re-raise the signal after shutdown (exit status -15).
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     await server.serve()
     return 0
 

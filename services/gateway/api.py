@@ -37,7 +37,7 @@ from services.eventstore import ConcurrencyConflict, StoredEvent
 from services.gateway import bodies
 from services.gateway.auth import Admin, AttemptScope, Principal
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, forbidden, from_validation, invalid, not_found
+from services.gateway.errors import ApiError, forbidden, from_validation, invalid, not_found, unavailable
 from services.gateway.http import decode, encode, fingerprint, json_response, read_body
 from services.gateway.idempotency import Result, derive_id
 from services.gateway.readmodel import RolloutQuery, RolloutView
@@ -62,6 +62,8 @@ Command = Callable[[str | None], Awaitable[Result]]
 
 async def _keyed(request: Request, scope: str, body: bytes, command: Command) -> Response:
     """Run a command, once per `Idempotency-Key` (repeats get the first response)."""
+    if not _gw(request).store.nc.is_connected:
+        raise unavailable("the event store (NATS) is unavailable; nothing was changed, retry later")
     key = request.headers.get("idempotency-key")
     if not key:
         status, payload = await command(None)

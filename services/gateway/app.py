@@ -22,7 +22,7 @@ from services.eventstore import EventStore, StoredEvent
 from services.gateway import api, bodies
 from services.gateway.auth import Authenticator, TokenSigner
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, translate
+from services.gateway.errors import ApiError, translate, unavailable
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import IdempotencyCache
 from services.gateway.phase import PhaseGate
@@ -39,9 +39,25 @@ class _ProxyFirst:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PREFIX):
-            await scope["app"].state.proxy(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path.startswith(PREFIX):
+                await scope["app"].state.proxy(scope, receive, send)
+                return
+            if path.startswith("/api/") and not scope["app"].state.gateway.store.nc.is_connected:
+                error = unavailable("the event store (NATS) is unavailable; retry later")
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": error.status,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            *((k.lower().encode(), v.encode()) for k, v in error.headers.items()),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": error.body()})
+                return
         await self.app(scope, receive, send)
 
 
@@ -74,7 +90,10 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
                 yield
             finally:
                 await state.stop()
-                await store.close()
+                if store.nc.is_connected:
+                    await store.close()
+                else:
+                    await store.nc.close()
 
     app = FastAPI(
         title="Rollwire gateway", version="1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None

@@ -6,6 +6,8 @@ import re
 from typing import Any
 
 import msgspec
+import nats.errors
+import nats.js.errors
 
 from schemas import IllegalTransition, InvalidId, MalformedEvent
 from services.eventstore import ConcurrencyConflict, EventStoreUnavailable
@@ -73,7 +75,9 @@ def translate(exc: Exception) -> ApiError | None:
     """The HTTP error for a known domain exception (None for anything else)."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, EventStoreUnavailable):
+    if isinstance(exc, EventStoreUnavailable) or (
+        isinstance(exc, nats.errors.Error) and not isinstance(exc, nats.js.errors.APIError)
+    ):
         return unavailable(f"the event store is unavailable: {exc}; retry later")
     if isinstance(exc, ConcurrencyConflict):
         return ApiError(409, f"another writer changed this rollout first: {exc}")

@@ -19,7 +19,7 @@ def fake() -> Iterator[FakeVLLM]:
     """The fake vLLM app (its record of served calls); see `fake_url`."""
     app = FakeVLLM()
     with Served(app) as served:
-        app.url = served.url  # type: ignore[attr-defined]
+        app.url = served.url
         yield app
 
 

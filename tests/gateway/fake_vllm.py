@@ -71,6 +71,7 @@ class FakeVLLM:
     def __init__(self, *, weights_version: int | None = 7, model: str = "fake-model") -> None:
         self.weights_version = weights_version
         self.model = model
+        self.url = ""  # set by whoever serves it
         self.delay_s = 0.0
         self.token_delay_s = 0.0
         self.fail_status: int | None = None

@@ -11,7 +11,7 @@ import pytest
 from fake_vllm import FakeVLLM
 from gw_harness import GatewayHandle
 
-TOOLS = [
+TOOLS: Any = [
     {
         "type": "function",
         "function": {
@@ -21,7 +21,7 @@ TOOLS = [
         },
     }
 ]
-MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+MESSAGES: Any = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 
 
 def _calls(gateway: GatewayHandle, rollout_id: str) -> list[dict[str, Any]]:
@@ -46,7 +46,7 @@ def _check_against_served(calls: list[dict[str, Any]], served: list[dict[str, An
 
 def test_sync_non_stream_and_stream(gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str) -> None:
     rollout, attempt = gateway.running(run_id, fake_vllm.url)
-    client = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"])
+    client: Any = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"])
     answer = client.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=5, temperature=0.7)
     choice = answer.choices[0]
     assert choice.message.content and choice.logprobs is None
@@ -75,7 +75,7 @@ def test_sync_non_stream_and_stream(gateway: GatewayHandle, fake_vllm: FakeVLLM,
 
 def test_client_requested_extras_are_kept(gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str) -> None:
     _rollout, attempt = gateway.running(run_id, fake_vllm.url)
-    client = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"])
+    client: Any = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"])
     answer = client.chat.completions.create(
         model="fake", messages=MESSAGES, max_tokens=3, logprobs=True, extra_body={"return_token_ids": True}
     )
@@ -92,7 +92,7 @@ def test_client_requested_extras_are_kept(gateway: GatewayHandle, fake_vllm: Fak
 @pytest.mark.parametrize("stream", [False, True])
 def test_tools_and_n2(gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str, stream: bool) -> None:
     rollout, attempt = gateway.running(run_id, fake_vllm.url)
-    client = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"])
+    client: Any = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"])
     if stream:
         calls_by_index: dict[int, dict[str, str]] = {}
         for chunk in client.chat.completions.create(
@@ -118,12 +118,12 @@ def test_tools_and_n2(gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str, 
 
 async def test_async_client_concurrent(gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str) -> None:
     rollout, attempt = gateway.running(run_id, fake_vllm.url)
-    client = openai.AsyncOpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"])
+    client: Any = openai.AsyncOpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"])
 
     async def one(i: int) -> str:
-        messages = [{"role": "user", "content": f"question {i}"}]
+        messages: Any = [{"role": "user", "content": f"question {i}"}]
         if i % 2:
-            out = []
+            out: list[str] = []
             async for chunk in await client.chat.completions.create(
                 model="fake", messages=messages, stream=True, max_tokens=4
             ):
@@ -147,7 +147,7 @@ async def test_async_client_concurrent(gateway: GatewayHandle, fake_vllm: FakeVL
 
 def test_upstream_error_and_timeout(gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str) -> None:
     rollout, attempt = gateway.running(run_id, fake_vllm.url)
-    client = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0)
+    client: Any = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0)
     fake_vllm.fail_status = 500
     with pytest.raises(openai.InternalServerError) as failed:
         client.chat.completions.create(model="fake", messages=MESSAGES)
