@@ -1,24 +1,24 @@
 """What to do about one rollout: a pure function from (rollout view, run spec, executions, now) to actions.
 
 This is the controller's whole policy, with no I/O, so it can be tested line by line. It is
-level-triggered: it looks at what the stream says the rollout is and what the backend says its
-executions are, and returns the actions that move one toward the other. Calling it again after
-the actions took effect (and their events came back) yields the next step, never a repeat.
+level-triggered: it compares what the stream says the rollout is with what the backend says its
+executions are, and returns the actions that move one toward the other. Called again once the
+actions took effect (and their events came back), it yields the next step, never a repeat.
 
     status      execution of the active attempt      actions
     queuing     -                                    start an attempt (when capacity allows)
     requeuing   -                                    after the backoff: start an attempt, or fail
                                                      when max_attempts are used up
-    preparing   none                                 give the attempt up as not launched (retry)
+    preparing   none, or never started               launch it (the same attempt: see `Relaunch`)
     preparing   pending                              wait (until the deadline)
-    preparing   running / ended ok                   report running
-    preparing   ended badly                          report the failure (retry or fail)
-    running     none                                 report it vanished (retry or fail)
+    preparing   running / succeeded                  report running
+    preparing   failed                               report the failure (retry or fail)
+    running     none                                 report that it vanished (retry or fail)
     running     pending / running                    wait; kill once past the deadline
-    running     ended                                report succeeded, or the failure
+    running     succeeded / failed                   report succeeded, or the failure
     terminal    live                                 kill (the rollout was cancelled or failed)
     any         live, of another attempt             kill (a superseded attempt)
-    any         ended, of a settled attempt          forget (let the backend clean up)
+    any         ended, of a settled attempt          forget (the backend may clean it up)
 """
 
 from __future__ import annotations
@@ -32,15 +32,25 @@ from schemas.runs import RunSpec
 from services.controller.backends.base import ExecutionState
 from services.controller.view import NOT_LAUNCHED, Rollout, RunSpecError
 
-UNCHARGED_ALLOWANCE = 3
-"""Attempts given up before launch do not count, but at most this many extra attempts are made."""
-
 MAX_BACKOFF_S = 300.0
 MAX_REASON_CHARS = 4000
 
 
 class Start(msgspec.Struct, frozen=True, tag=True):
-    """Start a new attempt and launch its execution."""
+    """Start the rollout's next attempt and launch its execution."""
+
+
+class Relaunch(msgspec.Struct, frozen=True, tag=True):
+    """Launch the execution of an attempt that is `preparing` but has none.
+
+    That happens when a controller stopped between starting the attempt and launching it. The
+    attempt was started with a deterministic idempotency key (rollout id and attempt sequence), so
+    asking the gateway again returns the same attempt and token, and the launch is idempotent per
+    attempt: the attempt runs once, and no attempt is used up by the controller's restart.
+    """
+
+    attempt_id: str
+    sequence: int
 
 
 class MarkRunning(msgspec.Struct, frozen=True, tag=True):
@@ -65,12 +75,12 @@ class Kill(msgspec.Struct, frozen=True, tag=True):
 
 
 class Forget(msgspec.Struct, frozen=True, tag=True):
-    """The attempt's end is recorded: the backend may clean the finished execution up."""
+    """The attempt's end is recorded: the backend may delete the finished execution."""
 
     attempt_id: str
 
 
-Action = Start | MarkRunning | MarkEnded | Kill | Forget
+Action = Start | Relaunch | MarkRunning | MarkEnded | Kill | Forget
 
 
 class Decision(msgspec.Struct, frozen=True):
@@ -85,28 +95,41 @@ def timeout_s(rollout: Rollout, spec: RunSpec) -> float:
     return rollout.timeout_s if rollout.timeout_s is not None else spec.timeout_s
 
 
-def allowed_attempts(rollout: Rollout, spec: RunSpec) -> int:
-    """The rollout's attempt limit: its own `max_attempts`, raised to the run's if that is higher."""
-    return max(rollout.max_attempts, spec.max_attempts)
-
-
 def backoff_s(spec: RunSpec, failures: int) -> float:
-    """Delay before retrying after `failures` charged failures: doubling from `retry_backoff_s`."""
+    """Delay before the retry that follows `failures` failed attempts: doubling from `retry_backoff_s`."""
     if failures <= 0 or spec.retry_backoff_s <= 0:
         return 0.0
     return float(min(spec.retry_backoff_s * 2 ** (failures - 1), MAX_BACKOFF_S))
 
 
-def after_failure(rollout: Rollout, spec: RunSpec, reason: str, *, charged: bool = True) -> MarkEnded:
-    """Retry (`requeuing`) or give up (`failed`) after the active attempt failed with `reason`."""
-    current = rollout.current
-    previous = [a for a in rollout.attempts if a is not current]
-    used = sum(1 for a in previous if a.charged) + (1 if charged else 0)
-    limit = allowed_attempts(rollout, spec)
-    attempt_id = current.attempt_id if current else None
-    if used < limit and len(rollout.attempts) < limit + UNCHARGED_ALLOWANCE:
+def after_failure(rollout: Rollout, reason: str) -> MarkEnded:
+    """Retry (`requeuing`) or give up (`failed`, with the last reason) after the active attempt failed.
+
+    The limit is the rollout's `max_attempts`, which the gateway filled from the run's spec when
+    the rollout did not set its own, and which it enforces when an attempt starts.
+    """
+    attempt_id = rollout.current.attempt_id if rollout.current else None
+    if len(rollout.attempts) < rollout.max_attempts:
         return MarkEnded(attempt_id, "requeuing", reason)
-    return MarkEnded(attempt_id, "failed", f"{reason} (gave up after {len(rollout.attempts)} attempt(s))")
+    return MarkEnded(attempt_id, "failed", _gave_up(rollout, reason))
+
+
+def _gave_up(rollout: Rollout, reason: str) -> str:
+    return f"{reason} (gave up after {len(rollout.attempts)} of {rollout.max_attempts} attempt(s))"
+
+
+def failure_reason(ex: ExecutionState) -> str:
+    """The reason a person reads for a failed execution: the backend's words and the log's last lines."""
+    if ex.reason:
+        reason = ex.reason
+    elif ex.exit_code:
+        reason = f"the execution failed with exit code {ex.exit_code}"
+    else:
+        reason = "the execution failed"
+    tail = (ex.log_tail or "").strip()
+    if tail and tail not in reason:
+        reason = f"{reason}\nlast lines of the log:\n{tail}"
+    return reason[-MAX_REASON_CHARS:]
 
 
 def _cleanup(rollout: Rollout, executions: Sequence[ExecutionState], active: str | None) -> list[Action]:
@@ -125,17 +148,6 @@ def _cleanup(rollout: Rollout, executions: Sequence[ExecutionState], active: str
     return actions
 
 
-def failure_reason(ex: ExecutionState) -> str:
-    """The reason a person reads for a failed execution: the backend's words and the log's last lines."""
-    reason = ex.reason or (
-        f"the execution failed with exit code {ex.exit_code}" if ex.exit_code else "the execution failed"
-    )
-    tail = (ex.log_tail or "").strip()
-    if tail and tail not in reason:
-        reason = f"{reason}\nlast lines of the log:\n{tail}"
-    return reason[-MAX_REASON_CHARS:]
-
-
 def decide(
     rollout: Rollout,
     spec: RunSpec | RunSpecError | None,
@@ -144,13 +156,15 @@ def decide(
     *,
     kill_grace_s: float = 30.0,
 ) -> Decision:
-    """The next actions for `rollout` given its executions (see the table in the module docstring)."""
+    """The next actions for `rollout` given its executions (see the table in the module docstring).
+
+    `kill_grace_s` is how long past its timeout an execution may still run before the controller
+    stops it itself (backends enforce the timeout on their own; this is the backstop).
+    """
     active = rollout.active_attempt_id
     actions = _cleanup(rollout, executions, active)
-    if rollout.terminal or rollout.status is None:
-        return Decision(tuple(actions))
-    if spec is None:
-        return Decision(tuple(actions))  # no run spec yet: the run's RunStarted may still come
+    if rollout.terminal or rollout.status is None or spec is None:
+        return Decision(tuple(actions))  # without a spec, wait: the run's RunStarted may still come
     if isinstance(spec, RunSpecError):
         if rollout.status in ("queuing", "requeuing"):
             last = rollout.current.attempt_id if rollout.current else None
@@ -160,55 +174,41 @@ def decide(
         return Decision((*actions, Start()))
     if rollout.status == "requeuing":
         return _decide_requeuing(rollout, spec, actions, now)
-    assert active is not None and rollout.current is not None
+    current_attempt = rollout.current
+    assert active is not None and current_attempt is not None
     current = next((ex for ex in executions if ex.key.attempt_id == active), None)
+    never_started = (
+        current is not None and current.phase == "failed" and (current.reason or "").startswith(NOT_LAUNCHED)
+    )
+    if rollout.status == "preparing" and (current is None or never_started):
+        return Decision((*actions, Relaunch(active, current_attempt.sequence)))
     if current is None:
-        return Decision((*actions, _vanished(rollout, spec)))
-    if current.terminal:
-        if current.phase == "succeeded":
-            step: Action = (
-                MarkRunning(active) if rollout.status == "preparing" else MarkEnded(active, "succeeded", None)
-            )
-            return Decision((*actions, step))
-        reason = failure_reason(current)
-        return Decision((*actions, after_failure(rollout, spec, reason, charged=not reason.startswith(NOT_LAUNCHED))))
+        reason = (
+            f"the execution of attempt {current_attempt.sequence} disappeared (deleted outside the controller, "
+            "or its node or process was lost)"
+        )
+        return Decision((*actions, after_failure(rollout, reason)))
+    if current.phase == "succeeded":
+        step = MarkRunning(active) if rollout.status == "preparing" else MarkEnded(active, "succeeded", None)
+        return Decision((*actions, step))
+    if current.phase == "failed":
+        return Decision((*actions, after_failure(rollout, failure_reason(current))))
     if current.phase == "running" and rollout.status == "preparing":
         actions.append(MarkRunning(active))
-    deadline = rollout.current.started_at + timeout_s(rollout, spec) + kill_grace_s
+    limit = timeout_s(rollout, spec)
+    deadline = current_attempt.started_at + limit + kill_grace_s
     if now >= deadline:
-        reason = f"timed out after {timeout_s(rollout, spec):g}s (stopped by the controller)"
-        return Decision((*actions, Kill(active, reason), after_failure(rollout, spec, reason)))
+        reason = f"timed out after {limit:g}s (stopped by the controller)"
+        return Decision((*actions, Kill(active, reason), after_failure(rollout, reason)))
     return Decision(tuple(actions), wake_at=deadline)
 
 
 def _decide_requeuing(rollout: Rollout, spec: RunSpec, actions: list[Action], now: float) -> Decision:
-    charged = rollout.charged_attempts()
-    limit = allowed_attempts(rollout, spec)
-    if charged >= limit or len(rollout.attempts) >= limit + UNCHARGED_ALLOWANCE:
-        reason = rollout.reason or "the last attempt failed"
+    if len(rollout.attempts) >= rollout.max_attempts:
         last = rollout.current.attempt_id if rollout.current else None
-        gave_up = f"{reason} (gave up after {len(rollout.attempts)} attempt(s))"
-        return Decision((*actions, MarkEnded(last, "failed", gave_up)))
-    ready_at = rollout.status_time + backoff_s(spec, charged)
+        reason = _gave_up(rollout, rollout.reason or "the last attempt failed")
+        return Decision((*actions, MarkEnded(last, "failed", reason)))
+    ready_at = rollout.status_time + backoff_s(spec, len(rollout.attempts))
     if now < ready_at:
         return Decision(tuple(actions), wake_at=ready_at)
     return Decision((*actions, Start()))
-
-
-def _vanished(rollout: Rollout, spec: RunSpec) -> MarkEnded:
-    current = rollout.current
-    assert current is not None
-    if rollout.status == "preparing":
-        return after_failure(
-            rollout,
-            spec,
-            f"{NOT_LAUNCHED}attempt {current.sequence} was started but its execution never was "
-            "(the controller stopped in between)",
-            charged=False,
-        )
-    return after_failure(
-        rollout,
-        spec,
-        f"the execution of attempt {current.sequence} disappeared (removed outside the controller, "
-        "or its node or process was lost)",
-    )

@@ -16,7 +16,8 @@ from schemas import AnyEvent, AttemptStarted, RolloutCreated, RolloutStatusChang
 from schemas.runs import RunSpec
 
 NOT_LAUNCHED = "not launched: "
-"""Prefix of the reason given to an attempt whose execution never started (see `Attempt.charged`)."""
+"""Prefix of the reason a backend gives for an execution that never started (its launcher stopped
+first): the controller launches the attempt again instead of counting it as a failure."""
 
 
 class Attempt(msgspec.Struct, frozen=True, kw_only=True):
@@ -28,15 +29,6 @@ class Attempt(msgspec.Struct, frozen=True, kw_only=True):
     reached_running: bool = False
     ended_as: str | None = None
     reason: str | None = None
-
-    @property
-    def charged(self) -> bool:
-        """Whether this attempt counts against `max_attempts`.
-
-        An attempt the controller gave up before its execution ever started (it stopped between
-        starting the attempt and launching it) was not a try of the agent, so it is not charged.
-        """
-        return self.reached_running or not (self.reason or "").startswith(NOT_LAUNCHED)
 
 
 class Rollout(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,10 +66,6 @@ class Rollout(msgspec.Struct, frozen=True, kw_only=True):
             return self.attempts[-1].attempt_id
         return None
 
-    def charged_attempts(self) -> int:
-        """How many attempts count against `max_attempts` (see `Attempt.charged`)."""
-        return sum(1 for attempt in self.attempts if attempt.charged)
-
 
 def _replace_attempt(attempts: tuple[Attempt, ...], attempt_id: str | None, **changes: Any) -> tuple[Attempt, ...]:
     if attempt_id is None:
@@ -106,13 +94,20 @@ def fold(rollout: Rollout | None, event: AnyEvent, seq: int) -> Rollout | None:
                 last_seq=seq,
             )
         case AttemptStarted():
-            attempt = Attempt(attempt_id=event.attempt_id or "", sequence=event.sequence, started_at=event.time)
-            known = [a for a in rollout.attempts if a.attempt_id != attempt.attempt_id]
-            return msgspec.structs.replace(rollout, attempts=(*known, attempt), last_seq=seq)
+            attempt_id = event.attempt_id or ""
+            if any(a.attempt_id == attempt_id for a in rollout.attempts):
+                # The gateway writes `preparing` first; this only confirms the attempt's number.
+                attempts = _replace_attempt(rollout.attempts, attempt_id, sequence=event.sequence)
+            else:
+                attempts = (
+                    *rollout.attempts,
+                    Attempt(attempt_id=attempt_id, sequence=event.sequence, started_at=event.time),
+                )
+            return msgspec.structs.replace(rollout, attempts=attempts, last_seq=seq)
         case RolloutStatusChanged():
             attempts = rollout.attempts
             if event.attempt_id is not None and all(a.attempt_id != event.attempt_id for a in attempts):
-                # A status naming an attempt whose AttemptStarted we never saw (another writer).
+                # A status naming an attempt not seen before (the gateway's AttemptStarted follows).
                 attempts = (
                     *attempts,
                     Attempt(attempt_id=event.attempt_id, sequence=len(attempts) + 1, started_at=event.time),

@@ -15,6 +15,7 @@ from services.controller.decide import (
     Kill,
     MarkEnded,
     MarkRunning,
+    Relaunch,
     Start,
     backoff_s,
     decide,
@@ -34,7 +35,7 @@ def build(events: Sequence[AnyEvent]) -> Rollout:
     return view
 
 
-def created(max_attempts: int = 1) -> RolloutCreated:
+def created(max_attempts: int = 3) -> RolloutCreated:
     return RolloutCreated(run_id=RUN, rollout_id=RID, input={"q": 1}, max_attempts=max_attempts, time=100.0)
 
 
@@ -100,21 +101,12 @@ def test_rollout_timeout_overrides_the_run_timeout() -> None:
     assert decide(view, SPEC, [ex("a1", "running")], now=101.0, kill_grace_s=1.0).wake_at == 106.0
 
 
-def test_preparing_without_execution_is_given_up_uncharged() -> None:
-    view = build([created(), status("queuing"), attempt("a1", 1), status("preparing", "a1")])
-    (action,) = decide(view, RunSpec(run_id=RUN, max_attempts=1), [], now=101.0).actions
-    assert isinstance(action, MarkEnded) and action.status == "requeuing"
-    assert (action.reason or "").startswith(NOT_LAUNCHED)
-    after = fold(view, status("requeuing", "a1", action.reason), 10)
-    assert after is not None and after.charged_attempts() == 0
-    # max_attempts=1 and no charged attempt: the rollout still gets its one real try.
-    assert decide(after, RunSpec(run_id=RUN, max_attempts=1, retry_backoff_s=0), [], now=101.0).actions == (Start(),)
-
-
-def test_execution_that_never_started_is_uncharged_too() -> None:
-    view = build([created(), status("queuing"), attempt("a1", 1), status("preparing", "a1")])
-    (action,) = decide(view, RunSpec(run_id=RUN), [ex("a1", "failed", reason=NOT_LAUNCHED + "x")], now=101.0).actions
-    assert isinstance(action, MarkEnded) and action.status == "requeuing"
+def test_preparing_without_execution_relaunches_the_same_attempt() -> None:
+    view = build([created(), status("queuing"), status("preparing", "a1"), attempt("a1", 1)])
+    assert view.current is not None and view.current.sequence == 1
+    assert decide(view, SPEC, [], now=101.0).actions == (Relaunch("a1", 1),)
+    never = ex("a1", "failed", reason=NOT_LAUNCHED + "the launcher stopped")
+    assert decide(view, SPEC, [never], now=101.0).actions == (Relaunch("a1", 1),)
 
 
 def test_ended_execution_reports_success_through_running() -> None:
@@ -137,7 +129,7 @@ def test_failure_retries_until_max_attempts_then_fails_with_last_reason() -> Non
             assert action == MarkEnded(aid, "requeuing", f"agent exited with code {n}")
         else:
             assert action.status == "failed" and (action.reason or "").startswith("agent exited with code 3")
-            assert "gave up after 3 attempt(s)" in (action.reason or "")
+            assert "gave up after 3 of 3 attempt(s)" in (action.reason or "")
         events.append(status(action.status, aid, action.reason, t=100.0))
 
 
@@ -146,7 +138,7 @@ def test_failure_reason_carries_the_log_tail() -> None:
     (action,) = decide(
         view, RunSpec(run_id=RUN), [ex("a1", "failed", "agent exited with code 1", "ValueError: bad")], now=101.0
     ).actions
-    assert isinstance(action, MarkEnded) and action.status == "failed"
+    assert isinstance(action, MarkEnded) and action.status == "requeuing"
     assert (action.reason or "").startswith("agent exited with code 1\nlast lines of the log:\nValueError: bad")
 
 
@@ -182,10 +174,10 @@ def test_rollout_level_max_attempts_raises_the_run_limit() -> None:
     assert isinstance(action, MarkEnded) and action.status == "requeuing"
 
 
-def test_running_without_execution_is_a_charged_failure() -> None:
+def test_running_without_execution_is_a_failure() -> None:
     view = build([created(), status("queuing"), attempt("a1", 1), status("preparing", "a1"), status("running", "a1")])
     (action,) = decide(view, RunSpec(run_id=RUN), [], now=101.0).actions
-    assert isinstance(action, MarkEnded) and action.status == "failed" and "disappeared" in (action.reason or "")
+    assert isinstance(action, MarkEnded) and action.status == "requeuing" and "disappeared" in (action.reason or "")
 
 
 def test_timeout_backstop_kills_after_grace_and_reports() -> None:

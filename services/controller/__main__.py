@@ -1,0 +1,68 @@
+"""`python -m services.controller [--gateway-url URL] [--nats-url URL] [--admin-token T]`: run until SIGTERM.
+
+Flags override the environment (ROLLWIRE_GATEWAY_URL, NATS_URL, ROLLWIRE_ADMIN_TOKEN, ...; see
+`settings.py`). Exits 2 with a one-line reason when a setting is wrong or NATS or the gateway
+cannot be reached, and 0 after SIGTERM or SIGINT: it stops starting executions, lets commands
+in flight finish, and leaves running executions to the next controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+from services.controller.gateway import GatewayClient
+from services.controller.reconciler import Controller
+from services.controller.settings import SettingsError, build_settings, parse_args
+from services.eventstore import EventStore, EventStoreError
+
+GATEWAY_WAIT_S = 60.0
+
+
+async def main(argv: list[str] | None = None) -> int:
+    """Connect, wait for the gateway, reconcile until a signal."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        settings = build_settings(parse_args(argv))
+    except SettingsError as exc:
+        print(f"rollwire controller: {exc}", file=sys.stderr)
+        return 2
+    try:
+        store = await EventStore.connect(settings.nats_url, stream=settings.stream, name="rollwire-controller")
+    except EventStoreError as exc:
+        print(f"rollwire controller: {exc}", file=sys.stderr)
+        return 2
+    gateway = GatewayClient(settings.gateway_url, settings.admin_token)
+    try:
+        deadline = time.monotonic() + GATEWAY_WAIT_S
+        while not await gateway.healthy():
+            if time.monotonic() > deadline:
+                print(
+                    f"rollwire controller: no gateway answers at {settings.gateway_url}/healthz; "
+                    "start it (rollwire up) or fix ROLLWIRE_GATEWAY_URL",
+                    file=sys.stderr,
+                )
+                return 2
+            await asyncio.sleep(0.5)
+        controller = Controller(store, gateway, settings)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, controller.stop)
+        await controller.run()
+        return 0
+    finally:
+        await gateway.close()
+        await store.close()
+
+
+def run() -> None:
+    """Console entry point."""
+    sys.exit(asyncio.run(main()))
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,82 @@
+"""The controller end to end on the local backend: real gateway, real processes, real `openai` agent."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from conftest import Rig, agent
+
+
+def test_a_real_openai_agent_runs_reports_a_reward_and_succeeds(rig: Rig) -> None:
+    rig.start_run(command=agent("openai_agent.py"), timeout_s=60)
+    rig.start_controller()
+    (rid,) = rig.create({"question": "What is 2+2?", "answer": "4"})
+    rollout = rig.wait(rid)
+    assert rollout["state"] == "succeeded", rollout
+    assert rollout["attempt_count"] == 1
+    (reward,) = rig.events(rid, "reward")
+    assert reward["value"] in (0.0, 1.0) and reward["source"] == "agent"
+    calls = rig.events(rid, "model_request")
+    assert len(calls) == 1 and calls[0]["response_ids"]  # the agent's call crossed the proxy, tokens recorded
+    answer = [e for e in rig.events(rid, "custom") if e["name"] == "answer"]
+    assert answer and "text" in answer[0]["payload"]
+    (log,) = [e for e in rig.events(rid, "custom") if e["name"] == "log"]
+    directory = Path(log["payload"]["log_location"])
+    assert "reply=" in (directory / "stdout.log").read_text()
+
+
+def test_a_crashing_agent_is_retried_then_failed_with_its_reason(rig: Rig) -> None:
+    rig.start_run(command=agent("crash_agent.py"), max_attempts=2, retry_backoff_s=0.2, timeout_s=30)
+    rig.start_controller()
+    (rid,) = rig.create({"question": "?"})
+    rollout = rig.wait(rid)
+    assert rollout["state"] == "failed" and rollout["attempt_count"] == 2
+    reason = rollout["reason"]
+    assert reason.startswith("agent exited with code 3"), reason
+    assert "ValueError: the tool returned nothing" in reason  # the log's last lines
+    assert "gave up after 2 of 2 attempt(s)" in reason
+    logs = [e for e in rig.events(rid, "custom") if e["name"] == "log"]
+    assert len(logs) == 2  # each attempt's log is linked from the rollout
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_hanging_agent_times_out_and_its_process_group_dies(rig: Rig) -> None:
+    rig.start_run(command=agent("hang_agent.py"), timeout_s=2, max_attempts=1)
+    rig.start_controller()
+    pid_file = rig.tmp / "hang.json"
+    (rid,) = rig.create({"pid_file": str(pid_file)})
+    rollout = rig.wait(rid)
+    assert rollout["state"] == "failed" and rollout["reason"].startswith("timed out after 2s"), rollout
+    pids = json.loads(pid_file.read_text())
+    assert pids["pgid"] == pids["pid"]  # the agent leads its own process group
+    deadline = time.monotonic() + 5
+    while (_alive(pids["pid"]) or _alive(pids["child"])) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pids["pid"]) and not _alive(pids["child"])
+
+
+def test_a_cancelled_rollout_stops_its_execution(rig: Rig) -> None:
+    rig.start_run(command=agent("hang_agent.py"), timeout_s=60)
+    rig.start_controller()
+    pid_file = rig.tmp / "hang.json"
+    (rid,) = rig.create({"pid_file": str(pid_file)})
+    rig.wait(rid, ("running",))
+    while not pid_file.exists():
+        time.sleep(0.05)
+    pids = json.loads(pid_file.read_text())
+    r = rig.admin.patch(f"/api/rollouts/{rid}", json={"status": "cancelled", "reason": "by hand"})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while (_alive(pids["pid"]) or _alive(pids["child"])) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pids["pid"]) and not _alive(pids["child"])
+    assert rig.rollout(rid)["state"] == "cancelled"
