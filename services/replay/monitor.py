@@ -21,14 +21,20 @@ rollout's other custom events.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, Literal
+import os
+import signal
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Literal, cast
 
 import msgspec
+import nats.js.errors
 
 from schemas import AnyEvent, CustomEvent, Event, ModelRequestRecorded, check_id
-from services.eventstore import Appended, EventStore, StartFrom, StoredEvent
+from services.eventstore import Appended, EventStore, EventStoreError, StartFrom, StoredEvent
 
 FLAG_EVENT = "flag"
 Severity = Literal["info", "warning", "critical"]
@@ -57,11 +63,20 @@ class Monitor:
         self.store = store
         self.name = check_id("monitor name", name)
         self._owns_store = owns_store
+        self.options: argparse.Namespace = argparse.Namespace()
+        """The script's parsed options when run by `monitor_main`."""
 
     @classmethod
     async def connect(cls, url: str, *, name: str) -> Monitor:
         """Connect to the event store at `url` as the monitor `name` (the stream must exist)."""
         store = await EventStore.connect(url, ensure=False, name=f"monitor-{name}")
+        try:
+            await store.js.stream_info(store.stream)
+        except nats.js.errors.NotFoundError:
+            await store.close()
+            raise EventStoreError(
+                f"the stream {store.stream} does not exist at {url} yet; start the stack (`rollwire up`) first"
+            ) from None
         return cls(store, name, owns_store=True)
 
     async def close(self) -> None:
@@ -82,9 +97,15 @@ class Monitor:
         start: StartFrom = "new",
         since: float | None = None,
         durable: str | None = None,
-    ) -> AsyncIterator[StoredEvent]:
-        """Events matching the pattern(s) with their stream sequence and subject, forever."""
-        return self.store.subscribe(pattern, start=start, since=since, durable=durable)
+        after_seq: int | None = None,
+    ) -> AsyncGenerator[StoredEvent, None]:
+        """Events matching the pattern(s) with their stream sequence and subject, forever.
+
+        An async generator: close it (`contextlib.aclosing`) to hand back what it fetched at once.
+        The subscription starts at the first iteration; `after_seq` pins "from now" to a sequence.
+        """
+        stream = self.store.subscribe(pattern, start=start, since=since, durable=durable, after_seq=after_seq)
+        return cast(AsyncGenerator[StoredEvent, None], stream)
 
     async def events(
         self,
@@ -100,9 +121,11 @@ class Monitor:
         `start="start"` replays the stream's history first; `since` (Unix seconds) starts at a
         time; `durable` resumes where a monitor of that name stopped (see the module docstring).
         """
-        async for stored in self.stored(pattern, start=start, since=since, durable=durable):
-            if not types or isinstance(stored.event, types):
-                yield stored.event
+        # aclosing: when the caller stops, the subscription hands back what it fetched right away.
+        async with contextlib.aclosing(self.stored(pattern, start=start, since=since, durable=durable)) as stream:
+            async for stored in stream:
+                if not types or isinstance(stored.event, types):
+                    yield stored.event
 
     async def earlier(self, subject: str, before_seq: int) -> list[StoredEvent]:
         """The events on `subject` stored before `before_seq`: what happened before the monitor came.
@@ -110,8 +133,6 @@ class Monitor:
         A monitor that starts late, or resumes after a restart, rebuilds its state for a rollout
         from this the first time it sees the rollout. Costs one request when there is none.
         """
-        import nats.js.errors
-
         try:
             first = await self.store.js.get_msg(self.store.stream, seq=1, subject=subject, next=True)
         except nats.js.errors.NotFoundError:
@@ -168,3 +189,59 @@ class Monitor:
 def flags_of(events: Sequence[AnyEvent]) -> list[tuple[str | None, dict[str, Any]]]:
     """(rollout id, payload) of every flag among `events` (for tests and reports)."""
     return [(e.rollout_id, e.payload) for e in events if isinstance(e, CustomEvent) and e.name == FLAG_EVENT]
+
+
+Handler = Callable[[Monitor, StoredEvent], Awaitable[None]]
+
+
+def monitor_main(
+    name: str,
+    handle: Handler,
+    *,
+    pattern: str | Sequence[str],
+    doc: str = "",
+    argv: Sequence[str] | None = None,
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
+    """Run a monitor script: parse the common options, follow the pattern, call `handle` per event.
+
+    Options: `--nats-url` (default $NATS_URL or the embedded stack's), `--pattern` (repeatable),
+    `--durable NAME` (resume where a monitor of that name stopped; default: the monitor's name),
+    `--from-start`, `--no-durable`. `extra` adds the script's own options; the parsed options are
+    set on `monitor.options` before the first event. SIGINT and SIGTERM stop it cleanly.
+    """
+    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0] if doc else name)
+    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:14222"))
+    parser.add_argument("--pattern", action="append", help=f"subject pattern (repeatable; default {pattern})")
+    parser.add_argument("--durable", default=name, help="consumer name to resume from (default: %(default)s)")
+    parser.add_argument("--no-durable", action="store_true", help="do not keep a position on the server")
+    parser.add_argument("--from-start", action="store_true", help="begin with the oldest stored event")
+    if extra is not None:
+        extra(parser)
+    options = parser.parse_args(argv)
+
+    async def run() -> None:
+        monitor = await Monitor.connect(options.nats_url, name=name)
+        monitor.options = options
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, lambda: task.cancel() if task else None)
+        durable = None if options.no_durable else options.durable
+        start: StartFrom = "start" if options.from_start else "new"
+        # "From now" is the stream's last sequence at this moment, not whenever the consumer is made.
+        after_seq = None if options.from_start else await monitor.store.last_sequence()
+        patterns = options.pattern or ([pattern] if isinstance(pattern, str) else list(pattern))
+        print(f"{name}: following {', '.join(patterns)}", flush=True)
+        try:
+            stream = monitor.stored(patterns, start=start, durable=durable, after_seq=after_seq)
+            async with contextlib.aclosing(stream):
+                async for stored in stream:
+                    await handle(monitor, stored)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await monitor.close()
+
+    asyncio.run(run())
+    return options

@@ -83,7 +83,8 @@ async def test_replay_of_a_trainer_step_equals_what_the_trainer_built(
     collected = collect_rollouts(events)
     for n in range(3):
         # What the trainer built live in step n: build_step over that step's rollouts, its recorded config.
-        live = build_step([r for r in collected.rollouts if steps.get(r.rollout_id) == n], AdapterConfig.from_mapping(config))
+        trained = [r for r in collected.rollouts if steps.get(r.rollout_id) == n]
+        live = build_step(trained, AdapterConfig.from_mapping(config))
         report = await _replay(nats_url, run_id, step=n)
         (scheme,) = report.schemes
         assert scheme.config == AdapterConfig.from_mapping(config)  # the run's recorded adapter config is the default
