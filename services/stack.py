@@ -34,6 +34,7 @@ from services.embedded import EmbeddedServerError, NatsServer, PostgresServer, f
 DEFAULT_NATS_PORT = 14222
 DEFAULT_PG_PORT = 15432
 DEFAULT_GATEWAY_PORT = 18080
+DEFAULT_MODEL_NAME = "tiny"
 
 
 class StackError(RuntimeError):
@@ -54,7 +55,8 @@ class StackConfig:
     gateway_port: int = DEFAULT_GATEWAY_PORT
     engine_port: int = 0
     external: bool = False
-    services: tuple[str, ...] = ("gateway", "projector", "controller", "engine")
+    services: tuple[str, ...] = ("engine", "gateway", "projector", "controller")
+    engine_model: Path | None = None
     durable_postgres: bool = True
 
 
@@ -195,22 +197,45 @@ class Stack:
         if "gateway" in self.config.services:
             endpoints.gateway_url = f"http://127.0.0.1:{ports['gateway']}"
         if "engine" in self.config.services:
-            endpoints.engine_url = f"http://127.0.0.1:{ports['engine']}"
+            endpoints.engine_url = f"http://127.0.0.1:{ports['engine']}/v1"
+        if endpoints.gateway_url and endpoints.engine_url:
+            self._register_engine(endpoints)
         self.endpoints = endpoints
         return endpoints
 
     def _service_specs(self, ports: dict[str, int]) -> list[ChildService]:
         """The services to start, in order, for the names in the config."""
         gateway = f"http://127.0.0.1:{ports['gateway']}"
+        engine = f"http://127.0.0.1:{ports['engine']}"
         known = {
+            "engine": ChildService(
+                "engine",
+                ["--host", "127.0.0.1", "--port", str(ports["engine"]), "--served-name", DEFAULT_MODEL_NAME,
+                 *(["--model", str(self.config.engine_model)] if self.config.engine_model else [])],
+                health_url=f"{engine}/health",
+                endpoint=f"engine: {engine}/v1",
+            ),
             "gateway": ChildService(
                 "gateway",
                 ["--host", "127.0.0.1", "--port", str(ports["gateway"])],
                 health_url=f"{gateway}/healthz",
                 endpoint=f"gateway: {gateway}",
             ),
-        }
+            "projector": ChildService("projector", ["--metrics-port", "-1"]),
+            "controller": ChildService("controller", []),
+        }  # fmt: skip
         return [known[name] for name in self.config.services if name in known]
+
+    def _register_engine(self, endpoints: Endpoints) -> None:
+        """Register the embedded engine as the default model, so any run's proxy calls reach it."""
+        response = httpx.post(
+            f"{endpoints.gateway_url}/api/models",
+            json={"name": DEFAULT_MODEL_NAME, "base_url": endpoints.engine_url, "served_model": DEFAULT_MODEL_NAME},
+            headers={"Authorization": f"Bearer {endpoints.admin_token}", "Idempotency-Key": "stack-engine"},
+            timeout=30.0,
+        )
+        if response.status_code >= 300:
+            raise StackError(f"registering the engine with the gateway failed: {response.text[:200]}")
 
     def _start_child(self, spec: ChildService, env: dict[str, str]) -> None:
         logs = self.data_dir / "logs"
