@@ -564,7 +564,7 @@ class FakeApiServer:
 
     def _remove(self, resource: str, namespace: str, name: str) -> Obj:
         store = self._store
-        obj = store.objects.pop((resource, namespace, name))
+        obj = _copy(store.objects.pop((resource, namespace, name)))
         store.rv += 1
         obj["metadata"]["resourceVersion"] = str(store.rv)
         self._record(resource, namespace, "DELETED", obj)
@@ -573,7 +573,9 @@ class FakeApiServer:
     def _record(self, resource: str, namespace: str, event_type: str, obj: Obj) -> None:
         store = self._store
         apiversion, kind = _KINDS[resource]
-        snapshot = {"apiVersion": apiversion, "kind": kind, **_copy(obj)}
+        # Stored objects are never changed in place (every change stores a new copy), so the
+        # history can share them.
+        snapshot = {"apiVersion": apiversion, "kind": kind, **obj}
         store.history.append(_Event(store.rv, resource, namespace, event_type, snapshot))
         store.history_rvs.append(store.rv)
         if len(store.history) > self.history_limit:
@@ -713,7 +715,7 @@ class FakeApiServer:
             stored = self._put("jobs", body, "ADDED")
             if self.auto_pods:
                 self._create_pod_for(stored)
-            return _copy(self._store.objects[("jobs", namespace, name)])
+            return self._store.objects[("jobs", namespace, name)]
 
     def _check_job(self, body: Obj) -> None:
         meta = body["metadata"]

@@ -32,7 +32,9 @@ native sidecar (an init container with `restartPolicy: Always`).
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
+import json
 import logging
 import math
 import re
@@ -169,20 +171,28 @@ def validate_manifest(manifest: Manifest, kubernetes_version: str, *, strict: bo
     """Check a manifest against the Kubernetes OpenAPI schema (offline, `kubernetes-validate`).
 
     Raises `TemplateError` naming the field. Without `kubernetes-validate` installed, logs that
-    only the structure was checked.
+    only the structure was checked. Results are remembered: the same manifest is checked once.
     """
+    problem = _schema_problem(json.dumps(manifest, sort_keys=True), kubernetes_version, strict)
+    if problem is not None:
+        raise TemplateError(problem)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(manifest_json: str, kubernetes_version: str, strict: bool) -> str | None:
     try:
         import kubernetes_validate
     except ImportError:
         log.warning("kubernetes-validate is not installed: manifests are checked for structure only")
-        return
+        return None
     try:
-        kubernetes_validate.validate(manifest, kubernetes_version, strict=strict)
+        kubernetes_validate.validate(json.loads(manifest_json), kubernetes_version, strict=strict)
     except kubernetes_validate.ValidationError as e:
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.path).lstrip(".") or "(top level)"
-        raise TemplateError(f"{where}: {e.message}") from None
+        return f"{where}: {e.message}"
     except kubernetes_validate.SchemaNotFoundError as e:
-        raise TemplateError(e.message) from None
+        return str(e.message)
+    return None
 
 
 class JobTemplate:
@@ -359,7 +369,7 @@ class JobTemplate:
             raise PermanentBackendError(
                 f"{self.source} uses {{{{ image }}}} but neither the launch nor the backend settings name an image"
             )
-        job: Manifest = _fill(copy.deepcopy(self._tree), values)
+        job: Manifest = _fill(self._tree, values)  # builds a new tree: the parsed template is never changed
         for problem in (label_problem(k, v) for k, v in spec.labels.items()):
             if problem:
                 raise PermanentBackendError(f"launch labels: {problem}")
