@@ -134,7 +134,7 @@ class Engine:
             for i in range(n)
         ]
         steps = generate(weights.model, weights.cache_arg, prompt_ids, params, generators, builders)
-        job = Job(steps, asyncio.get_running_loop())
+        job = Job(steps, asyncio.get_running_loop(), report_steps=bool(request.stream))
         self.scheduler.submit(job)
         return Started(job=job, builders=builders, weights_version=weights.version, prompt_ids=prompt_ids)
 

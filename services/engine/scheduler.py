@@ -38,8 +38,14 @@ _DONE = object()
 class Job:
     """One request's generation, produced in the scheduler thread and consumed in the event loop."""
 
-    def __init__(self, steps: Generator[list[TokenDelta], None, None], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        steps: Generator[list[TokenDelta], None, None],
+        loop: asyncio.AbstractEventLoop,
+        report_steps: bool = True,
+    ) -> None:
         self.steps = steps
+        self.report_steps = report_steps  # False: only the end is reported (no wake-up per token)
         self._loop = loop
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._cancelled = threading.Event()
@@ -59,7 +65,7 @@ class Job:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
     async def deltas(self) -> AsyncIterator[list[TokenDelta]]:
-        """Each step's deltas as they are produced; raises if generation failed."""
+        """Each step's deltas as they are produced (none unless report_steps); raises if generation failed."""
         while True:
             item = await self._queue.get()
             if item is _DONE:
@@ -111,7 +117,9 @@ class Scheduler:
             self._finish(job, _DONE)
             return False
         try:
-            job.post(next(job.steps))
+            deltas = next(job.steps)
+            if job.report_steps:
+                job.post(deltas)
         except StopIteration:
             self._finish(job, _DONE)
             return False

@@ -26,79 +26,35 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from msgspec import UNSET
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.engine.engine import Engine, Started
-from services.engine.output import ChoiceBuilder, TokenDelta
 from services.engine.protocol import (
-    AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    Choice,
-    ChoiceLogprobs,
     ChunkChoice,
     Delta,
-    FunctionDelta,
     ModelCard,
     ModelList,
     RequestError,
-    ToolCallDelta,
     Usage,
     decode_chat_request,
     decode_reload_request,
 )
+from services.engine.responses import chunk_choice, encode, final_choice, sse, usage
 from services.engine.scheduler import EngineClosedError, GenerationFailedError
 from services.engine.tokenizer import ModelLoadError
 
 WEIGHTS_VERSION_HEADER = "x-rollwire-weights-version"
-_encoder = msgspec.json.Encoder()
 
 
 def _json(payload: Any, version: int, status: int = 200) -> Response:
     headers = {WEIGHTS_VERSION_HEADER: str(version)}
-    return Response(_encoder.encode(payload), status_code=status, media_type="application/json", headers=headers)
-
-
-def _sse(payload: Any) -> bytes:
-    return b"data: " + _encoder.encode(payload) + b"\n\n"
-
-
-def _usage(started: Started) -> Usage:
-    completion = sum(len(b.token_ids) for b in started.builders)
-    prompt = len(started.prompt_ids)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def _final_choice(builder: ChoiceBuilder, request: ChatCompletionRequest) -> Choice:
-    calls = list(builder.tool_calls)
-    return Choice(
-        index=builder.index,
-        message=AssistantMessage(content=builder.content, tool_calls=calls if calls else UNSET),
-        logprobs=ChoiceLogprobs(content=builder.logprobs) if request.logprobs else None,
-        finish_reason=builder.finish_reason or "length",
-        stop_reason=builder.stop_reason,
-        token_ids=list(builder.token_ids) if request.return_token_ids else UNSET,
-    )
-
-
-def _chunk_choice(delta: TokenDelta, request: ChatCompletionRequest) -> ChunkChoice:
-    calls = [
-        ToolCallDelta(index=i, id=call.id, function=FunctionDelta(call.function.name, call.function.arguments))
-        for i, call in enumerate(delta.tool_calls)
-    ]
-    return ChunkChoice(
-        index=delta.index,
-        delta=Delta(content=delta.content if delta.content else UNSET, tool_calls=calls if calls else UNSET),
-        logprobs=ChoiceLogprobs(content=[delta.logprob]) if delta.logprob is not None else None,
-        finish_reason=delta.finish_reason,
-        stop_reason=delta.stop_reason if delta.finish_reason else UNSET,
-        token_ids=[delta.token_id] if request.return_token_ids else UNSET,
-    )
+    return Response(encode(payload), status_code=status, media_type="application/json", headers=headers)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -111,27 +67,26 @@ async def _wait_for_disconnect(request: Request) -> None:
 async def _collect(started: Started, request: Request) -> bool:
     """Run a non-streaming request to the end; False if the client went away first (generation stopped)."""
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    watcher.add_done_callback(lambda _: started.job.cancel())
     try:
         async for _ in started.job.deltas():
-            if watcher.done():
-                return False
-        return True
+            pass
+        return not (watcher.done() and not watcher.cancelled())
     finally:
         watcher.cancel()
-        started.job.cancel()
 
 
 async def _stream(engine: Engine, request: ChatCompletionRequest, started: Started) -> AsyncIterator[bytes]:
     chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-    def chunk(choices: list[ChunkChoice], usage: Usage | None = None, first: bool = False) -> bytes:
-        return _sse(
+    def chunk(choices: list[ChunkChoice], counts: Usage | None = None, first: bool = False) -> bytes:
+        return sse(
             ChatCompletionChunk(
                 id=chunk_id,
                 created=created,
                 model=engine.served_name,
                 choices=choices,
-                usage=UNSET if usage is None else usage,
+                usage=UNSET if counts is None else counts,
                 prompt_token_ids=started.prompt_ids if first and request.return_token_ids else UNSET,
                 weights_version=started.weights_version if first else UNSET,
             )
@@ -142,13 +97,13 @@ async def _stream(engine: Engine, request: ChatCompletionRequest, started: Start
         yield chunk(roles, first=True)
         try:
             async for deltas in started.job.deltas():
-                yield chunk([_chunk_choice(d, request) for d in deltas])
+                yield chunk([chunk_choice(d, request) for d in deltas])
         except (GenerationFailedError, EngineClosedError) as exc:
             error = RequestError(str(exc), code="generation_failed", status=500, error_type="server_error")
-            yield _sse(error.body())
+            yield sse(error.body())
         else:
             if request.stream_options is not None and request.stream_options.include_usage:
-                yield chunk([], usage=_usage(started))
+                yield chunk([], counts=usage(started.prompt_ids, started.builders))
         yield b"data: [DONE]\n\n"
     finally:
         started.job.cancel()
@@ -200,8 +155,8 @@ def _routes(app: FastAPI, engine: Engine) -> None:
             id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=engine.served_name,
-            choices=[_final_choice(b, request) for b in started.builders],
-            usage=_usage(started),
+            choices=[final_choice(b, request) for b in started.builders],
+            usage=usage(started.prompt_ids, started.builders),
             weights_version=started.weights_version,
             prompt_token_ids=started.prompt_ids if request.return_token_ids else UNSET,
         )

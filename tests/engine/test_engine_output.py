@@ -14,8 +14,8 @@ from services.engine.output import ChoiceBuilder, TokenDelta
 from services.engine.protocol import ChatCompletion as EngineCompletion
 from services.engine.protocol import ChatCompletionChunk as EngineChunk
 from services.engine.protocol import ChatCompletionRequest, Usage
+from services.engine.responses import chunk_choice, encode, final_choice
 from services.engine.sampling import SamplingParams
-from services.engine.server import _chunk_choice, _encoder, _final_choice
 from services.engine.tokenizer import TokenTable
 from services.engine.tool_calls import parse_tool_calls
 
@@ -108,20 +108,20 @@ def test_tool_call_output_streams_the_same_as_it_completes(
         id="chatcmpl-x",
         created=0,
         model="m",
-        choices=[_final_choice(builder, request)],
+        choices=[final_choice(builder, request)],
         usage=Usage(1, len(ids), 1 + len(ids)),
         weights_version=3,
         prompt_token_ids=[1],
     )
-    parsed = ChatCompletion.model_validate_json(_encoder.encode(completion))
+    parsed = ChatCompletion.model_validate_json(encode(completion))
     message = parsed.choices[0].message
     assert parsed.choices[0].finish_reason == "tool_calls"
     assert message.tool_calls is not None and message.tool_calls[0].type == "function"
     assert message.tool_calls[0].function.name == "get_weather"
     assert parsed.choices[0].model_extra == {"stop_reason": None, "token_ids": ids}
     assert parsed.choices[0].logprobs is not None and len(parsed.choices[0].logprobs.content or []) == len(ids)
-    chunks = [EngineChunk(id="c", created=0, model="m", choices=[_chunk_choice(d, request)]) for d in deltas]
-    streamed = [ChatCompletionChunk.model_validate_json(_encoder.encode(c)) for c in chunks]
+    chunks = [EngineChunk(id="c", created=0, model="m", choices=[chunk_choice(d, request)]) for d in deltas]
+    streamed = [ChatCompletionChunk.model_validate_json(encode(c)) for c in chunks]
     assert [t for c in streamed for t in (c.choices[0].model_extra or {})["token_ids"]] == ids
     calls = streamed[-1].choices[0].delta.tool_calls
     assert calls is not None and calls[0].function is not None and calls[0].function.name == "get_weather"

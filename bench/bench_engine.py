@@ -1,0 +1,153 @@
+"""Throughput and time to first token of the embedded engine serving the tiny model.
+
+    .venv/bin/python bench/bench_engine.py [--threads 1] [--tokens 256]
+
+Starts `python -m services.engine` as a subprocess on a free port (so the client does not share
+the server's GIL), talks to it with the official async openai client, and prints:
+- single stream: time to first token (short and ~1000-token prompts) and decode tokens/s;
+- non-streaming request latency and tokens/s;
+- aggregate tokens/s with 4 and 8 concurrent streams, and with n=4 choices in one request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from services.embedded import free_port
+from services.engine.tiny_model import build_tiny_model
+
+SHORT = [{"role": "user", "content": "Say hello."}]
+LONG = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 90}]
+
+
+async def _stream_once(client: openai.AsyncOpenAI, messages: list, tokens: int, n: int = 1) -> tuple[float, float, int]:
+    """(seconds to first token, total seconds, tokens received) of one streamed request."""
+    started = time.perf_counter()
+    first = 0.0
+    received = 0
+    stream = await client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=tokens,
+        n=n,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    async for chunk in stream:
+        for choice in chunk.choices:
+            got = len((choice.model_extra or {}).get("token_ids") or [])
+            if got and not first:
+                first = time.perf_counter() - started
+            received += got
+    return first, time.perf_counter() - started, received
+
+
+async def _bench(base_url: str, tokens: int) -> None:
+    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0) as client:
+        await _stream_once(client, SHORT, 16)  # warm-up
+        runs = [await _stream_once(client, SHORT, tokens) for _ in range(3)]
+        ttft = statistics.median(r[0] for r in runs)
+        decode = statistics.median((r[2] - 1) / (r[1] - r[0]) for r in runs)
+        print(f"single stream, short prompt: TTFT {ttft * 1000:.1f} ms, decode {decode:.0f} tokens/s")
+        long_runs = [await _stream_once(client, LONG, 32) for _ in range(3)]
+        prompt = await client.chat.completions.create(model="tiny", messages=LONG, max_tokens=1)  # type: ignore[arg-type]
+        prompt_tokens = prompt.usage.prompt_tokens if prompt.usage else 0
+        long_ttft = statistics.median(r[0] for r in long_runs)
+        print(f"single stream, {prompt_tokens}-token prompt: TTFT {long_ttft * 1000:.1f} ms")
+
+        started = time.perf_counter()
+        whole = await client.chat.completions.create(
+            model="tiny",
+            messages=SHORT,  # type: ignore[arg-type]
+            max_tokens=tokens,
+            extra_body={"ignore_eos": True},
+        )
+        elapsed = time.perf_counter() - started
+        done = whole.usage.completion_tokens if whole.usage else 0
+        print(f"non-streaming, {done} tokens: {elapsed * 1000:.0f} ms ({done / elapsed:.0f} tokens/s)")
+
+        for concurrent in (4, 8):
+            started = time.perf_counter()
+            results = await asyncio.gather(*[_stream_once(client, SHORT, tokens) for _ in range(concurrent)])
+            elapsed = time.perf_counter() - started
+            total = sum(r[2] for r in results)
+            ttfts = sorted(r[0] for r in results)
+            print(
+                f"{concurrent} concurrent streams: {total / elapsed:.0f} tokens/s aggregate, "
+                f"TTFT median {statistics.median(ttfts) * 1000:.0f} ms, max {ttfts[-1] * 1000:.0f} ms"
+            )
+        first, elapsed, total = await _stream_once(client, SHORT, tokens, n=4)
+        print(f"one request with n=4: {total / elapsed:.0f} tokens/s aggregate, TTFT {first * 1000:.0f} ms")
+
+
+def _raw_loop(model_dir: Path, tokens: int, threads: int) -> None:
+    """Tokens/s of the token loop itself, in this process, without HTTP (the server's ceiling)."""
+    import torch
+
+    from services.engine.engine import load_weights
+    from services.engine.generation import generate
+    from services.engine.output import ChoiceBuilder
+    from services.engine.sampling import SamplingParams
+    from services.engine.tokenizer import TokenTable, load_tokenizer
+
+    torch.set_num_threads(threads)
+    weights = load_weights(model_dir, 0)
+    table = TokenTable.build(load_tokenizer(model_dir), weights.vocab_size)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    rates = []
+    for attempt in range(4):
+        builders = [ChoiceBuilder(0, table, params, frozenset(), False, True)]
+        generator = [torch.Generator().manual_seed(attempt)]
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for _ in generate(weights.model, weights.cache_arg, list(range(10, 20)), params, generator, builders):
+                pass
+        rates.append(tokens / (time.perf_counter() - started))
+    print(f"token loop in-process (no HTTP): {statistics.median(rates[1:]):.0f} tokens/s")
+
+
+def main() -> None:
+    """Build the tiny model, start the engine, run the measurements, stop the engine."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine process")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per request")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        model = build_tiny_model(Path(tmp) / "tiny")
+        port = free_port()
+        command = [sys.executable, "-m", "services.engine", "--model", str(model), "--port", str(port)]
+        command += ["--served-name", "tiny", "--threads", str(args.threads)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            base_url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    httpx.get(base_url + "/health", timeout=1).raise_for_status()
+                    break
+                except httpx.HTTPError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise SystemExit("the engine did not start") from None
+                    time.sleep(0.2)
+            print(f"tiny model, engine with {args.threads} torch thread(s), {os.cpu_count()} CPUs")
+            asyncio.run(_bench(base_url, args.tokens))
+            _raw_loop(model, args.tokens, args.threads)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Building vLLM-shaped response bodies from finished choices and per-token deltas."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from msgspec import UNSET
+
+from services.engine.output import ChoiceBuilder, TokenDelta
+from services.engine.protocol import (
+    AssistantMessage,
+    ChatCompletionRequest,
+    Choice,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Delta,
+    FunctionDelta,
+    ToolCallDelta,
+    Usage,
+)
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(payload: Any) -> bytes:
+    """JSON bytes of a response Struct (or plain data)."""
+    return _encoder.encode(payload)
+
+
+def sse(payload: Any) -> bytes:
+    """One server-sent event carrying `payload` as JSON."""
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+def usage(prompt_ids: Sequence[int], builders: Sequence[ChoiceBuilder]) -> Usage:
+    """Token counts of a request: completion tokens summed over its choices."""
+    completion = sum(len(b.token_ids) for b in builders)
+    return Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion, total_tokens=len(prompt_ids) + completion)
+
+
+def final_choice(builder: ChoiceBuilder, request: ChatCompletionRequest) -> Choice:
+    """A finished choice of a non-streaming response."""
+    calls = list(builder.tool_calls)
+    return Choice(
+        index=builder.index,
+        message=AssistantMessage(content=builder.content, tool_calls=calls if calls else UNSET),
+        logprobs=ChoiceLogprobs(content=builder.logprobs) if request.logprobs else None,
+        finish_reason=builder.finish_reason or "length",
+        stop_reason=builder.stop_reason,
+        token_ids=list(builder.token_ids) if request.return_token_ids else UNSET,
+    )
+
+
+def chunk_choice(delta: TokenDelta, request: ChatCompletionRequest) -> ChunkChoice:
+    """One token's part of a stream chunk (tool calls arrive whole in the finishing chunk)."""
+    calls = [
+        ToolCallDelta(index=i, id=call.id, function=FunctionDelta(call.function.name, call.function.arguments))
+        for i, call in enumerate(delta.tool_calls)
+    ]
+    return ChunkChoice(
+        index=delta.index,
+        delta=Delta(content=delta.content if delta.content else UNSET, tool_calls=calls if calls else UNSET),
+        logprobs=ChoiceLogprobs(content=[delta.logprob]) if delta.logprob is not None else None,
+        finish_reason=delta.finish_reason,
+        stop_reason=delta.stop_reason if delta.finish_reason else UNSET,
+        token_ids=[delta.token_id] if request.return_token_ids else UNSET,
+    )
