@@ -100,6 +100,10 @@ class ExecutionState(msgspec.Struct, frozen=True, kw_only=True):
     person where the whole log is (a command or a path); `log_tail` holds the last lines of a
     failed execution's log.
 
+    An execution that cannot start (an image that cannot be pulled, for longer than the
+    backend's grace period) is reported `failed` although the executor may still hold it:
+    `cancel` or `cleanup` releases it.
+
     `deleted` is True on the last state `watch` reports for an execution that no longer exists
     (cancelled, cleaned up, expired, or deleted by a person). If it had not finished, its phase
     is `failed` with a reason saying so; otherwise it keeps its final phase. `list` never
@@ -176,7 +180,8 @@ class ExecutionBackend(Protocol):
 
         States are levels, not edges: a state may repeat, and one consumer may miss intermediate
         states but always gets the latest. Changes of one execution come in order. Iteration
-        ends when the backend is closed. Several watchers may run at once.
+        ends when the backend is closed. Several watchers may run at once. Executor errors do
+        not end the iteration: the backend retries (and re-lists) by itself.
         """
         ...
 
