@@ -1,0 +1,60 @@
+"""Helpers of the projector tests: throwaway databases and a projector running in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+
+from services.projector.service import Projector, ProjectorSettings
+
+
+async def create_database(admin_url: str) -> str:
+    """A new empty database on the server at `admin_url`; returns its URL."""
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    admin = await asyncpg.connect(admin_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    return admin_url.rsplit("/", 1)[0] + f"/{name}"
+
+
+async def drop_database(admin_url: str, url: str) -> None:
+    """Drop a database made by `create_database` (closing its connections)."""
+    admin = await asyncpg.connect(admin_url)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@contextlib.asynccontextmanager
+async def running_projector(nats_url: str, database_url: str, **settings: object) -> AsyncIterator[Projector]:
+    """A projector running in this event loop until the block ends (then drained and stopped)."""
+    projector = Projector(ProjectorSettings(nats_url=nats_url, database_url=database_url, **settings))  # type: ignore[arg-type]
+    task = asyncio.create_task(projector.run())
+    try:
+        yield projector
+    finally:
+        projector.stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def wait_applied(conn: asyncpg.Connection, seq: int, timeout: float = 30.0, stream: str = "ROLLWIRE") -> None:
+    """Wait until the stored position reaches `seq`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            applied = await conn.fetchval("SELECT last_seq FROM projector_position WHERE stream = $1", stream)
+        except asyncpg.UndefinedTableError:  # the projector has not migrated yet
+            applied = None
+        if applied is not None and applied >= seq:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"projection stuck at seq {applied}, waiting for {seq}")
+        await asyncio.sleep(0.05)
