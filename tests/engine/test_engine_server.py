@@ -113,10 +113,13 @@ def test_logprobs_match_a_fresh_forward_pass(client: openai.OpenAI, tiny_model_d
         temperature=0.8,
         top_p=0.9,
         seed=5,
+        stop=["e"],
         extra_body={"return_token_ids": True},
     )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     prompt_ids = _ids(resp, "prompt_token_ids")
+    # The choices stop at different steps, so the batch (and its KV cache) shrinks mid-generation.
+    assert len({len(_ids(c, "token_ids")) for c in resp.choices}) == 2
     for choice in resp.choices:
         token_ids = _ids(choice, "token_ids")
         assert choice.logprobs is not None and choice.logprobs.content is not None
