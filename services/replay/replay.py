@@ -6,22 +6,38 @@
 The run is read group by group (`services.replay.source`), every unit goes through the adapter
 under each scheme (`services.replay.report`), and with two or more schemes the rollouts' loss
 weights are compared (`services.replay.compare`).
+
+Decoding calls and merging them is CPU work, reading the stream mostly waiting and parsing. So a
+large run is replayed by worker processes: this process reads a chunk of whole groups as raw
+bytes and hands it to a worker, which decodes it and runs the adapter, while this process reads
+the next chunk. At most `workers + 1` chunks are in flight, so memory stays bounded by the chunk
+size (`budget` calls), not by the run. A small run (or `workers=0`) is replayed in this process.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+from collections import deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from typing import Any
 
 import msgspec
 
 from services.eventstore import EventStore
 from services.replay.compare import Comparison, compare
-from services.replay.report import SchemeAccumulator, SchemeReport
+from services.replay.report import SchemeAccumulator, SchemeReport, UnitRows, unit_rows
 from services.replay.schemes import base_config, schemes
-from services.replay.source import CALL_BUDGET, index_run, plan_units, stream_units
+from services.replay.source import CALL_BUDGET, RunIndex, UnitInput, index_run, plan_units, stream_chunks, unit_rollouts
+from trainer.core import AdapterConfig
 
 REPORT_VERSION = 1
+PARALLEL_BUDGET = 512
+"""Calls per chunk handed to a worker (smaller than in-process chunks: several are in flight)."""
+MIN_PARALLEL_CALLS = 8 * PARALLEL_BUDGET
+"""Below this many calls, starting worker processes costs more than it saves."""
 
 
 class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,6 +50,52 @@ class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
     comparison: Comparison | None
 
 
+def default_workers() -> int:
+    """Worker processes for a large replay: one per spare CPU core, at most 8 (0 on one core)."""
+    return max(0, min(8, (os.cpu_count() or 1) - 1))
+
+
+def replay_chunk(chunk: list[UnitInput], configs: list[AdapterConfig]) -> list[list[UnitRows]]:
+    """Replay a chunk of units under every config: per unit, one `UnitRows` per config (worker side)."""
+    results = []
+    for item in chunk:
+        rollouts = unit_rollouts(item)
+        results.append([unit_rows(item.unit.step, rollouts, config) for config in configs])
+    return results
+
+
+async def _replay_units(
+    store: EventStore, index: RunIndex, accumulators: list[SchemeAccumulator], step: int | None,
+    workers: int | None, budget: int | None,
+) -> None:  # fmt: skip
+    units = plan_units(index, step)
+    order = {rid: entry.order for rid, entry in index.rollouts.items()}
+    configs = [acc.config for acc in accumulators]
+    calls = sum(unit.calls for unit in units)
+
+    def collect(results: list[list[UnitRows]]) -> None:
+        for per_scheme in results:
+            for acc, rows in zip(accumulators, per_scheme, strict=True):
+                acc.add_rows(rows, order)
+
+    if workers is None:
+        workers = default_workers() if calls >= MIN_PARALLEL_CALLS else 0
+    if workers <= 0:
+        async for chunk in stream_chunks(store, index, units, budget=budget or CALL_BUDGET):
+            collect(replay_chunk(chunk, configs))
+        return
+    loop = asyncio.get_running_loop()
+    # spawn: a worker must not inherit this process's event loop and NATS connection.
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        in_flight: deque[asyncio.Future[list[list[UnitRows]]]] = deque()
+        async for chunk in stream_chunks(store, index, units, budget=budget or PARALLEL_BUDGET):
+            in_flight.append(loop.run_in_executor(pool, replay_chunk, chunk, configs))
+            while len(in_flight) > workers or (in_flight and in_flight[0].done()):
+                collect(await in_flight.popleft())
+        while in_flight:
+            collect(await in_flight.popleft())
+
+
 async def replay_run(
     store: EventStore,
     run_id: str,
@@ -42,24 +104,21 @@ async def replay_run(
     compare_specs: Sequence[str] = (),
     step: int | None = None,
     nats_url: str = "",
-    budget: int = CALL_BUDGET,
+    budget: int | None = None,
+    workers: int | None = None,
 ) -> ReplayReport:
     """Rebuild the run's samples under the base scheme and each `compare_specs` scheme.
 
     `options` are the command's scheme options (`merge`, `advantage`, `estimator`, `std`, `norm`;
     None = the run's recorded adapter config, else the adapter's default). `step` replays only the
-    rollouts the trainer recorded in that step. Raises `RunNotFound`, `ReplayError` or the
-    adapter's `AdapterConfigError` with a message for the user.
+    rollouts the trainer recorded in that step. `budget` is the calls per stream read, `workers`
+    the worker processes (default: `default_workers()` for a large run, none for a small one).
+    Raises `RunNotFound`, `ReplayError` or the adapter's `AdapterConfigError`, each for the user.
     """
     index = await index_run(store, run_id, nats_url=nats_url)
     base = base_config(index.recorded_adapter, options or {})
-    chosen = schemes(base, compare_specs)
-    units = plan_units(index, step)
-    order = {rid: entry.order for rid, entry in index.rollouts.items()}
-    accumulators = [SchemeAccumulator(scheme) for scheme in chosen]
-    async for unit, rollouts in stream_units(store, index, units, budget=budget):
-        for acc in accumulators:
-            acc.add(unit.step, rollouts, order)
+    accumulators = [SchemeAccumulator(scheme) for scheme in schemes(base, compare_specs)]
+    await _replay_units(store, index, accumulators, step, default_workers() if workers is None else workers, budget)
     skipped = index.skipped()
     if step is not None:
         skipped = {rid: reason for rid, reason in skipped.items() if index.rollouts[rid].step == step}

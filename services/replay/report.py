@@ -110,8 +110,71 @@ class SchemeReport(msgspec.Struct, frozen=True, kw_only=True):
 _EMPTY: list[int] = []
 
 
+class UnitRows(msgspec.Struct, kw_only=True):
+    """One unit (a group of a step) replayed under one scheme: its rows and counters, no tokens.
+
+    Small and picklable, so a unit can be built in a worker process and accumulated in the main one.
+    """
+
+    rollouts: list[RolloutRow]
+    samples: list[list[SampleRow]]
+    """Per rollout (same order as `rollouts`), its samples."""
+    groups: list[GroupRow]
+    dropped: int
+    deduped: int
+    too_long: int
+    min_version: int | None
+    max_version: int | None
+
+
+def unit_rows(step: int | None, rollouts: Sequence[RolloutCalls], config: AdapterConfig) -> UnitRows:
+    """Merge one unit's rollouts and give them their advantages: the adapter's functions, then rows."""
+    merged, dropped = merge_rollouts(rollouts, config)
+    advantages, baselines = rollout_advantages(merged, config)
+    rollout_rows: list[RolloutRow] = []
+    sample_rows: list[list[SampleRow]] = []
+    versions: list[int] = []
+    for m, per_sample in zip(merged, advantages, strict=True):
+        rows = [
+            SampleRow(
+                rollout_id=s.rollout_id, group_id=s.group_id, step=step, index=s.index,
+                prompt_tokens=len(s.tokens) - s.response_tokens, response_tokens=s.response_tokens,
+                calls=s.num_calls, reward=m.reward, advantage=a,
+            )
+            for s, a in zip(m.samples, per_sample, strict=True)
+        ]  # fmt: skip
+        sample_rows.append(rows)
+        rollout_rows.append(
+            RolloutRow(
+                rollout_id=m.rollout_id, group_id=m.group_id, step=step, reward=m.reward,
+                advantage=per_sample[0] if per_sample else None, samples=len(rows), calls=m.calls,
+                response_tokens=sum(r.response_tokens for r in rows), tokens=m.tokens,
+            )
+        )  # fmt: skip
+        versions.extend(v for s in m.samples for v in (s.min_weights_version, s.max_weights_version) if v is not None)
+    groups = []
+    for group_id, baseline in baselines.items():
+        members = [m for m in merged if m.group_id == group_id]
+        groups.append(
+            GroupRow(
+                group_id=group_id, step=step, rollouts=len(members),
+                samples=sum(len(m.samples) for m in members), baseline=baseline,
+            )
+        )  # fmt: skip
+    return UnitRows(
+        rollouts=rollout_rows,
+        samples=sample_rows,
+        groups=groups,
+        dropped=dropped,
+        deduped=sum(m.calls_deduped for m in merged),
+        too_long=sum(m.calls_too_long for m in merged),
+        min_version=min(versions, default=None),
+        max_version=max(versions, default=None),
+    )
+
+
 class SchemeAccumulator:
-    """Replays units one at a time under one scheme; `finish` computes the loss weights and figures."""
+    """Collects a scheme's units one at a time; `finish` computes the loss weights and figures."""
 
     def __init__(self, scheme: Scheme) -> None:
         self.scheme = scheme
@@ -125,45 +188,21 @@ class SchemeAccumulator:
         self.versions: list[int] = []
 
     def add(self, step: int | None, rollouts: Sequence[RolloutCalls], order: Mapping[str, int]) -> None:
-        """Merge one unit's rollouts and give them their advantages (the adapter's functions)."""
-        merged, dropped = merge_rollouts(rollouts, self.config)
-        advantages, baselines = rollout_advantages(merged, self.config)
-        self.dropped += dropped
-        for m, per_sample in zip(merged, advantages, strict=True):
-            rows = [
-                SampleRow(
-                    rollout_id=s.rollout_id, group_id=s.group_id, step=step, index=s.index,
-                    prompt_tokens=len(s.tokens) - s.response_tokens, response_tokens=s.response_tokens,
-                    calls=s.num_calls, reward=m.reward, advantage=a,
-                )
-                for s, a in zip(m.samples, per_sample, strict=True)
-            ]  # fmt: skip
-            self.samples[m.rollout_id] = rows
-            self.rollouts.append(
-                (
-                    order[m.rollout_id],
-                    RolloutRow(
-                        rollout_id=m.rollout_id, group_id=m.group_id, step=step, reward=m.reward,
-                        advantage=per_sample[0] if per_sample else None, samples=len(rows), calls=m.calls,
-                        response_tokens=sum(r.response_tokens for r in rows), tokens=m.tokens,
-                    ),
-                )
-            )  # fmt: skip
-            self.deduped += m.calls_deduped
-            self.too_long += m.calls_too_long
-            for s in m.samples:
-                if s.min_weights_version is not None:
-                    self.versions.append(s.min_weights_version)
-                if s.max_weights_version is not None:
-                    self.versions.append(s.max_weights_version)
-        for group_id, baseline in baselines.items():
-            members = [m for m in merged if m.group_id == group_id]
-            self.groups.append(
-                GroupRow(
-                    group_id=group_id, step=step, rollouts=len(members),
-                    samples=sum(len(m.samples) for m in members), baseline=baseline,
-                )
-            )  # fmt: skip
+        """Replay one unit under the scheme (in this process)."""
+        self.add_rows(unit_rows(step, rollouts, self.config), order)
+
+    def add_rows(self, unit: UnitRows, order: Mapping[str, int]) -> None:
+        """Collect a unit replayed by `unit_rows` (here or in a worker)."""
+        for row, samples in zip(unit.rollouts, unit.samples, strict=True):
+            self.rollouts.append((order[row.rollout_id], row))
+            self.samples[row.rollout_id] = samples
+        self.groups.extend(unit.groups)
+        self.dropped += unit.dropped
+        self.deduped += unit.deduped
+        self.too_long += unit.too_long
+        self.versions.extend(v for v in (unit.min_version, unit.max_version) if v is not None)
+        if len(self.versions) > 2:
+            self.versions = [min(self.versions), max(self.versions)]
 
     def finish(self, skipped: Mapping[str, str]) -> SchemeReport:
         """Loss weights per step (from the rows, by `loss_weights`), rows in run order, and the figures."""

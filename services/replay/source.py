@@ -299,9 +299,44 @@ def _chunks(units: list[Unit], budget: int) -> Iterable[list[Unit]]:
         yield chunk
 
 
-def _history(entry: RolloutEntry, calls: list[tuple[int, Event]]) -> list[Event]:
-    """The rollout's small events and calls in stream order (both lists are already sorted)."""
-    return [event for _, event in heapq.merge(entry.events, calls, key=lambda pair: pair[0])]
+class UnitInput(msgspec.Struct, frozen=True, kw_only=True):
+    """A unit with its rollouts' indexed events and raw calls: all a worker needs to replay it."""
+
+    unit: Unit
+    histories: list[tuple[list[tuple[int, AnyEvent]], list[tuple[int, bytes]]]]
+    """Per rollout of the unit: its small events and its calls' (sequence, JSON bytes), both in stream order."""
+
+
+def unit_rollouts(item: UnitInput) -> list[RolloutCalls]:
+    """Decode a unit's calls and give each rollout's history to the adapter's `rollout_calls`."""
+    rollouts = []
+    for small, raw in item.histories:
+        calls: list[tuple[int, Event]] = [(seq, decode_call(data)) for seq, data in raw]
+        merged = heapq.merge(small, calls, key=lambda pair: pair[0])
+        rollouts.append(rollout_calls(event for _, event in merged))
+    return rollouts
+
+
+async def stream_chunks(
+    store: EventStore, index: RunIndex, units: list[Unit], *, budget: int = CALL_BUDGET
+) -> AsyncIterator[list[UnitInput]]:
+    """Pass 2, raw: whole units with their calls' bytes, about `budget` calls per stream read."""
+    run_id = index.run_id
+    for chunk in _chunks(units, budget):
+        wanted = [rid for unit in chunk for rid in unit.rollout_ids if index.rollouts[rid].calls]
+        raw: dict[str, list[tuple[int, bytes]]] = {rid: [] for rid in wanted}
+        if wanted:
+            subjects = [MODEL_REQUEST.format(run=run_id, rollout=rid) for rid in wanted]
+            async for batch in store.read_raw(subjects):
+                for msg in batch:
+                    raw[msg.subject.split(".", 4)[3]].append((_stream_sequence(msg.reply), msg.data))
+        yield [
+            UnitInput(
+                unit=unit,
+                histories=[(index.rollouts[rid].events, raw.pop(rid, [])) for rid in unit.rollout_ids],
+            )
+            for unit in chunk
+        ]
 
 
 async def stream_units(
@@ -312,18 +347,6 @@ async def stream_units(
     Reads the calls of whole units, `budget` calls at a time; only one chunk's raw messages and one
     unit's decoded calls are held at once.
     """
-    run_id = index.run_id
-    for chunk in _chunks(units, budget):
-        wanted = [rid for unit in chunk for rid in unit.rollout_ids if index.rollouts[rid].calls]
-        raw: dict[str, list[tuple[int, bytes]]] = {rid: [] for rid in wanted}
-        if wanted:
-            subjects = [MODEL_REQUEST.format(run=run_id, rollout=rid) for rid in wanted]
-            async for batch in store.read_raw(subjects):
-                for msg in batch:
-                    raw[msg.subject.split(".", 4)[3]].append((_stream_sequence(msg.reply), msg.data))
-        for unit in chunk:
-            rollouts = []
-            for rid in unit.rollout_ids:
-                calls: list[tuple[int, Event]] = [(seq, decode_call(data)) for seq, data in raw.pop(rid, ())]
-                rollouts.append(rollout_calls(_history(index.rollouts[rid], calls)))
-            yield unit, rollouts
+    async for chunk in stream_chunks(store, index, units, budget=budget):
+        for item in chunk:
+            yield item.unit, unit_rollouts(item)

@@ -244,9 +244,11 @@ def test_a_missing_run_and_an_unreachable_stream_give_one_line(rollwire: Rollwir
     assert len(result.stderr.splitlines()) == 1
 
 
-def test_replay_reads_nothing_but_the_stream(nats_url: str, run_id: str) -> None:
-    """The report is the same whether the run is replayed once or twice: no state outside the stream."""
-    publish(nats_url, agent_run(run_id, groups=2, per_group=2, seed=4))
-    first = asyncio.run(_replay(nats_url, run_id))
-    second = asyncio.run(_replay(nats_url, run_id, budget=1))
-    assert msgspec.json.encode(first) == msgspec.json.encode(second)
+def test_worker_processes_and_chunk_sizes_change_nothing(nats_url: str, run_id: str) -> None:
+    """In this process or in workers, in one read or one group per read: the same report, byte for byte."""
+    publish(nats_url, agent_run(run_id, groups=5, per_group=3, seed=4))
+    specs = ["token-mean", "per-call+sample"]
+    here = asyncio.run(_replay(nats_url, run_id, compare_specs=specs, workers=0))
+    workers = asyncio.run(_replay(nats_url, run_id, compare_specs=specs, workers=2, budget=5))
+    tiny = asyncio.run(_replay(nats_url, run_id, compare_specs=specs, workers=0, budget=1))
+    assert msgspec.json.encode(here) == msgspec.json.encode(workers) == msgspec.json.encode(tiny)

@@ -1,0 +1,242 @@
+"""Replay throughput and memory: `replay_run` against a raw read of the same run's events.
+
+    python bench/bench_replay.py                      # 10,000 rollouts x 10 calls (100k calls)
+    python bench/bench_replay.py --rollouts 1000      # a quick look
+
+The run is written to a fresh nats-server the way a live run writes it: groups of 8 rollouts of
+one task, 256 rollouts in flight at once (their events interleaved on the stream), each a linear
+conversation of `--calls` calls whose context grows to about `--context` tokens, with the
+conversation's text in each call's request (as harnesses send it). Then, each in a fresh process:
+
+- raw read: `EventStore.read_raw` of `rl.<run>.>` (every message's bytes, no decoding);
+- typed read: `EventStore.read_run` (every event decoded; the floor of a naive replay);
+- replay: `replay_run` (index pass + calls read group by group + the trainer's adapter);
+- replay of three schemes side by side (`--compare`);
+- for the small run only, the naive way: read the whole run, `collect_rollouts`, `build_step`.
+
+The replay runs in this process, and with worker processes (one per spare core, at most 8).
+Each prints its wall time and how much its process's memory grew (RSS sampled every 5 ms; for
+workers, their peak RSS). A second run of a tenth of the size shows that the replay's memory does
+not grow with the run (targets: ≥ 0.7x the raw read's speed, memory bounded by a group, not the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from schemas import (
+    AttemptStarted,
+    Event,
+    ModelRequestRecorded,
+    RewardReported,
+    RolloutCreated,
+    RolloutStatusChanged,
+)
+from services.embedded import NatsServer
+from services.eventstore import EventStore
+from services.replay.replay import default_workers
+
+GROUP = 8
+IN_FLIGHT = 256
+VOCAB = 150_000
+WORDS = ("the", "test", "fails", "because", "import", "module", "def", "return", "value", "error", "file")
+
+
+def _rollout(run_id: str, index: int, calls: int, context: int, rng: random.Random) -> list[Event]:
+    rid, group = f"ro{index}", f"task{index // GROUP}"
+    turn = max(8, (context - 256) // (2 * calls))
+    events: list[Event] = [
+        RolloutCreated(run_id=run_id, rollout_id=rid, group_id=group, input={"task": group}),
+        AttemptStarted(run_id=run_id, rollout_id=rid, attempt_id="a1", sequence=1),
+        RolloutStatusChanged(run_id=run_id, rollout_id=rid, attempt_id="a1", status="running", previous="queuing"),
+    ]
+    sequence = rng.choices(range(VOCAB), k=256)
+    for n in range(calls):
+        response = rng.choices(range(VOCAB), k=rng.randint(turn // 2, turn * 3 // 2))
+        text = " ".join(rng.choices(WORDS, k=len(sequence) // 2))
+        events.append(
+            ModelRequestRecorded(
+                run_id=run_id, rollout_id=rid, attempt_id="a1", call_id=f"{rid}-{n}", model="policy",
+                weights_version=1, prompt_ids=sequence, response_ids=response,
+                logprobs=[round(-rng.random(), 4) for _ in response], finish_reason="stop",
+                request={"model": "policy", "messages": [{"role": "user", "content": text}]},
+                response={"message": {"role": "assistant", "content": "```bash\npytest -q\n```"}},
+                usage={"prompt_tokens": len(sequence), "completion_tokens": len(response)}, latency_s=0.4,
+            )
+        )  # fmt: skip
+        observation = rng.choices(range(VOCAB), k=rng.randint(turn // 2, turn * 3 // 2))
+        sequence = sequence + response + observation
+    events.append(RewardReported(run_id=run_id, rollout_id=rid, attempt_id="a1", value=float(rng.random() < 0.4)))
+    events.append(RolloutStatusChanged(run_id=run_id, rollout_id=rid, attempt_id="a1", status="succeeded"))
+    return events
+
+
+def live_order(run_id: str, rollouts: int, calls: int, context: int, seed: int = 0) -> Iterator[Event]:
+    """The run's events as a live run appends them: `IN_FLIGHT` rollouts interleaved, lazily."""
+    rng = random.Random(seed)
+    waiting = iter(range(rollouts))
+    running: list[Iterator[Event]] = []
+    while True:
+        while len(running) < IN_FLIGHT:
+            index = next(waiting, None)
+            if index is None:
+                break
+            running.append(iter(_rollout(run_id, index, calls, context, rng)))
+        if not running:
+            return
+        pick = rng.randrange(len(running))
+        event = next(running[pick], None)
+        if event is None:
+            running.pop(pick)
+        else:
+            yield event
+
+
+async def write_run(url: str, run_id: str, rollouts: int, calls: int, context: int) -> tuple[int, float]:
+    store = await EventStore.connect(url)
+    batch: list[Event] = []
+    n = 0
+    started = time.perf_counter()
+    for event in live_order(run_id, rollouts, calls, context):
+        batch.append(event)
+        if len(batch) == 2000:
+            await store.append_many(batch)
+            n += len(batch)
+            batch = []
+    await store.append_many(batch)
+    n += len(batch)
+    await store.close()
+    return n, time.perf_counter() - started
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 1e6
+
+
+class PeakRss:
+    """Samples this process's RSS every 5 ms in a thread: the peak above the RSS at the start."""
+
+    def __init__(self) -> None:
+        self.start = _rss_mb()
+        self.peak = self.start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss_mb())
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _rss_mb()) - self.start
+
+
+async def child(mode: str, url: str, run_id: str, workers: int | None) -> dict[str, float]:
+    """One measurement, in its own process so its memory is its own."""
+    from services.replay.replay import replay_run
+    from trainer.core import AdapterConfig, build_step, collect_rollouts
+
+    store = await EventStore.connect(url, ensure=False)
+    rss = PeakRss()
+    started = time.perf_counter()
+    result: dict[str, float] = {}
+    if mode == "raw":
+        count = size = 0
+        async for batch in store.read_raw(f"rl.{run_id}.>"):
+            count += len(batch)
+            size += sum(len(m.data) for m in batch)
+        result.update(events=count, mb=size / 1e6)
+    elif mode == "typed":
+        result["events"] = sum([1 async for _ in store.read_run(run_id)])
+    elif mode == "replay":
+        report = await replay_run(store, run_id, workers=workers)
+        result.update(samples=report.schemes[0].summary.samples, calls=report.schemes[0].summary.calls)
+    elif mode == "compare":
+        specs = ["rollout-mean", "seq-mean-token-mean", "token-mean"]
+        report = await replay_run(store, run_id, compare_specs=specs, workers=workers)
+        result.update(samples=report.schemes[0].summary.samples)
+    elif mode == "naive":
+        events = [s.event async for s in store.read_run(run_id)]
+        step = build_step(collect_rollouts(events).rollouts, AdapterConfig())
+        result.update(samples=step.stats.samples)
+    result["seconds"] = time.perf_counter() - started
+    result["rss_growth_mb"] = rss.stop()
+    result["worker_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    await store.close()
+    return result
+
+
+def measure(mode: str, url: str, run_id: str, workers: int | None = None) -> dict[str, float]:
+    extra = [] if workers is None else ["--workers", str(workers)]
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", mode, "--url", url, "--run", run_id, *extra],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def idle_rss() -> float:
+    code = "import resource, services.replay.replay, services.eventstore; "
+    code += "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+    return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--rollouts", type=int, default=10_000)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--context", type=int, default=2048, help="tokens of a rollout's last call")
+    parser.add_argument("--workers", type=int, default=None, help="replay worker processes (default: auto)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(asyncio.run(child(args.child, args.url, args.run, args.workers))))
+        return
+    small = max(GROUP, args.rollouts // 10)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = NatsServer(Path(tmp)).start()
+        try:
+            for run_id, rollouts in (("big", args.rollouts), ("small", small)):
+                n, secs = asyncio.run(write_run(server.url, run_id, rollouts, args.calls, args.context))
+                print(f"wrote run {run_id}: {rollouts} rollouts, {rollouts * args.calls} calls, {n} events "
+                      f"in {secs:.0f}s")  # fmt: skip
+            workers = default_workers() if args.workers is None else args.workers
+            print(f"{os.cpu_count()} CPU cores; replay workers: {workers}")
+            for run_id in ("big", "small"):
+                raw = measure("raw", server.url, run_id)
+                print(f"\nrun {run_id}: {raw['events']:.0f} events, {raw['mb']:.0f} MB on the stream")
+                rows = [("raw read (bytes)", raw), ("typed read (decode all)", measure("typed", server.url, run_id)),
+                        ("replay, in-process", measure("replay", server.url, run_id, 0))]  # fmt: skip
+                if workers:
+                    rows.append((f"replay, {workers} workers", measure("replay", server.url, run_id, workers)))
+                rows.append(("replay, 3 schemes", measure("compare", server.url, run_id, args.workers)))
+                if run_id == "small":
+                    rows.append(("load all + build_step", measure("naive", server.url, run_id)))
+                for label, r in rows:
+                    worker = f"  worker peak RSS {r['worker_peak_rss_mb']:5.0f} MB" if r["worker_peak_rss_mb"] else ""
+                    rate, ratio = raw["events"] / r["seconds"], raw["seconds"] / r["seconds"]
+                    print(f"  {label:24s} {r['seconds']:7.2f} s {rate:7.0f} events/s {ratio:5.2f}x raw  "
+                          f"memory +{r['rss_growth_mb']:5.0f} MB{worker}")  # fmt: skip
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
