@@ -99,8 +99,10 @@ class GatewayHandle:
         assert r.status_code == 201, r.text
         return r.json()  # type: ignore[no-any-return]
 
-    def running(self, run_id: str, fake_url: str, **fields: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """A rollout with a started attempt in a run whose model is the fake upstream."""
-        self.register_model(run_id, f"{fake_url}/v1")
+    def running(
+        self, run_id: str, base_url: str, served_model: str | None = None, **fields: Any
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A rollout with a started attempt in a run whose model is the given upstream."""
+        self.register_model(run_id, f"{base_url}/v1", served_model=served_model)
         rollout = self.create(run_id, **fields)[0]
         return rollout, self.attempt(rollout["rollout_id"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -13,7 +14,7 @@ from gw_harness import ADMIN, GatewayHandle, Served, gateway_settings
 from services.embedded import NatsServer
 from services.gateway import create_app
 
-CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+CHAT: Any = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
 async def test_update_waits_for_in_flight_calls_and_holds_new_ones(
@@ -21,7 +22,7 @@ async def test_update_waits_for_in_flight_calls_and_holds_new_ones(
 ) -> None:
     rollout, attempt = gateway.running(run_id, fake_vllm.url)
     fake_vllm.delay_s = 0.6
-    agent = openai.AsyncOpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0)
+    agent: Any = openai.AsyncOpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0)
     admin = httpx.AsyncClient(base_url=gateway.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)
     in_flight = [asyncio.ensure_future(agent.chat.completions.create(**CHAT)) for _ in range(3)]
     while fake_vllm.started < 3:
