@@ -60,9 +60,9 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "network",
-        ("curl", "wget", "install", "clone", "http"),
+        ("install", "clone", "http"),
         re.compile(
-            r"\bcurl\s|\bwget\s|\bpip3?\s+install\b|\bnpm\s+install\b|\bapt(?:-get)?\s+install\b"
+            r"\bpip3?\s+install\b|\bnpm\s+install\b|\bapt(?:-get)?\s+install\b"
             r"|\bgit\s+clone\b|https?://(?!127\.0\.0\.1|localhost)[\w.-]+",
             re.I,
         ),

@@ -40,7 +40,7 @@ def _load_one(source: str) -> Any:
         except Exception as exc:
             raise TokenizerError(f"cannot load tokenizer {path}: {exc}") from None
     cached: object = None
-    with contextlib.suppress(ImportError):
+    with contextlib.suppress(Exception):  # not installed, or not a valid repo id
         from huggingface_hub import try_to_load_from_cache
 
         cached = try_to_load_from_cache(source, "tokenizer.json")

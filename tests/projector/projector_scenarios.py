@@ -149,3 +149,32 @@ def load_events(run: str, rollouts: int, seed: int) -> list[Event]:
         out.append(RewardReported(**builder.envelope(run, rid, aid), value=float(index % 2)))
         out.append(RolloutStatusChanged(**builder.envelope(run, rid, aid), status="succeeded", previous="running"))
     return out
+
+
+def random_ops(rng: random.Random, count: int) -> list[tuple[Any, ...]]:
+    """`count` random operations like `OPS` draws, without poison or values Postgres refuses."""
+    out: list[tuple[Any, ...]] = []
+    for _ in range(count):
+        run, rollout, attempt = rng.choice(RUNS), rng.choice(ROLLOUTS), rng.choice(ATTEMPTS)
+        kind = rng.choice(("run", "created", "created", "status", "status", "status", "attempt", "call", "call",
+                           "reward", "custom", "model", "phase"))  # fmt: skip
+        if kind == "run":
+            out.append(("run", run, rng.randrange(3)))
+        elif kind == "created":
+            out.append(("created", run, rollout, rng.randrange(10)))
+        elif kind == "status":
+            out.append(("status", run, rollout, rng.choice(STATUSES), attempt))
+        elif kind == "attempt":
+            out.append(("attempt", run, rollout, attempt, rng.randrange(1, 4)))
+        elif kind == "call":
+            how = rng.choice(("extend", "retry", "fresh"))
+            out.append(("call", run, rollout, attempt, how, rng.random() < 0.8, rng.random() < 0.2))
+        elif kind == "reward":
+            out.append(("reward", run, rollout, attempt, rng.choice((0.0, 1.0))))
+        elif kind == "custom":
+            out.append(("custom", run, rollout, attempt, "a", rng.choice(("tool", "flag-x"))))
+        elif kind == "model":
+            out.append(("model", run, rng.choice(("m0", "m1")), rng.random() < 0.7))
+        else:
+            out.append(("phase", run, rng.choice(("rollout", "update")), rng.randrange(4)))
+    return out
