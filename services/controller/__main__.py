@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -25,6 +26,7 @@ GATEWAY_WAIT_S = 60.0
 async def main(argv: list[str] | None = None) -> int:
     """Connect, wait for the gateway, reconcile until a signal."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("rollwire").setLevel(os.environ.get("ROLLWIRE_LOG_LEVEL", "INFO").upper())
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         settings = build_settings(parse_args(argv))

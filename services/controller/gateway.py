@@ -12,6 +12,8 @@ the reconcile loop handles them:
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
 from typing import Any
 
 import httpx
@@ -56,7 +58,7 @@ class AttemptGrant(msgspec.Struct, frozen=True, kw_only=True):
 class GatewayClient:
     """Admin calls the controller makes (see the module docstring)."""
 
-    def __init__(self, base_url: str, admin_token: str, *, timeout: float = 30.0, max_connections: int = 64) -> None:
+    def __init__(self, base_url: str, admin_token: str, *, timeout: float = 30.0, max_connections: int = 8) -> None:
         self.base_url = base_url.rstrip("/")
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
@@ -64,6 +66,9 @@ class GatewayClient:
             timeout=timeout,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
+        # Requests wait here, not in httpx's pool: its bookkeeping grows with every queued request.
+        self._slots = asyncio.Semaphore(max_connections)
+        self.calls: Counter[str] = Counter()
 
     async def close(self) -> None:
         """Close the connection pool."""
@@ -71,8 +76,10 @@ class GatewayClient:
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None, key: str | None) -> dict[str, Any]:
         headers = {"Idempotency-Key": key} if key else {}
+        self.calls[f"{method} {path.rsplit('/', 1)[-1] if path.endswith(('attempts', 'events', 'token')) else ''}"] += 1
         try:
-            response = await self._client.request(method, path, json=body, headers=headers)
+            async with self._slots:
+                response = await self._client.request(method, path, json=body, headers=headers)
         except httpx.TransportError as exc:
             raise GatewayUnavailable(f"{method} {self.base_url}{path}: {exc!r}") from None
         try:

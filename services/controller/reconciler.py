@@ -236,7 +236,11 @@ class Controller:
         for backend in self.backends.values():
             with contextlib.suppress(Exception):
                 await backend.close()
-        log.info("controller stopped; executions keep running and the next controller takes them over")
+        log.info(
+            "controller stopped (actions %s; gateway calls %s); executions keep running for the next controller",
+            dict(self.stats),
+            dict(self.gateway.calls),
+        )
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -450,10 +454,16 @@ class Controller:
                 if key not in self._busy and (last is None or seq > view.status_seq):
                     await self._safe_refresh(key)
 
+        # Rollouts whose status changed within the last period are left out: their events are on
+        # their way, and re-reading them would only race the subscription.
+        settled_before = time.time() - self.settings.resync_s
         in_flight = [
             (key, view)
             for key, view in self.rollouts.items()
-            if view.status in ("preparing", "running", "requeuing") and key not in self._busy
+            if view.status in ("preparing", "running", "requeuing")
+            and view.status_time < settled_before
+            and key not in self._busy
+            and key not in self._awaiting
         ]
         await asyncio.gather(*(check(key, view) for key, view in in_flight))
 
@@ -631,13 +641,13 @@ class Controller:
                     await self._cancel(key, aid)
                     self._logged.discard(aid)
                 case MarkRunning(attempt_id=aid):
-                    await self._post_log(key, aid)
                     await self._set_status(key, "running", aid, None)
+                    self._link_logs(key, aid)
                     self.stats["running"] += 1
                 case MarkEnded(attempt_id=aid, status=status, reason=reason):
-                    if aid is not None:
-                        await self._post_log(key, aid)
                     await self._set_status(key, status, aid, reason)
+                    if aid is not None:
+                        self._link_logs(key, aid)
                     self.stats[status] += 1
                     if status != "succeeded":
                         log.info("rollout %s attempt %s -> %s: %s", key.rollout_id, aid, status, reason)
@@ -664,16 +674,25 @@ class Controller:
 
     async def _set_status(self, key: RolloutKey, status: str, attempt_id: str | None, reason: str | None) -> None:
         idem = f"rollwire-controller:{key.rollout_id}:{attempt_id or '-'}:{status}"
+        began = time.monotonic()
         seq = await self.gateway.set_status(key.rollout_id, status, attempt_id=attempt_id, reason=reason, key=idem)
+        log.debug("rollout %s -> %s in %.0f ms", key.rollout_id, status, (time.monotonic() - began) * 1000)
         self._awaiting[key] = (seq, time.time() + ECHO_TIMEOUT_S)
 
-    async def _post_log(self, key: RolloutKey, attempt_id: str) -> None:
-        """Link the execution's logs from the rollout: a custom event `log` (once per attempt, best effort)."""
+    def _link_logs(self, key: RolloutKey, attempt_id: str) -> None:
+        """Link the execution's logs from the rollout: a custom event `log`, once per attempt.
+
+        Posted in the background, after the status change it accompanies, so it never delays one.
+        """
         if attempt_id in self._logged:
             return
         state = self.executions.get(key, {}).get(attempt_id)
         if state is None or not state.log_location:
             return
+        self._logged.add(attempt_id)
+        self._spawn(self._post_log(key, attempt_id, state))
+
+    async def _post_log(self, key: RolloutKey, attempt_id: str, state: ExecutionState) -> None:
         execution = ExecutionKey(key.run_id, key.rollout_id, attempt_id)
         body = {
             "type": "custom",
@@ -687,7 +706,6 @@ class Controller:
         }
         try:
             await self.gateway.post_event(key.rollout_id, attempt_id, body, f"rollwire-controller:{attempt_id}:log")
-            self._logged.add(attempt_id)
         except Exception as exc:
             log.warning("could not link the logs of rollout %s attempt %s: %s", key.rollout_id, attempt_id, exc)
 
@@ -702,6 +720,7 @@ class Controller:
             return
         sequence = relaunch.sequence if relaunch else len(view.attempts) + 1
         idem = ATTEMPT_KEY.format(rollout=key.rollout_id, created=view.created_seq, sequence=sequence)
+        began = time.monotonic()
         try:
             grant = await self.gateway.start_attempt(key.rollout_id, backend.name, idem)
         except GatewayConflict:
@@ -715,6 +734,7 @@ class Controller:
                 reason = f"attempt {relaunch.sequence} has no execution and was not started by this controller"
                 await self._end(key, view, reason)
             return
+        started = time.monotonic()
         self._awaiting[key] = (grant.seq, time.time() + ECHO_TIMEOUT_S)
         if relaunch is not None and grant.attempt_id != relaunch.attempt_id:
             raise GatewayConflict(f"relaunch of {relaunch.attempt_id} got attempt {grant.attempt_id}", None)
@@ -745,6 +765,13 @@ class Controller:
                 await self._end(key, with_attempt, f"cannot launch attempt {grant.sequence}: {exc}")
                 return
         self.stats["launched"] += 1
+        log.debug(
+            "rollout %s attempt %s launched in %.0f ms (start attempt %.0f ms)",
+            key.rollout_id,
+            grant.sequence,
+            (time.monotonic() - began) * 1000,
+            (started - began) * 1000,
+        )
         execs = self.executions.setdefault(key, {})
         if grant.attempt_id not in execs:
             # Until the backend's watch reports it: counted against capacity, never relaunched.

@@ -1,7 +1,7 @@
 """End-to-end rig of the controller: a gateway, a fake vLLM upstream and controllers as real processes.
 
 The gateway (`python -m services.gateway`) and the fake upstream (`tests/gateway/fake_vllm.py`)
-are shared by the module; each test gets its own run id and starts its own controllers
+are shared by the session; each test gets its own run id and starts its own controllers
 (`python -m services.controller --run <its run>`), so it can kill and restart them freely.
 """
 
@@ -78,7 +78,7 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Base URL (…/v1) of a fake vLLM server."""
     port = free_port()
@@ -91,7 +91,7 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         child.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gateway_url(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of a gateway process on the session's NATS."""
     port = free_port()

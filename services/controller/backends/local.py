@@ -137,7 +137,7 @@ class LocalBackend:
         *,
         capacity: int | None = 32,
         kill_grace_s: float = 5.0,
-        poll_s: float = 0.5,
+        poll_s: float = 1.0,
         python: str = sys.executable,
     ) -> None:
         self.root = Path(root).resolve()
@@ -153,6 +153,7 @@ class LocalBackend:
         self._published: dict[ExecutionKey, ExecutionState] = {}
         self._watchers: set[asyncio.Queue[ExecutionState | None]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._children: set[ExecutionKey] = set()
         self._poller: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -237,7 +238,8 @@ class LocalBackend:
         try:
             proc = await asyncio.create_subprocess_exec(
                 self.python,
-                "-I",
+                "-I",  # isolated: no user site, no PYTHON* variables
+                "-S",  # no site module: the supervisor needs the standard library only
                 str(SUPERVISOR),
                 str(directory),
                 stdin=asyncio.subprocess.DEVNULL,
@@ -253,7 +255,11 @@ class LocalBackend:
         self._spawn(self._reap(spec.key, proc))
 
     async def _reap(self, key: ExecutionKey, proc: asyncio.subprocess.Process) -> None:
-        await proc.wait()
+        self._children.add(key)
+        try:
+            await proc.wait()
+        finally:
+            self._children.discard(key)
         self._publish(self._state(key))
 
     # ---- observe ---------------------------------------------------------------------------
@@ -403,7 +409,10 @@ class LocalBackend:
         """Notice what no child-exit callback reports: executions taken over after a restart, or removed."""
         while not self._closed:
             await asyncio.sleep(self.poll_s)
-            current = {state.key: state for state in await self.list()}
+            # Our own children report their exit through `_reap`; the rest (taken over, or
+            # removed by someone) are looked at here.
+            current = {key: self._state(key) for key in self._keys() if key not in self._children}
+            current.update({key: state for key, state in self._published.items() if key in self._children})
             for key, old in list(self._published.items()):
                 if key not in current:
                     final = (

@@ -1,6 +1,6 @@
 """The supervisor of one local execution: runs the agent (then the evaluator) and records how it ended.
 
-The local backend starts this file as a script (`python -I local_supervisor.py <execution dir>`),
+The local backend starts this file as a script (`python -I -S local_supervisor.py <execution dir>`),
 standard library only, so it starts in milliseconds. It is the leader of its own session, so it
 outlives a controller that crashes or restarts; the next controller finds it again by its
 execution directory. Inside that directory:
