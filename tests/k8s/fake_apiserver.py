@@ -176,7 +176,6 @@ class _Watcher:
     namespace: str | None
     matches: Callable[[dict[str, str]], bool]
     connection: socket.socket
-    lossy: bool = False
     dropped: bool = False
 
 
@@ -222,6 +221,7 @@ class FakeApiServer:
         self._failures: list[_Failure] = []
         self._logs: dict[tuple[str, str, str], str] = {}
         self._held: set[str] = set()
+        self._lossy = False
         self._stopping = False
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -349,11 +349,13 @@ class FakeApiServer:
             except OSError:
                 pass
 
-    def lose_watch_events(self) -> None:
-        """Keep the open watch connections but silently stop sending them events (lost events)."""
+    def lose_watch_events(self, lost: bool = True) -> None:
+        """Silently drop every watch event, on open and new watches alike, until called with False.
+
+        Connections stay open and lists keep working, so only a re-list shows what changed.
+        """
         with self._cond:
-            for w in self._watchers:
-                w.lossy = True
+            self._lossy = lost
 
     def hold_watch_events(self, resource: str, held: bool = True) -> None:
         """Delay (`held`) or release the events of `resource` (`jobs`, `pods`) to every watch: a lagging watch."""
@@ -878,7 +880,7 @@ class FakeApiServer:
                 for event in pending:
                     cursor = event.rv
                     if (
-                        watcher.lossy
+                        self._lossy
                         or event.resource != watcher.resource
                         or watcher.namespace not in (None, event.namespace)
                         or not watcher.matches(event.obj["metadata"].get("labels") or {})
