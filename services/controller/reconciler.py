@@ -49,8 +49,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -99,6 +101,15 @@ ATTEMPT_KEY = "rollwire-controller:{rollout}:{created}:{sequence}"
 ECHO_TIMEOUT_S = 5.0
 LOG_EVENT = "log"
 LAUNCH_RETRIES = 3
+
+
+def backend_id(spec: RunSpec) -> str:
+    """Which backend instance runs the spec's rollouts: `local`, `kubernetes` (the controller's Job
+    template), or `kubernetes:<digest>` for a run that brings its own `job_template` (one backend,
+    with its own instance label, per distinct template)."""
+    if spec.backend == "kubernetes" and spec.job_template:
+        return "kubernetes:" + hashlib.sha256(spec.job_template.encode()).hexdigest()[:12]
+    return spec.backend
 
 
 def subjects(runs: tuple[str, ...]) -> list[str]:
@@ -159,6 +170,7 @@ class Controller:
         self.backend_errors: dict[str, str] = {}
         self._backend_retry_at: dict[str, float] = {}
         self._watching: set[str] = set()
+        self._templates: dict[str, tuple[str, str]] = {}
         self.specs: dict[str, RunSpec | RunSpecError] = {}
         self.rollouts: dict[RolloutKey, Rollout] = {}
         self.by_run: dict[str, set[RolloutKey]] = {}
@@ -258,7 +270,10 @@ class Controller:
         event = stored.event
         self.high_seq = max(self.high_seq, stored.seq)
         if isinstance(event, RunStarted):
-            self.specs[event.run_id] = spec_from_event(event)
+            spec = spec_from_event(event)
+            self.specs[event.run_id] = spec
+            if isinstance(spec, RunSpec) and spec.job_template and spec.backend == "kubernetes":
+                self._templates.setdefault(backend_id(spec), (spec.job_template, spec.run_id))
             if event.run_id in self.by_run:
                 self._dirty.update(self.by_run[event.run_id])
             self._changed.set()
@@ -335,10 +350,11 @@ class Controller:
         needed = {"local"} & set(self.settings.backends)
         for spec in self.specs.values():
             if isinstance(spec, RunSpec) and spec.backend in self.settings.backends:
-                needed.add(spec.backend)
+                needed.add(backend_id(spec))
         return needed
 
     def _make_backend(self, name: str) -> ExecutionBackend:
+        """Build the backend instance `name` (see `backend_id`)."""
         if name == "local":
             from services.controller.backends.local import LocalBackend
 
@@ -351,6 +367,19 @@ class Controller:
             from services.controller.backends.kubernetes import KubernetesBackend, KubernetesSettings
 
             return KubernetesBackend(KubernetesSettings.from_env())
+        if name.startswith("kubernetes:") and name in self._templates:
+            from services.controller.backends.kubernetes import KubernetesBackend, KubernetesSettings
+
+            template, run_id = self._templates[name]
+            # Everything but the template comes from the ROLLWIRE_K8S_* variables, as for the default.
+            base = KubernetesSettings.from_env({**os.environ, "ROLLWIRE_K8S_JOB_TEMPLATE": os.devnull})
+            settings = msgspec.structs.replace(
+                base,
+                job_template=template,
+                template_source=f"the job_template of run {run_id}",
+                instance=f"{base.instance}-{name.split(':', 1)[1]}",
+            )
+            return KubernetesBackend(settings)
         raise PermanentBackendError(f"unknown backend {name!r}")
 
     async def _ensure_backend(self, name: str) -> ExecutionBackend | None:
@@ -559,27 +588,28 @@ class Controller:
             spec = self.specs.get(run_id)
             if not isinstance(spec, RunSpec) or not queue:
                 continue
-            backend = self.backends.get(spec.backend)
-            if backend is None or spec.backend not in self._watching:
-                if self._backend_retry_at.get(spec.backend, 0.0) <= time.monotonic():
-                    self._backend_retry_at[spec.backend] = time.monotonic() + 1.0
-                    self._spawn(self._ensure_backend(spec.backend))
+            bid = backend_id(spec)
+            backend = self.backends.get(bid)
+            if backend is None or bid not in self._watching:
+                if self._backend_retry_at.get(bid, 0.0) <= time.monotonic():
+                    self._backend_retry_at[bid] = time.monotonic() + 1.0
+                    self._spawn(self._ensure_backend(bid))
                 continue
             for key in list(queue):  # insertion order: oldest first
                 if len(self._busy) >= self.settings.max_inflight:
                     return
                 if by_run[run_id] >= spec.concurrency:
                     break
-                if backend.capacity is not None and by_backend[spec.backend] >= backend.capacity:
+                if backend.capacity is not None and by_backend[bid] >= backend.capacity:
                     break
                 del queue[key]
                 if key in self._busy or key not in self.rollouts:
                     continue
                 by_run[run_id] += 1
-                by_backend[spec.backend] += 1
+                by_backend[bid] += 1
                 self._starting[run_id] += 1
-                self._starting_backend[spec.backend] += 1
-                self._run(key, self._start(key, spec, backend, None), starting=(run_id, spec.backend))
+                self._starting_backend[bid] += 1
+                self._run(key, self._start(key, spec, bid, backend, None), starting=(run_id, bid))
 
     def _run(self, key: RolloutKey, coro: Any, starting: tuple[str, str] | None = None) -> None:
         task = asyncio.create_task(self._guarded(key, coro, starting))
@@ -655,11 +685,12 @@ class Controller:
                     spec = self.specs.get(key.run_id)
                     if not isinstance(spec, RunSpec):
                         return
-                    backend = await self._ensure_backend(spec.backend)
+                    bid = backend_id(spec)
+                    backend = await self._ensure_backend(bid)
                     if backend is None:
                         self._retry_later(key, self.settings.resync_s)
                         return
-                    await self._start(key, spec, backend, action)
+                    await self._start(key, spec, bid, backend, action)
                 case Start():
                     raise AssertionError("starts are admitted by _admit")
 
@@ -710,7 +741,7 @@ class Controller:
             log.warning("could not link the logs of rollout %s attempt %s: %s", key.rollout_id, attempt_id, exc)
 
     async def _start(
-        self, key: RolloutKey, spec: RunSpec, backend: ExecutionBackend, relaunch: Relaunch | None
+        self, key: RolloutKey, spec: RunSpec, bid: str, backend: ExecutionBackend, relaunch: Relaunch | None
     ) -> None:
         """Start (or, after a restart, resume) an attempt and launch its execution."""
         view = self.rollouts[key]
@@ -775,7 +806,7 @@ class Controller:
         execs = self.executions.setdefault(key, {})
         if grant.attempt_id not in execs:
             # Until the backend's watch reports it: counted against capacity, never relaunched.
-            self._on_state(backend.name, ExecutionState(key=launch.key, phase="pending"))
+            self._on_state(bid, ExecutionState(key=launch.key, phase="pending"))
 
     async def _end(self, key: RolloutKey, view: Rollout, reason: str) -> None:
         step = after_failure(view, reason)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -80,3 +81,15 @@ def test_a_cancelled_rollout_stops_its_execution(rig: Rig) -> None:
         time.sleep(0.05)
     assert not _alive(pids["pid"]) and not _alive(pids["child"])
     assert rig.rollout(rid)["state"] == "cancelled"
+
+
+def test_an_evaluator_runs_after_the_agent_and_only_it_reports_the_reward(rig: Rig) -> None:
+    write_answer = [sys.executable, "-c", "open('answer.txt', 'w').write('the answer is 4')"]
+    rig.start_run(command=write_answer, evaluator_command=agent("evaluator.py"), reward_from="evaluator")
+    rig.start_controller()
+    right, wrong = rig.create({"answer": "4"}, {"answer": "5"})
+    for rid, value in ((right, 1.0), (wrong, 0.0)):
+        rollout = rig.wait(rid)
+        assert rollout["state"] == "succeeded", rollout
+        (reward,) = rig.events(rid, "reward")
+        assert (reward["value"], reward["source"], reward["name"]) == (value, "evaluator", "evaluator")
