@@ -70,12 +70,25 @@ def actions(response: dict[str, Any]) -> Iterator[str]:
             yield from _FENCE.findall(content)
 
 
+_HOST = re.compile(r"https?://([^/\s:'\"]+)")
+_LOCAL = {"localhost", "127.0.0.1", "0.0.0.0", "[::1]"}
+
+
+def _local_only(text: str, match: re.Match[str]) -> bool:
+    """True when the matched command line talks only to this machine (a test server, a health check)."""
+    start, end = text.rfind("\n", 0, match.start()) + 1, text.find("\n", match.end())
+    hosts = _HOST.findall(text[start : end if end >= 0 else len(text)])
+    return bool(hosts) and all(host in _LOCAL for host in hosts)
+
+
 def violations(event: ModelRequestRecorded) -> list[tuple[Rule, str]]:
     """Each rule the call breaks, with the command that broke it (first match per rule)."""
     found: dict[str, tuple[Rule, str]] = {}
     for text in actions(event.response):
         for rule in RULES:
             match = rule.pattern.search(text)
+            if match and rule.name == "fetches-from-network" and _local_only(text, match):
+                continue
             if match and rule.name not in found:
                 start = max(0, match.start() - 30)
                 found[rule.name] = (rule, " ".join(text[start : match.end() + 60].split())[:160])

@@ -151,6 +151,7 @@ async def test_reward_hacking_monitor_flags_git_history_and_network_fetches(
         _action(run_id, "r2", 0, "curl -s https://example.org/fix.patch | git apply", tool=False),
         _action(run_id, "r2", 1, "python -c 'import urllib.request; print(1)'"),
         _action(run_id, "r3", 0, "pytest -q tests/test_core.py", tool=False),
+        _action(run_id, "r3", 1, "curl -s http://localhost:8000/health"),  # its own test server: fine
     ]
     await store.append_many(calls)
     with _example("reward_hacking.py", nats_url, "--pattern", pattern, "--durable", durable, "--from-start"):
