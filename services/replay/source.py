@@ -17,9 +17,6 @@ A replay unit is one group of one trainer step: advantages are per group, and a 
 cut across steps was normalized within each step. A step is what the trainer recorded for the
 rollout (a `CustomEvent` named `train_step` with payload `{"step": N}`); a run without step
 records is replayed as one batch (step `None`).
-
-Decoding skips each call's `request` and `response` (the harness's messages and the reply, often
-most of the bytes): the adapter reads only token ids, logprobs and the call's identity.
 """
 
 from __future__ import annotations
@@ -31,16 +28,8 @@ from typing import Any
 
 import msgspec
 
-from schemas.events import (
-    AnyEvent,
-    CallStatus,
-    CustomEvent,
-    Event,
-    Mode,
-    ModelRequestRecorded,
-    RolloutCreated,
-    RunStarted,
-)
+from schemas import decode
+from schemas.events import AnyEvent, CustomEvent, Event, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, RUN_ALL, check_id
 from services.eventstore import EventStore, _stream_sequence
 from trainer.core import NotTrainable, RolloutCalls, rollout_calls
@@ -67,40 +56,6 @@ class StreamMissing(ReplayError):
 
 class RunNotFound(ReplayError):
     """No event of the run is on the stream."""
-
-
-class _CallFields(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="model_request", gc=False):
-    """The fields of a `ModelRequestRecorded` the adapter reads; `request`/`response` are skipped."""
-
-    run_id: str
-    event_id: str
-    call_id: str
-    rollout_id: str | None = None
-    attempt_id: str | None = None
-    time: float = 0.0
-    mode: Mode = "train"
-    status: CallStatus = "ok"
-    choice_index: int = 0
-    model: str = ""
-    weights_version: int | None = None
-    prompt_ids: list[int] = []
-    response_ids: list[int] = []
-    logprobs: list[float] = []
-    finish_reason: str | None = None
-
-
-_call_decoder = msgspec.json.Decoder(_CallFields)
-
-
-def decode_call(data: bytes) -> ModelRequestRecorded:
-    """A recorded call with everything the adapter reads (request and response left empty)."""
-    f = _call_decoder.decode(data)
-    return ModelRequestRecorded(
-        run_id=f.run_id, rollout_id=f.rollout_id, attempt_id=f.attempt_id, event_id=f.event_id, time=f.time,
-        call_id=f.call_id, mode=f.mode, status=f.status, choice_index=f.choice_index, model=f.model,
-        weights_version=f.weights_version, prompt_ids=f.prompt_ids, response_ids=f.response_ids,
-        logprobs=f.logprobs, finish_reason=f.finish_reason,
-    )  # fmt: skip
 
 
 class RolloutEntry(msgspec.Struct, kw_only=True):
@@ -311,7 +266,7 @@ def unit_rollouts(item: UnitInput) -> list[RolloutCalls]:
     """Decode a unit's calls and give each rollout's history to the adapter's `rollout_calls`."""
     rollouts = []
     for small, raw in item.histories:
-        calls: list[tuple[int, Event]] = [(seq, decode_call(data)) for seq, data in raw]
+        calls: list[tuple[int, Event]] = [(seq, decode(data)) for seq, data in raw]
         merged = heapq.merge(small, calls, key=lambda pair: pair[0])
         rollouts.append(rollout_calls(event for _, event in merged))
     return rollouts
