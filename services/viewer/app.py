@@ -1,0 +1,130 @@
+"""Mounting the viewer on a FastAPI app: its JSON routes, then its static files."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import RedirectResponse
+from fastapi.staticfiles import StaticFiles
+
+from services.projector.reader import PostgresRolloutReader, ReadModelUnavailable
+from services.viewer import queries
+
+STATIC = Path(__file__).parent / "static"
+Authorize = Callable[[Request], object]
+_json = msgspec.json.Encoder()
+
+
+class ViewerAuthError(PermissionError):
+    """The request lacks the admin token the viewer's data needs."""
+
+
+def bearer_check(token: str) -> Authorize:
+    """An `authorize` that accepts `Authorization: Bearer <token>` (for running the viewer alone)."""
+
+    def check(request: Request) -> None:
+        sent = request.headers.get("authorization", "")
+        if not (sent.startswith("Bearer ") and hmac.compare_digest(sent[7:].strip(), token)):
+            raise ViewerAuthError("the viewer needs the admin token: send `Authorization: Bearer <token>`")
+
+    return check
+
+
+def _respond(status: int, body: Any) -> Response:
+    return Response(_json.encode(body), status_code=status, media_type="application/json")
+
+
+def _int(request: Request, name: str, default: int, low: int = 0, high: int = 10_000_000) -> int:
+    raw = request.query_params.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise queries.ViewerQueryError(f"query parameter {name}={raw!r} is not an integer") from None
+    if not low <= value <= high:
+        raise queries.ViewerQueryError(f"query parameter {name} must be between {low} and {high}")
+    return value
+
+
+def _handler(
+    authorize: Authorize | None, fetch: Callable[[Request], Awaitable[Any]]
+) -> Callable[[Request], Awaitable[Response]]:
+    async def handle(request: Request) -> Response:
+        try:
+            if authorize is not None:
+                maybe = authorize(request)
+                if isinstance(maybe, Awaitable):
+                    await maybe
+            data = await fetch(request)
+        except ViewerAuthError as exc:
+            return _respond(401, {"error": str(exc)})
+        except ReadModelUnavailable as exc:
+            return _respond(503, {"error": str(exc)})
+        except queries.ViewerQueryError as exc:
+            return _respond(422, {"error": str(exc)})
+        if data is None:
+            return _respond(404, {"error": f"nothing at {request.url.path}"})
+        return _respond(200, data)
+
+    return handle
+
+
+def mount_viewer(
+    app: FastAPI, reader: PostgresRolloutReader, *, authorize: Authorize | None = None, prefix: str = "/ui"
+) -> None:
+    """Serve the viewer page at `prefix/` and its data at `prefix/api/...` (guarded by `authorize`)."""
+
+    async def run_list(request: Request) -> Any:
+        return await queries.runs(reader)
+
+    async def run_rollouts(request: Request) -> Any:
+        params = request.query_params
+        return await queries.rollouts(
+            reader,
+            request.path_params["run_id"],
+            sort=params.get("sort", "created"),
+            desc=params.get("desc") in ("1", "true"),
+            status=params.get("status") or None,
+            flagged=params.get("flagged") in ("1", "true"),
+            search=params.get("q") or None,
+            limit=_int(request, "limit", 200, 1, 1000),
+            offset=_int(request, "offset", 0),
+        )
+
+    async def one_rollout(request: Request) -> Any:
+        return await queries.rollout(reader, request.path_params["run_id"], request.path_params["rollout_id"])
+
+    async def rollout_timeline(request: Request) -> Any:
+        return await queries.timeline(
+            reader,
+            request.path_params["run_id"],
+            request.path_params["rollout_id"],
+            after_seq=_int(request, "after_seq", 0),
+            limit=_int(request, "limit", 2000, 1, 10_000),
+        )
+
+    async def one_call(request: Request) -> Any:
+        return await queries.call(reader, _int(request, "seq", 0) or int(request.path_params["seq"]))
+
+    api = f"{prefix}/api"
+    routes: list[tuple[str, Callable[[Request], Awaitable[Any]]]] = [
+        ("/runs", run_list),
+        ("/runs/{run_id}/rollouts", run_rollouts),
+        ("/runs/{run_id}/rollouts/{rollout_id}", one_rollout),
+        ("/runs/{run_id}/rollouts/{rollout_id}/timeline", rollout_timeline),
+        ("/calls/{seq:int}", one_call),
+    ]
+    for path, fetch in routes:
+        app.add_api_route(api + path, _handler(authorize, fetch), methods=["GET"], include_in_schema=False)
+
+    async def to_index(request: Request) -> Response:
+        return RedirectResponse(f"{prefix}/")
+
+    app.add_api_route(prefix, to_index, methods=["GET"], include_in_schema=False)
+    app.mount(prefix, StaticFiles(directory=STATIC, html=True), name="viewer")
