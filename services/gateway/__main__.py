@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import os
 import signal
 import sys
 
@@ -28,6 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, help="port to listen on (ROLLWIRE_GATEWAY_PORT, default 8080)")
     parser.add_argument("--nats-url", help="NATS server URL (NATS_URL)")
     parser.add_argument("--public-url", help="URL agents use to reach the gateway (ROLLWIRE_PUBLIC_URL)")
+    parser.add_argument("--database-url", help="Postgres of the projector; GET endpoints read it (DATABASE_URL)")
     return parser.parse_args(argv)
 
 
@@ -55,7 +57,8 @@ async def _check_nats(settings: GatewaySettings) -> None:
 async def main(argv: list[str] | None = None) -> int:
     """Serve until SIGTERM/SIGINT (uvicorn drains open requests, then the app disconnects from NATS)."""
     try:
-        settings = build_settings(parse_args(argv))
+        args = parse_args(argv)
+        settings = build_settings(args)
     except SettingsError as exc:
         print(f"rollwire gateway: {exc}", file=sys.stderr)
         return 2
@@ -64,8 +67,18 @@ async def main(argv: list[str] | None = None) -> int:
     except EventStoreError as exc:
         print(f"rollwire gateway: {exc}", file=sys.stderr)
         return 2
+    database_url = args.database_url or os.environ.get("DATABASE_URL")
+    if database_url:  # queries are answered from the projector's read models, not by folding the stream
+        from services.projector.api import install_read_side
+        from services.projector.reader import PostgresRolloutReader
+
+        reader = PostgresRolloutReader(database_url, stream=settings.stream)
+        app = create_app(settings, reader=reader)
+        install_read_side(app, reader, authorize=lambda request: request.app.state.gateway.admin(request))
+    else:
+        app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level="warning",

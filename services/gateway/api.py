@@ -684,16 +684,18 @@ async def get_run(request: Request, run_id: str) -> Response:
     view = await gw.reader.run(_id("run_id", run_id))
     if view is None:
         raise not_found(f"run {run_id} was never started (POST /api/runs)")
-    return json_response(
-        {
-            "run_id": run_id,
-            "name": view.name,
-            "spec": view.config,
-            "started_at": view.started_at,
-            "seq": view.seq,
-            "rollouts": view.rollouts,
-        }
-    )
+    body = {
+        "run_id": run_id,
+        "name": view.name,
+        "spec": view.config,
+        "started_at": view.started_at,
+        "seq": view.seq,
+        "rollouts": view.rollouts,
+    }
+    summarize = getattr(gw.reader, "summary", None)  # the Postgres reader adds reward, tokens, calls
+    if summarize is not None:
+        body["summary"] = msgspec.to_builtins(await summarize(run_id))
+    return json_response(body)
 
 
 async def healthz(request: Request) -> Response:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -70,9 +70,17 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
         state = GatewayState(store, cache_size=settings.cache_size)
         gate = PhaseGate(settings.phase_hold_timeout_s)
         state.on_event(lambda stored: _follow_phase(gate, stored))
-        timeout = httpx.Timeout(settings.upstream_timeout_s, connect=settings.upstream_connect_timeout_s)
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=60.0)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as upstream:
+        # One pooled session for every upstream call; sock_read bounds the wait for each read.
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=settings.upstream_connect_timeout_s, sock_read=settings.upstream_timeout_s
+        )
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0, ttl_dns_cache=300)
+        async with aiohttp.ClientSession(
+            timeout=timeout,
+            connector=connector,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        ) as upstream:
             gateway = Gateway(
                 settings=settings,
                 store=store,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from fastapi import Request
 
 from schemas import Event
@@ -29,7 +29,7 @@ class Gateway:
     auth: Authenticator
     idempotency: IdempotencyCache
     gate: PhaseGate
-    upstream: httpx.AsyncClient
+    upstream: aiohttp.ClientSession
 
     def principal(self, request: Request) -> Principal:
         """The caller, or 401 when no valid token is presented."""

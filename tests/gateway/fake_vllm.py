@@ -19,6 +19,7 @@ import asyncio
 import hashlib
 import threading
 import time
+from array import array
 from typing import Any
 
 import msgspec
@@ -29,11 +30,10 @@ VOCAB = 32_000
 
 
 def tokenize(text: str) -> list[int]:
-    """A deterministic toy tokenizer: one token per 4 characters, hashed into the vocabulary."""
-    return [
-        int.from_bytes(hashlib.blake2b(text[i : i + 4].encode(), digest_size=4).digest(), "big") % VOCAB
-        for i in range(0, len(text), 4)
-    ]
+    """A deterministic toy tokenizer: one token per 4 bytes of UTF-8, folded into the vocabulary."""
+    data = text.encode()
+    data += b"\0" * (-len(data) % 4)
+    return [word % VOCAB for word in array("I", data)]
 
 
 def prompt_ids(messages: list[Any]) -> list[int]:

@@ -43,6 +43,7 @@ class Agent:
 '''
 
 
+@pytest.mark.slow
 def test_agent_lightning_controller_drives_a_rollout(
     fresh_nats: NatsServer, fake_vllm: FakeVLLM, tmp_path: Path
 ) -> None:
