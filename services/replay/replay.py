@@ -59,8 +59,8 @@ def replay_chunk(chunk: list[UnitInput], configs: list[AdapterConfig]) -> list[l
     """Replay a chunk of units under every config: per unit, one `UnitRows` per config (worker side)."""
     results = []
     for item in chunk:
-        rollouts = unit_rollouts(item)
-        results.append([unit_rows(item.unit.step, rollouts, config) for config in configs])
+        rollouts, skipped = unit_rollouts(item)
+        results.append([unit_rows(item.unit.step, rollouts, config, skipped) for config in configs])
     return results
 
 

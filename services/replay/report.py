@@ -125,9 +125,16 @@ class UnitRows(msgspec.Struct, kw_only=True):
     too_long: int
     min_version: int | None
     max_version: int | None
+    skipped: dict[str, str] = {}
+    """Rollouts of the unit the adapter could not take (`malformed-call`)."""
 
 
-def unit_rows(step: int | None, rollouts: Sequence[RolloutCalls], config: AdapterConfig) -> UnitRows:
+def unit_rows(
+    step: int | None,
+    rollouts: Sequence[RolloutCalls],
+    config: AdapterConfig,
+    skipped: Mapping[str, str] | None = None,
+) -> UnitRows:
     """Merge one unit's rollouts and give them their advantages: the adapter's functions, then rows."""
     merged, dropped = merge_rollouts(rollouts, config)
     advantages, baselines = rollout_advantages(merged, config)
@@ -170,6 +177,7 @@ def unit_rows(step: int | None, rollouts: Sequence[RolloutCalls], config: Adapte
         too_long=sum(m.calls_too_long for m in merged),
         min_version=min(versions, default=None),
         max_version=max(versions, default=None),
+        skipped=dict(skipped or {}),
     )
 
 
@@ -186,10 +194,7 @@ class SchemeAccumulator:
         self.deduped = 0
         self.too_long = 0
         self.versions: list[int] = []
-
-    def add(self, step: int | None, rollouts: Sequence[RolloutCalls], order: Mapping[str, int]) -> None:
-        """Replay one unit under the scheme (in this process)."""
-        self.add_rows(unit_rows(step, rollouts, self.config), order)
+        self.skipped: dict[str, str] = {}
 
     def add_rows(self, unit: UnitRows, order: Mapping[str, int]) -> None:
         """Collect a unit replayed by `unit_rows` (here or in a worker)."""
@@ -200,6 +205,7 @@ class SchemeAccumulator:
         self.dropped += unit.dropped
         self.deduped += unit.deduped
         self.too_long += unit.too_long
+        self.skipped.update(unit.skipped)
         self.versions.extend(v for v in (unit.min_version, unit.max_version) if v is not None)
         if len(self.versions) > 2:
             self.versions = [min(self.versions), max(self.versions)]
@@ -220,7 +226,7 @@ class SchemeAccumulator:
         return SchemeReport(
             name=self.scheme.name,
             config=self.config,
-            summary=self._summary(rollouts, samples, skipped),
+            summary=self._summary(rollouts, samples, {**skipped, **self.skipped}),
             groups=self.groups,
             rollouts=rollouts,
             samples=samples,

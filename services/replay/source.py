@@ -32,7 +32,7 @@ from schemas import decode
 from schemas.events import AnyEvent, CustomEvent, Event, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, RUN_ALL, check_id
 from services.eventstore import EventStore, _stream_sequence
-from trainer.core import NotTrainable, RolloutCalls, rollout_calls
+from trainer.core import MalformedCall, NotTrainable, RolloutCalls, rollout_calls
 
 STEP_EVENT = "train_step"
 """Name of the `CustomEvent` the trainer records on each rollout it trains: payload `{"step": N}`."""
@@ -262,14 +262,22 @@ class UnitInput(msgspec.Struct, frozen=True, kw_only=True):
     """Per rollout of the unit: its small events and its calls' (sequence, JSON bytes), both in stream order."""
 
 
-def unit_rollouts(item: UnitInput) -> list[RolloutCalls]:
-    """Decode a unit's calls and give each rollout's history to the adapter's `rollout_calls`."""
+def unit_rollouts(item: UnitInput) -> tuple[list[RolloutCalls], dict[str, str]]:
+    """Decode a unit's calls and give each rollout's history to the adapter's `rollout_calls`.
+
+    A rollout with a call that cannot be trained on (no token ids, missing logprobs) is skipped as
+    `malformed-call`, as the trainer skips it; the second value maps such rollouts to the reason.
+    """
     rollouts = []
-    for small, raw in item.histories:
+    skipped: dict[str, str] = {}
+    for rollout_id, (small, raw) in zip(item.unit.rollout_ids, item.histories, strict=True):
         calls: list[tuple[int, Event]] = [(seq, decode(data)) for seq, data in raw]
         merged = heapq.merge(small, calls, key=lambda pair: pair[0])
-        rollouts.append(rollout_calls(event for _, event in merged))
-    return rollouts
+        try:
+            rollouts.append(rollout_calls(event for _, event in merged))
+        except MalformedCall:
+            skipped[rollout_id] = "malformed-call"
+    return rollouts, skipped
 
 
 async def stream_chunks(
@@ -292,16 +300,3 @@ async def stream_chunks(
             )
             for unit in chunk
         ]
-
-
-async def stream_units(
-    store: EventStore, index: RunIndex, units: list[Unit], *, budget: int = CALL_BUDGET
-) -> AsyncIterator[tuple[Unit, list[RolloutCalls]]]:
-    """Pass 2: each unit with its rollouts' `RolloutCalls`, built by the adapter's `rollout_calls`.
-
-    Reads the calls of whole units, `budget` calls at a time; only one chunk's raw messages and one
-    unit's decoded calls are held at once.
-    """
-    async for chunk in stream_chunks(store, index, units, budget=budget):
-        for item in chunk:
-            yield item.unit, unit_rollouts(item)

@@ -72,6 +72,19 @@ async def test_replay_equals_build_step_over_the_whole_run(store: EventStore, na
     assert report.comparison is not None and report.comparison.reference == "merge=exact"
 
 
+async def test_a_rollout_with_a_malformed_call_is_skipped_as_the_trainer_skips_it(
+    store: EventStore, nats_url: str, run_id: str
+) -> None:
+    good = agent_run(run_id, groups=2, per_group=2, seed=7)
+    bad = _scripted(run_id, "bad", "g0", 1.0, [3])
+    bad[3] = msgspec.structs.replace(bad[3], prompt_ids=[])  # the engine returned no token ids
+    await store.append_many(good + bad)
+    report = await _replay(nats_url, run_id)
+    (scheme,) = report.schemes
+    assert scheme.summary.rollouts_skipped == {"malformed-call": 1, "not-succeeded": 1, "val-mode": 1}
+    _assert_same(scheme, build_step(collect_rollouts(good).rollouts, scheme.config))
+
+
 async def test_replay_of_a_trainer_step_equals_what_the_trainer_built(
     store: EventStore, nats_url: str, run_id: str
 ) -> None:
