@@ -13,6 +13,7 @@ import typer
 from schemas import InvalidId, MalformedEvent
 from services.embedded import EmbeddedServerError
 from services.eventstore import EventStoreError
+from services.projector import cli as projector_cli
 from services.replay import cli as replay_cli
 from services.stack import DEFAULT_GATEWAY_PORT, DEFAULT_NATS_PORT, DEFAULT_PG_PORT, StackConfig, StackError
 
@@ -79,8 +80,12 @@ app.command("replay")(replay_cli.replay)
 app.command("tail")(replay_cli.tail)
 app.command("export")(replay_cli.export)
 app.command("runs")(replay_cli.runs)
+app.add_typer(projector_cli.app, name="projector")
 
-KNOWN_ERRORS = (CliError, StackError, EventStoreError, EmbeddedServerError, InvalidId, MalformedEvent)
+KNOWN_ERRORS = (
+    CliError, StackError, EventStoreError, EmbeddedServerError, InvalidId, MalformedEvent,
+    projector_cli.ProjectorCliError,
+)  # fmt: skip
 
 
 def main() -> None:

@@ -17,9 +17,7 @@ import typer
 from schemas.ids import STREAM_NAME
 from services.eventstore import EventStore
 from services.projector import pgstore
-from services.projector.migrate import migrate
-from services.projector.rebuild import rebuild_run, reset
-from services.projector.service import Projector, ProjectorSettings
+from services.projector.migrate import MigrationError, migrate
 
 app = typer.Typer(help="The Postgres read models (the projector).", no_args_is_help=True)
 
@@ -55,11 +53,28 @@ async def _wait_caught_up(conn: asyncpg.Connection, store: EventStore, stream: s
         await asyncio.sleep(0.5)
 
 
-async def _rebuild(nats_url: str, database_url: str, stream: str, run: str | None) -> str:
-    store = await EventStore.connect(nats_url, stream=stream, name="rollwire-projector-cli")
-    conn = await asyncpg.connect(database_url, timeout=5.0)
+async def _connect(database_url: str) -> asyncpg.Connection:
     try:
+        conn = await asyncpg.connect(database_url, timeout=5.0)
         await migrate(conn)
+    except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise ProjectorCliError(f"cannot use Postgres at {database_url}: {exc}") from None
+    except MigrationError as exc:
+        raise ProjectorCliError(str(exc)) from None
+    return conn
+
+
+async def _rebuild(nats_url: str, database_url: str, stream: str, run: str | None) -> str:
+    from services.projector.rebuild import rebuild_run, reset
+    from services.projector.service import Projector, ProjectorSettings
+
+    store = await EventStore.connect(nats_url, stream=stream, name="rollwire-projector-cli")
+    try:
+        conn = await _connect(database_url)
+    except BaseException:
+        await store.close()
+        raise
+    try:
         if run is not None:
             started = time.perf_counter()
             folded = await rebuild_run(conn, store, stream, run)
@@ -96,9 +111,12 @@ def rebuild(
 
 async def _status(nats_url: str, database_url: str, stream: str) -> str:
     store = await EventStore.connect(nats_url, stream=stream, name="rollwire-projector-cli")
-    conn = await asyncpg.connect(database_url, timeout=5.0)
     try:
-        await migrate(conn)
+        conn = await _connect(database_url)
+    except BaseException:
+        await store.close()
+        raise
+    try:
         applied = await pgstore.ensure_position(conn, stream)
         last = await store.last_sequence()
         dead = await pgstore.dead_letter_count(conn)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import asyncpg
+import uvicorn
+from fastapi import FastAPI
 
+from services.embedded import free_port
 from services.projector.service import Projector, ProjectorSettings
 
 
@@ -58,3 +62,29 @@ async def wait_applied(conn: asyncpg.Connection, seq: int, timeout: float = 30.0
         if time.monotonic() > deadline:
             raise AssertionError(f"projection stuck at seq {applied}, waiting for {seq}")
         await asyncio.sleep(0.05)
+
+
+class ServerThread:
+    """A uvicorn server for `app` on a free port, in a thread with its own event loop."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the viewer's server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

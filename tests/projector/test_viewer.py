@@ -9,53 +9,24 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import asyncpg
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
-from projector_support import running_projector, wait_applied
+from projector_support import ServerThread, running_projector, wait_applied
 from viewer_demo import RUN, demo_events, word_tokenizer_json
 
 from schemas import RewardReported, RolloutStatusChanged
-from services.embedded import NatsServer, free_port
+from services.embedded import NatsServer
 from services.eventstore import EventStore
 from services.projector.reader import PostgresRolloutReader
 from services.viewer import bearer_check, mount_viewer
 
 CHROMIUM = Path("/usr/bin/chromium")
 TOKEN = "viewer-test-token"
-
-
-class ServerThread:
-    """A uvicorn server for `app` on a free port, in a thread with its own event loop."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the viewer's server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def viewer_app(database: str, authorize_token: str | None = TOKEN) -> FastAPI:
