@@ -32,7 +32,7 @@ from services.controller.backends.k8s_template import job_name
 from services.controller.backends.kubernetes import KubernetesBackend, KubernetesSettings
 
 
-async def until(check: Callable[[], Any], timeout: float = 20.0) -> Any:
+async def until(check: Callable[[], Any], timeout: float = 30.0) -> Any:
     """Poll `check` (sync or async) until it returns something truthy."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

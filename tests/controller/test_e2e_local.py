@@ -1,4 +1,7 @@
-"""The controller end to end on the local backend: real gateway, real processes, real `openai` agent."""
+"""The controller end to end on the local backend: a real gateway, real agent processes.
+
+The happy path with a real `openai` agent runs through `rollwire up` (test_e2e_stack.py).
+"""
 
 from __future__ import annotations
 
@@ -8,24 +11,6 @@ import time
 from pathlib import Path
 
 from conftest import Rig, agent
-
-
-def test_a_real_openai_agent_runs_reports_a_reward_and_succeeds(rig: Rig) -> None:
-    rig.start_run(command=agent("openai_agent.py"), timeout_s=60)
-    rig.start_controller()
-    (rid,) = rig.create({"question": "What is 2+2?", "answer": "4"})
-    rollout = rig.wait(rid)
-    assert rollout["state"] == "succeeded", rollout
-    assert rollout["attempt_count"] == 1
-    (reward,) = rig.events(rid, "reward")
-    assert reward["value"] in (0.0, 1.0) and reward["source"] == "agent"
-    calls = rig.events(rid, "model_request")
-    assert len(calls) == 1 and calls[0]["response_ids"]  # the agent's call crossed the proxy, tokens recorded
-    answer = [e for e in rig.events(rid, "custom") if e["name"] == "answer"]
-    assert answer and "text" in answer[0]["payload"]
-    (log,) = [e for e in rig.events(rid, "custom") if e["name"] == "log"]
-    directory = Path(log["payload"]["log_location"])
-    assert "reply=" in (directory / "stdout.log").read_text()
 
 
 def test_a_crashing_agent_is_retried_then_failed_with_its_reason(rig: Rig) -> None:
