@@ -92,29 +92,33 @@ async def _bench(base_url: str, tokens: int) -> None:
 
 
 def _raw_loop(model_dir: Path, tokens: int, threads: int) -> None:
-    """Tokens/s of the token loop itself, in this process, without HTTP (the server's ceiling)."""
+    """Tokens/s of the batched token loop itself, in this process, without HTTP (the server's ceiling)."""
     import torch
 
-    from services.engine.engine import load_weights
-    from services.engine.generation import generate
+    from services.engine.generation import Batch, Generation
     from services.engine.output import ChoiceBuilder
     from services.engine.sampling import SamplingParams
     from services.engine.tokenizer import TokenTable, load_tokenizer
+    from services.engine.weights import load_weights
 
     torch.set_num_threads(threads)
     weights = load_weights(model_dir, 0)
     table = TokenTable.build(load_tokenizer(model_dir), weights.vocab_size)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    rates = []
-    for attempt in range(4):
-        builders = [ChoiceBuilder(0, table, params, frozenset(), False, True)]
-        generator = [torch.Generator().manual_seed(attempt)]
-        started = time.perf_counter()
-        with torch.inference_mode():
-            for _ in generate(weights.model, weights.cache_arg, list(range(10, 20)), params, generator, builders):
-                pass
-        rates.append(tokens / (time.perf_counter() - started))
-    print(f"token loop in-process (no HTTP): {statistics.median(rates[1:]):.0f} tokens/s")
+    for rows in (1, 8):
+        rates = []
+        for attempt in range(3):
+            batch = Batch(weights)
+            started = time.perf_counter()
+            with torch.inference_mode():
+                for request in range(rows):
+                    builders = [ChoiceBuilder(0, table, params, frozenset(), False, True)]
+                    generators = [torch.Generator().manual_seed(attempt * 100 + request)]
+                    batch.admit(request, Generation(list(range(10, 20 + request)), params, builders, generators))
+                while batch.rows:
+                    batch.step()
+            rates.append(rows * tokens / (time.perf_counter() - started))
+        print(f"token loop in-process (no HTTP), {rows} request(s): {statistics.median(rates):.0f} tokens/s")
 
 
 def main() -> None:
@@ -141,7 +145,8 @@ def main() -> None:
                     if proc.poll() is not None or time.monotonic() > deadline:
                         raise SystemExit("the engine did not start") from None
                     time.sleep(0.2)
-            print(f"tiny model, engine with {args.threads} torch thread(s), {os.cpu_count()} CPUs")
+            load = os.getloadavg()[0]
+            print(f"tiny model, engine with {args.threads} torch thread(s), {os.cpu_count()} CPUs, load {load:.1f}")
             asyncio.run(_bench(base_url, args.tokens))
             _raw_loop(model, args.tokens, args.threads)
         finally:

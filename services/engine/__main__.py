@@ -9,7 +9,6 @@ import argparse
 import asyncio
 from pathlib import Path
 
-import torch
 import uvicorn
 
 from services.engine.server import create_app
@@ -26,15 +25,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, help="seed for requests that give none (default: random)")
     parser.add_argument("--weights-version", type=int, default=0, help="version of the weights served at start")
     parser.add_argument("--max-model-len", type=int, help="context limit (default: the model's max positions)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (tiny models run fastest on 1)")
+    parser.add_argument("--threads", type=int, help="torch threads for generation (default: 1 for small models)")
     return parser.parse_args(argv)
 
 
 async def main(argv: list[str] | None = None) -> None:
     """Load the model and serve until SIGINT/SIGTERM (uvicorn finishes open requests first)."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model_dir = args.model if args.model is not None else ensure_tiny_model()
     app = create_app(
         model_dir,
@@ -42,6 +39,7 @@ async def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         weights_version=args.weights_version,
         max_model_len=args.max_model_len,
+        threads=args.threads,
     )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
     await server.serve()

@@ -16,9 +16,8 @@ from typing import Any
 
 import jinja2
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from services.engine.generation import cache_argument, generate
+from services.engine.generation import Generation
 from services.engine.output import ChoiceBuilder
 from services.engine.protocol import (
     ChatCompletionRequest,
@@ -31,34 +30,15 @@ from services.engine.protocol import (
 from services.engine.sampling import SamplingParams, choice_seed
 from services.engine.scheduler import Job, Scheduler
 from services.engine.tokenizer import ModelLoadError, TokenTable, load_tokenizer
+from services.engine.weights import Weights, load_weights
+
+SMALL_MODEL_PARAMETERS = 100_000_000
 
 
-@dataclass(frozen=True)
-class Weights:
-    """A loaded model and the weights version it holds."""
-
-    model: PreTrainedModel
-    version: int
-    path: Path
-    cache_arg: str
-
-    @property
-    def vocab_size(self) -> int:
-        """Rows of the output layer: every id the model can sample."""
-        return int(self.model.config.vocab_size)
-
-
-def load_weights(path: Path, version: int) -> Weights:
-    """Load a saved causal LM (float32, eval mode) from `path`."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} is not a saved model directory (no config.json); pass a save_pretrained output")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise ModelLoadError(f"could not load a causal LM from {path}: {exc}") from exc
-    model.eval()
-    return Weights(model=model, version=version, path=path, cache_arg=cache_argument(model))
+def _auto_threads(weights: Weights) -> int | None:
+    """One torch thread for small models (their steps are too short to split), else torch's default."""
+    parameters = sum(p.numel() for p in weights.model.parameters())
+    return 1 if parameters < SMALL_MODEL_PARAMETERS else None
 
 
 def _eos_ids(weights: Weights, eos_token_id: int | None) -> frozenset[int]:
@@ -89,6 +69,7 @@ class Engine:
         seed: int | None = None,
         weights_version: int = 0,
         max_model_len: int | None = None,
+        threads: int | None = None,
     ) -> None:
         model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
@@ -102,7 +83,7 @@ class Engine:
         self.served_name = served_name or model_dir.name
         self.created = int(model_dir.stat().st_mtime)
         self._seeds: random.Random = random.Random(seed) if seed is not None else random.SystemRandom()
-        self.scheduler = Scheduler()
+        self.scheduler = Scheduler(threads if threads is not None else _auto_threads(self.weights))
         self._reload_lock: asyncio.Lock | None = None
 
     def prompt_ids(self, request: ChatCompletionRequest) -> list[int]:
@@ -133,8 +114,8 @@ class Engine:
             ChoiceBuilder(i, self.table, params, self.eos_token_ids, parse_tools, bool(request.logprobs))
             for i in range(n)
         ]
-        steps = generate(weights.model, weights.cache_arg, prompt_ids, params, generators, builders)
-        job = Job(steps, asyncio.get_running_loop(), report_steps=bool(request.stream))
+        generation = Generation(prompt_ids, params, builders, generators)
+        job = Job(generation, weights, asyncio.get_running_loop(), report_steps=bool(request.stream))
         self.scheduler.submit(job)
         return Started(job=job, builders=builders, weights_version=weights.version, prompt_ids=prompt_ids)
 

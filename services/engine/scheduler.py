@@ -1,11 +1,13 @@
-"""One generation thread that interleaves all requests token by token.
+"""One generation thread that runs every request, batched token by token.
 
 Torch runs outside the event loop (it releases the GIL in its kernels), so the HTTP server stays
-responsive while tokens are produced. Each request is a `Job` wrapping a step iterator
-(`services.engine.generation.generate`); the thread advances every active job by one step per
-round, so a long generation does not hold back the first token of a new request. Each step's
-deltas are handed to the request's event loop as soon as they exist, which is what makes a
-stream's time to first token real. A cancelled job (client gone) is dropped before its next step.
+responsive while tokens are produced. Each round the thread prefills the requests that arrived
+(`Batch.admit`) and then advances every batch by one token (`Batch.step`): requests on the same
+weights share a batch (continuous batching), so a long generation neither holds back the first
+token of a new request nor runs alone. After a reload, requests already running stay in the batch
+of their old weights until they finish. Each step's deltas are handed to the request's event loop
+as soon as they exist, which is what makes a stream's time to first token real. A cancelled job
+(client gone) leaves its batch before the next step.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator
 
 import torch
 
+from services.engine.generation import Batch, Generation
 from services.engine.output import TokenDelta
+from services.engine.weights import Weights
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +40,37 @@ class GenerationFailedError(RuntimeError):
 _DONE = object()
 
 
+def limit_torch_threads_here(threads: int) -> None:
+    """Give the calling thread its own torch intra-op thread count, leaving other threads' as they are.
+
+    `torch.set_num_threads` also changes the default that threads initialise from. With OpenMP the
+    count is kept per thread, so after initialising this thread and setting its count, the default
+    is restored from a throwaway thread: this thread keeps `threads`, everyone else the default.
+    """
+    default = torch.get_num_threads()  # initialises this thread, so restoring the default cannot reset it
+    torch.set_num_threads(threads)
+    restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="torch-threads-restore")
+    restore.start()
+    restore.join()
+
+
 class Job:
     """One request's generation, produced in the scheduler thread and consumed in the event loop."""
 
+    @property
+    def finished(self) -> bool:
+        """True once every choice has its finish reason."""
+        return all(b.finished for b in self.generation.builders)
+
     def __init__(
         self,
-        steps: Generator[list[TokenDelta], None, None],
+        generation: Generation,
+        weights: Weights,
         loop: asyncio.AbstractEventLoop,
         report_steps: bool = True,
     ) -> None:
-        self.steps = steps
+        self.generation = generation
+        self.weights = weights
         self.report_steps = report_steps  # False: only the end is reported (no wake-up per token)
         self._loop = loop
         self._items: collections.deque[object] = collections.deque()
@@ -100,7 +125,8 @@ class Job:
 class Scheduler:
     """The generation thread (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int | None = None) -> None:
+        self._threads = threads
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._open = 0
@@ -128,43 +154,75 @@ class Scheduler:
 
     def _finish(self, job: Job, item: object) -> None:
         job.post(item)
-        with contextlib.suppress(Exception):
-            job.steps.close()
         with self._lock:
             self._open -= 1
 
-    def _step(self, job: Job) -> bool:
-        """Advance one job by one step; False when it is done."""
-        if job.cancelled:
-            self._finish(job, _DONE)
-            return False
-        try:
-            deltas = next(job.steps)
-            if job.report_steps:
-                job.post(deltas)
-        except StopIteration:
-            self._finish(job, _DONE)
-            return False
-        except Exception as exc:
-            log.exception("generation failed")
+    def _fail(self, jobs: list[Job], exc: Exception) -> None:
+        log.exception("generation failed")
+        for job in jobs:
             self._finish(job, GenerationFailedError(f"generation failed: {exc!r}"))
-            return False
-        return True
+
+    def _admit(self, job: Job, batches: dict[int, Batch]) -> None:
+        """Prefill a new job into the batch of its weights (its own batch if they cannot be shared)."""
+        key = id(job.weights) if job.weights.batchable else id(job)
+        batch = batches.setdefault(key, Batch(job.weights))
+        try:
+            deltas = batch.admit(job, job.generation)
+        except Exception as exc:
+            batch.drop(job)
+            self._fail([job], exc)
+            return
+        if job.report_steps:
+            job.post(deltas)
+        if job.finished:
+            self._finish(job, _DONE)
+
+    def _advance(self, batch: Batch) -> None:
+        """Drop cancelled jobs, then one token for every row of the batch."""
+        for job in batch.owners():
+            if job.cancelled:
+                batch.drop(job)
+                self._finish(job, _DONE)
+        if not batch.rows:
+            return
+        owners = batch.owners()
+        try:
+            results = batch.step()
+        except Exception as exc:
+            batch.rows.clear()
+            self._fail(owners, exc)
+            return
+        per_job: dict[int, list[TokenDelta]] = {}
+        for job, delta in results:
+            per_job.setdefault(id(job), []).append(delta)
+        for job in owners:
+            if job.report_steps:
+                job.post(per_job[id(job)])
+            if job.finished:
+                self._finish(job, _DONE)
 
     def _run(self) -> None:
-        active: list[Job] = []
+        batches: dict[int, Batch] = {}
+        if self._threads:
+            limit_torch_threads_here(self._threads)
         with torch.inference_mode():
             while True:
                 incoming: list[Job | None] = []
                 try:
-                    incoming.append(self._inbox.get(block=not active))
+                    incoming.append(self._inbox.get(block=not batches))
                     while True:
                         incoming.append(self._inbox.get_nowait())
                 except queue.Empty:
                     pass
                 if any(item is None for item in incoming):
-                    for job in active + [j for j in incoming if j is not None]:
+                    running = [job for batch in batches.values() for job in batch.owners()]
+                    for job in running + [j for j in incoming if j is not None]:
                         self._finish(job, EngineClosedError("the engine shut down during generation"))
                     return
-                active.extend(j for j in incoming if j is not None)
-                active = [job for job in active if self._step(job)]
+                for job in incoming:
+                    if job is not None:
+                        self._admit(job, batches)
+                for key, batch in list(batches.items()):
+                    self._advance(batch)
+                    if not batch.rows:
+                        del batches[key]

@@ -192,13 +192,17 @@ def create_app(
     seed: int | None = None,
     weights_version: int = 0,
     max_model_len: int | None = None,
+    threads: int | None = None,
 ) -> FastAPI:
-    """The engine's ASGI app over `model_dir` (or an existing `engine`, which the caller then owns)."""
+    """The engine's ASGI app over `model_dir` (or an existing `engine`, which the caller then owns).
+
+    `threads`: torch threads of the generation thread (default: 1 for models under 100M parameters).
+    """
     owned = engine is None
     if engine is None:
         if model_dir is None:
             raise ValueError("create_app needs model_dir or engine")
-        engine = Engine(model_dir, served_name, seed, weights_version, max_model_len)
+        engine = Engine(model_dir, served_name, seed, weights_version, max_model_len, threads)
     served = engine
 
     @asynccontextmanager

@@ -222,7 +222,7 @@ async def test_async_client_streams_tokens_as_they_are_generated(aclient: openai
 async def test_concurrent_requests_interleave(aclient: openai.AsyncOpenAI, engine_server: EngineHandle) -> None:
     long = asyncio.create_task(
         aclient.chat.completions.create(
-            model=SERVED_NAME, messages=HELLO, max_tokens=400, extra_body={"ignore_eos": True}
+            model=SERVED_NAME, messages=HELLO, max_tokens=300, extra_body={"ignore_eos": True}
         )
     )
     await asyncio.sleep(0.2)
@@ -235,7 +235,31 @@ async def test_concurrent_requests_interleave(aclient: openai.AsyncOpenAI, engin
     assert short.choices[0].message is not None
     assert not long.done()  # the short request did not wait for the long one
     result = await long
-    assert result.usage is not None and result.usage.completion_tokens == 400
+    assert result.usage is not None and result.usage.completion_tokens == 300
+
+
+async def test_concurrent_requests_batched_together_match_running_alone(aclient: openai.AsyncOpenAI) -> None:
+    prompts = ["Hi.", "Tell me a long story about the sea and the harbor.", "2+2?", "List three files."]
+
+    async def greedy(text: str, seed: int) -> tuple[list[int], list[float]]:
+        resp = await aclient.chat.completions.create(
+            model=SERVED_NAME,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=20,
+            temperature=0 if seed % 2 else 1,
+            seed=seed,
+            logprobs=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+        choice = resp.choices[0]
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        return _ids(choice, "token_ids"), [e.logprob for e in choice.logprobs.content]
+
+    together = await asyncio.gather(*[greedy(text, seed) for seed, text in enumerate(prompts)])
+    for seed, (text, (tokens, logprobs)) in enumerate(zip(prompts, together, strict=True)):
+        alone_tokens, alone_logprobs = await greedy(text, seed)
+        assert tokens == alone_tokens
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(alone_logprobs), atol=1e-4)
 
 
 def test_tools_and_tool_messages_reach_the_template(
