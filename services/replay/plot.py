@@ -24,6 +24,7 @@ def plot(report: ReplayReport, path: Path) -> Path:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         raise PlotUnavailable("--plot needs matplotlib: pip install matplotlib") from None
 
@@ -47,7 +48,12 @@ def plot(report: ReplayReport, path: Path) -> Path:
             color=colors[i % len(colors)],
             label=scheme.name,
         )
-    ax.set_xscale("log")
+    lengths = [r.response_tokens for s in report.schemes for r in s.rollouts if r.response_tokens > 0]
+    if lengths and max(lengths) >= 20 * min(lengths):  # lengths over decades: a log axis, plainly labelled
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("response tokens of the rollout")
     ax.set_ylabel("loss weight of the rollout (share of its step)")
     ax.set_title("weight against length")
