@@ -119,7 +119,8 @@ def _fields(event: AnyEvent) -> str:
             reason = f" reason={short(event.reason, TEXT_CHARS)!r}" if event.reason else ""
             return f"{arrow} attempt={short(event.attempt_id)}{reason}"
         case RolloutCreated():
-            return f"group={short(event.group_id)} mode={event.mode} input={short(repr(event.input), TEXT_CHARS)}"
+            text = encode_payload(event.input) if isinstance(event.input, dict) else str(event.input)
+            return f"group={short(event.group_id)} mode={event.mode} input={short(text, TEXT_CHARS)}"
         case AttemptStarted():
             return f"attempt={short(event.attempt_id)} #{event.sequence} executor={event.executor or '-'}"
         case CustomEvent():
@@ -137,7 +138,7 @@ def _fields(event: AnyEvent) -> str:
     return ""
 
 
-def encode_payload(payload: dict[str, Any]) -> str:
+def encode_payload(payload: Any) -> str:
     """A custom event's payload as compact JSON text."""
     return json.dumps(payload, separators=(",", ":"), ensure_ascii=False, default=str)
 
