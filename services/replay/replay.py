@@ -36,7 +36,7 @@ from trainer.core import AdapterConfig
 REPORT_VERSION = 1
 PARALLEL_BUDGET = 512
 """Calls per chunk handed to a worker (smaller than in-process chunks: several are in flight)."""
-MIN_PARALLEL_CALLS = 8 * PARALLEL_BUDGET
+MIN_PARALLEL_CALLS = 64 * PARALLEL_BUDGET
 """Below this many calls, starting worker processes costs more than it saves."""
 
 
