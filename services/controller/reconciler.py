@@ -92,7 +92,7 @@ from services.controller.gateway import (
     GatewayUnavailable,
 )
 from services.controller.settings import ControllerSettings
-from services.controller.view import Attempt, Rollout, RunSpecError, fold, spec_from_event
+from services.controller.view import NOT_LAUNCHED, Attempt, Rollout, RunSpecError, fold, spec_from_event
 from services.eventstore import EventStore, EventStoreError, StoredEvent
 
 log = logging.getLogger("rollwire.controller")
@@ -101,6 +101,7 @@ ATTEMPT_KEY = "rollwire-controller:{rollout}:{created}:{sequence}"
 ECHO_TIMEOUT_S = 5.0
 LOG_EVENT = "log"
 LAUNCH_RETRIES = 3
+PRUNE_AFTER_S = 60.0
 
 
 def backend_id(spec: RunSpec) -> str:
@@ -467,7 +468,20 @@ class Controller:
                 except Exception as exc:
                     log.warning("cannot list the %s backend: %s", name, exc)
         await self._verify_statuses()
+        self._prune()
         self._mark_all()
+
+    def _prune(self) -> None:
+        """Forget rollouts that ended a while ago and have no execution left (memory stays bounded)."""
+        cutoff = time.time() - PRUNE_AFTER_S
+        for key, view in list(self.rollouts.items()):
+            if view.terminal and view.status_time < cutoff and not self.executions.get(key) and key not in self._busy:
+                del self.rollouts[key]
+                self.by_run.get(key.run_id, set()).discard(key)
+                self.executions.pop(key, None)
+                self._retry_at.pop(key, None)
+                self._failures.pop(key, None)
+                self._awaiting.pop(key, None)
 
     async def _verify_statuses(self) -> None:
         """Catch what no event announced: a rollout deleted (its subjects purged) or a missed status."""
@@ -623,6 +637,9 @@ class Controller:
         except GatewayConflict as exc:
             log.info("rollout %s moved on (%s); re-reading it", key.rollout_id, exc)
             await self._safe_refresh(key)
+            # Should the gateway keep refusing what the view calls for, do not ask in a tight loop.
+            self._retry_later(key, min(30.0, 0.1 * 2 ** self._failures[key]))
+            self._failures[key] += 1
         except GatewayRejected as exc:
             if exc.status_code == 404:
                 await self._safe_refresh(key)
@@ -803,8 +820,8 @@ class Controller:
             (time.monotonic() - began) * 1000,
             (started - began) * 1000,
         )
-        execs = self.executions.setdefault(key, {})
-        if grant.attempt_id not in execs:
+        known = self.executions.setdefault(key, {}).get(grant.attempt_id)
+        if known is None or (known.phase == "failed" and (known.reason or "").startswith(NOT_LAUNCHED)):
             # Until the backend's watch reports it: counted against capacity, never relaunched.
             self._on_state(bid, ExecutionState(key=launch.key, phase="pending"))
 
