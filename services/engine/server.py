@@ -13,6 +13,11 @@ with OpenAI's error body and status 400 (404 for an unknown model or route), nev
 A stream's first chunk carries the role and `prompt_token_ids`; then one chunk per generation step
 with the new text, `token_ids` and logprobs of each running choice; a usage chunk when
 `stream_options.include_usage`; then `data: [DONE]`. If the client disconnects, generation stops.
+
+Logprobs are the model's raw logprobs at temperature 1, before top-k/top-p, as vLLM's default
+(`services.engine.sampling` defines them). With `seed`, choice i samples from its own generator
+seeded from (seed, i): the same request gives the same tokens; concurrent traffic batched with it
+can change float rounding in the last bits, and so, very rarely, a sampled token (as in vLLM).
 """
 
 from __future__ import annotations

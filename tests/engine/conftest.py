@@ -6,16 +6,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from engine_harness import MAX_MODEL_LEN, SERVED_NAME, EngineHandle
 from transformers import PreTrainedTokenizerFast
 
 from services.engine.background import BackgroundServer
-from services.engine.engine import Engine
 from services.engine.server import create_app
 from services.engine.tiny_model import build_tiny_model
 from services.engine.tokenizer import load_tokenizer
-
-SERVED_NAME = "tiny-test"
-MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="session")
@@ -28,14 +25,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerFast:
     """The tiny model's tokenizer, loaded the way the engine loads it."""
     return load_tokenizer(tiny_model_dir)
-
-
-class EngineHandle:
-    """A served engine: its base URL and the in-process Engine behind it."""
-
-    def __init__(self, server: BackgroundServer, engine: Engine) -> None:
-        self.url = server.url
-        self.engine = engine
 
 
 @pytest.fixture(scope="module")

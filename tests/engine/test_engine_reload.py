@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import EngineHandle
+from engine_harness import EngineHandle
 
 from services.engine.server import WEIGHTS_VERSION_HEADER
 from services.engine.tiny_model import build_tiny_model

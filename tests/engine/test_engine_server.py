@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import MAX_MODEL_LEN, SERVED_NAME, EngineHandle
+from engine_harness import MAX_MODEL_LEN, SERVED_NAME, EngineHandle
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from services.engine.server import WEIGHTS_VERSION_HEADER
