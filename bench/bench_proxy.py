@@ -98,6 +98,7 @@ class Target:
     name: str
     port: int
     routes: list[tuple[str, dict[str, str]]]
+    pid: int | None = None  # the proxy's process, whose CPU time per call is reported
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Result:
     firsts: list[float] = field(default_factory=list)
     errors: int = 0
     seconds: float = 0.0
+    cpu_s: float | None = None
 
     def row(self) -> str:
         lat = sorted(self.latencies)
@@ -114,7 +116,8 @@ class Result:
         p50 = lat[len(lat) // 2] * 1000
         p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000
         rate = len(lat) / self.seconds
-        extra = f"  errors {self.errors}" if self.errors else ""
+        extra = f"  proxy CPU {self.cpu_s / len(lat) * 1e6:5.0f} us/call" if self.cpu_s is not None else ""
+        extra += f"  errors {self.errors}" if self.errors else ""
         return f"p50 {p50:7.2f} ms  p99 {p99:7.2f} ms  {rate:8.0f} calls/s{extra}"
 
 
@@ -151,9 +154,12 @@ async def load(target: Target, concurrency: int, calls: int, body: bytes) -> Res
         if conn.writer is not None:
             conn.writer.close()
 
+    cpu = cpu_seconds(target.pid) if target.pid else 0.0
     started = time.perf_counter()
     await asyncio.gather(*[worker(i) for i in range(concurrency)])
     result.seconds = time.perf_counter() - started
+    if target.pid:
+        result.cpu_s = cpu_seconds(target.pid) - cpu
     return result
 
 
@@ -171,6 +177,12 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> N
         except httpx.HTTPError:
             time.sleep(0.1)
     raise RuntimeError(f"{url} did not answer")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_kib(pid: int) -> int:
@@ -306,9 +318,10 @@ async def run(args: argparse.Namespace) -> None:
 async def measure(stack: Stack, args: argparse.Namespace) -> None:
     scale = 0.2 if args.quick else 1.0
     direct = Target("direct", stack.fake_port, [("/v1/chat/completions", {})])
-    rollwire = Target("rollwire", stack.gw_port, stack.rollwire_routes(32))
+    rollwire = Target("rollwire", stack.gw_port, stack.rollwire_routes(32), stack.gateway.pid)
     stack.start_agl()
     print(f"fake upstream :{stack.fake_port}  rollwire gateway :{stack.gw_port}  nats {stack.nats.url}")
+    print(f"load average before the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     if stack.agl is None:
         print(f"agent lightning: skipped ({stack.agl_reason})")
     print()
@@ -319,7 +332,7 @@ async def measure(stack: Stack, args: argparse.Namespace) -> None:
             body = chat_body(prompt)
             targets = [direct, rollwire]
             if stack.agl is not None:
-                targets.append(Target("agent-lightning", stack.agl_port, stack.agl_round(32)))
+                targets.append(Target("agent-lightning", stack.agl_port, stack.agl_round(32), stack.agl.pid))
             for target in targets:
                 await load(target, concurrency, max(50, calls // 10), body)  # warm-up
                 result = await load(target, concurrency, calls, body)
@@ -343,8 +356,8 @@ async def measure(stack: Stack, args: argparse.Namespace) -> None:
     print(f"gateway memory over {total} proxied calls (32 in flight):")
     step = total // 10
     for done in range(0, total, step):
-        await load(rollwire, 32, step, body)
-        print(f"  after {done + step:6d} calls: RSS {rss_kib(stack.gateway.pid) / 1024:7.1f} MiB")
+        result = await load(rollwire, 32, step, body)
+        print(f"  after {done + step:6d} calls: RSS {rss_kib(stack.gateway.pid) / 1024:7.1f} MiB   {result.row()}")
 
 
 def summarize(table: dict[tuple[str, int, int], Result]) -> None:

@@ -322,6 +322,18 @@ class EventStore:
         """Every event of one run, in order, as an async iterator (a run can be large)."""
         return self.read(RUN_ALL.format(run=check_id("run_id", run_id)), after_seq=after_seq)
 
+    async def last(self, subject: str) -> StoredEvent | None:
+        """The last event on a subject (wildcards allowed: the last of all matching), or None."""
+        try:
+            raw = await self.js.get_last_msg(self.stream, subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        return StoredEvent(seq=raw.seq or 0, subject=raw.subject or subject, event=decode(raw.data or b""))
+
+    async def purge(self, subject: str) -> None:
+        """Remove every event on the subject (wildcards allowed) from the stream, for good."""
+        await self.js.purge_stream(self.stream, subject=subject)
+
     async def last_status(self, run_id: str, rollout_id: str) -> tuple[RolloutStatusChanged | None, int]:
         """The rollout's last status event and its stream sequence (None, 0 when it has none)."""
         subject = ROLLOUT_STATUS.format(run=check_id("run_id", run_id), rollout=check_id("rollout_id", rollout_id))

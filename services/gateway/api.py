@@ -111,16 +111,18 @@ async def _create(gw: Gateway, items: list[bodies.NewRollout], key: str | None) 
         run_id = _id(f"rollouts[{index}].run_id", item.run_id or gw.settings.default_run)
         if item.rollout_id is not None:
             rollout_id = _id(f"rollouts[{index}].rollout_id", item.rollout_id)
-            existing = await gw.state.rollout(rollout_id)
-            if existing is not None:
-                if existing.run_id != run_id:
+            existing_run = await gw.state.locate(rollout_id)
+            if existing_run is not None:
+                if existing_run != run_id:
                     raise ApiError(
                         409,
-                        f"rollout id {rollout_id} is already used in run {existing.run_id}",
+                        f"rollout id {rollout_id} is already used in run {existing_run}",
                         field=f"rollouts[{index}].rollout_id",
                     )
-                prepared.append(existing)
-                continue
+                existing = await _full_view(gw, rollout_id, run_id)
+                if existing is not None:
+                    prepared.append(existing)
+                    continue
         else:
             rollout_id = derive_id(key, "rollout", str(index)) if key else new_id()
         mode = item.mode or ("val" if item.is_train is False else "train")
@@ -341,9 +343,9 @@ async def delete_rollout(request: Request, rollout_id: str) -> Response:
     gw = _gw(request)
     gw.admin(request)
     _id("rollout_id", rollout_id)
-    view = await gw.state.rollout(rollout_id)
-    if view is not None:
-        await gw.store.js.purge_stream(gw.store.stream, subject=f"rl.{view.run_id}.rollout.{rollout_id}.>")
+    run_id = await gw.state.locate(rollout_id)
+    if run_id is not None:
+        await gw.store.purge(f"rl.{run_id}.rollout.{rollout_id}.>")
         gw.state.forget(rollout_id)
     return Response(status_code=204)
 

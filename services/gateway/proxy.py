@@ -329,16 +329,30 @@ class Proxy:
             return Upstream(response.status, response.headers.get(WEIGHTS_HEADER), await response.read())
 
     async def _complete(self, call: Call, payload: bytes, receive: Receive, send: Send) -> None:
-        forward = asyncio.ensure_future(self._post(call, payload))
-        watch = asyncio.ensure_future(_disconnected(receive))
+        me = asyncio.current_task()
+        assert me is not None
+        gone = False
+
+        async def cancel_on_disconnect() -> None:
+            nonlocal gone
+            await _disconnected(receive)
+            gone = True
+            me.cancel()  # closes the upstream connection: the engine stops generating
+
+        watcher = asyncio.get_running_loop().create_task(cancel_on_disconnect())
+        error: BaseException | None = None
+        upstream: Upstream | None = None
         try:
-            await asyncio.wait((forward, watch), return_when=asyncio.FIRST_COMPLETED)
+            upstream = await self._post(call, payload)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            error = exc
         finally:
-            watch.cancel()
-        if not forward.done():
-            forward.cancel()  # closes the upstream connection: the engine stops generating
-            with contextlib.suppress(BaseException):
-                await forward
+            watcher.cancel()
+        if gone:
+            me.uncancel()
             with contextlib.suppress(EventStoreUnavailable):
                 await self._record(
                     self._events(
@@ -352,15 +366,17 @@ class Proxy:
                     )
                 )
             return
-        try:
-            upstream = forward.result()
-        except TimeoutError:
+        await self._answer(call, upstream, error, send)
+
+    async def _answer(self, call: Call, upstream: Upstream | None, error: BaseException | None, send: Send) -> None:
+        """Record a non-streamed call and answer the client (the answer only after the record is acked)."""
+        if isinstance(error, TimeoutError):
             await self._record_failure(call, "the model endpoint timed out")
             await _send_json(send, 504, _openai_error(504, "the model endpoint timed out", "timeout"))
             return
-        except aiohttp.ClientError as exc:
-            await self._record_failure(call, f"the model endpoint failed: {exc!r}")
-            await _send_json(send, 502, _openai_error(502, f"the model endpoint failed: {exc!r}"))
+        if error is not None or upstream is None:
+            await self._record_failure(call, f"the model endpoint failed: {error!r}")
+            await _send_json(send, 502, _openai_error(502, f"the model endpoint failed: {error!r}"))
             return
         if upstream.status >= 400:
             await self._pass_error(call, upstream, send)

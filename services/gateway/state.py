@@ -183,9 +183,19 @@ class GatewayState:
         entry = await asyncio.shield(pending)
         return entry.view if entry is not None else None
 
+    async def locate(self, rollout_id: str) -> str | None:
+        """The run a rollout belongs to (rollout ids are unique across runs), or None if it does not exist."""
+        cached = self.rollouts.get(rollout_id)
+        if cached is not None:
+            return cached.view.run_id
+        created = await self.store.last(f"rl.*.rollout.{check_id('rollout_id', rollout_id)}.created")
+        return created.event.run_id if created is not None else None
+
     async def _load(self, rollout_id: str, run_id: str | None) -> CachedRollout | None:
         check_id("rollout_id", rollout_id)
-        run = run_id or "*"
+        run = run_id or await self.locate(rollout_id)
+        if run is None:
+            return None
         view: RolloutView | None = None
         last = 0
         async for stored in self.store.read(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -191,3 +192,23 @@ async def test_disconnect_mid_stream_is_recorded_as_aborted(
     assert len(calls) == 1 and calls[0]["status"] == "aborted"
     assert 0 < len(calls[0]["response_ids"]) < 200
     assert calls[0]["response_ids"] == fake_vllm.served[0]["token_ids"][: len(calls[0]["response_ids"])]
+
+
+def test_disconnect_before_a_non_streamed_answer_is_aborted(
+    gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str
+) -> None:
+    rollout, attempt = gateway.running(run_id, fake_vllm.url)
+    fake_vllm.delay_s = 1.0
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            attempt["proxy_base_url"] + "/chat/completions",
+            json={"model": "m", "messages": MESSAGES},
+            headers={"authorization": f"Bearer {attempt['token']}"},
+            timeout=0.3,
+        )
+    for _ in range(100):
+        calls = _calls(gateway, rollout["rollout_id"])
+        if calls:
+            break
+        time.sleep(0.05)
+    assert [c["status"] for c in calls] == ["aborted"] and calls[0]["response_ids"] == []
