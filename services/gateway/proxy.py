@@ -32,7 +32,7 @@ from schemas import ModelRequestRecorded, new_id
 from services.eventstore import EventStoreUnavailable
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, forbidden, not_found, unauthorized, unavailable
+from services.gateway.errors import ApiError, forbidden, not_found, translate, unauthorized, unavailable
 from services.gateway.openai_format import (
     ChoiceRecord,
     StreamFold,
@@ -104,10 +104,26 @@ class Proxy:
         self.gw = gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
         try:
-            await self._dispatch(scope, receive, send)
-        except ApiError as exc:
-            await _send_json(send, exc.status, exc.body(), exc.headers)
+            await self._dispatch(scope, receive, tracked)
+        except Exception as exc:
+            error = translate(exc)
+            if started:  # a stream already began: nothing more can be said over HTTP
+                if error is None:
+                    raise
+                return
+            if error is None:
+                error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+            await _send_json(send, error.status, error.body(), error.headers)
+            if error.status == 500:
+                raise
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         parts = scope["path"][len(PREFIX) :].split("/")

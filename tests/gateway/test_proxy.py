@@ -212,3 +212,23 @@ def test_disconnect_before_a_non_streamed_answer_is_aborted(
             break
         time.sleep(0.05)
     assert [c["status"] for c in calls] == ["aborted"] and calls[0]["response_ids"] == []
+
+
+def test_malformed_proxy_requests_are_4xx(gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str) -> None:
+    _, attempt = gateway.running(run_id, fake_vllm.url)
+    headers = {"authorization": f"Bearer {attempt['token']}"}
+    chat = attempt["proxy_base_url"] + "/chat/completions"
+    assert httpx.post(chat, content=b"[1, 2]", headers=headers).status_code == 422
+    assert httpx.post(chat, content=b"{nope", headers=headers).status_code == 422
+    missing = httpx.post(chat, json={"model": "m"}, headers=headers)
+    assert missing.status_code == 422 and missing.json()["field"] == "messages"
+    assert httpx.post(chat, content=b"{" + b" " * 1_100_000 + b"}", headers=headers).status_code == 413
+    admin = {"authorization": f"Bearer {gateway.settings.admin_token}"}
+    bad_id = httpx.post(
+        f"{gateway.url}/proxy/rollout/a.b/attempt/x/mode/train/openai/v1/chat/completions",
+        json={"messages": []},
+        headers=admin,
+    )
+    assert bad_id.status_code == 422 and bad_id.json()["field"] == "rollout_id"
+    assert httpx.get(attempt["proxy_base_url"] + "/embeddings", headers=headers).status_code == 404
+    assert fake_vllm.started == 0
