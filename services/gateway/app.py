@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import aiohttp
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -30,6 +29,7 @@ from services.gateway.proxy import PREFIX, Proxy
 from services.gateway.readmodel import RolloutReader, StreamRolloutReader
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
+from services.gateway.upstream import UpstreamClient
 
 
 class _ProxyFirst:
@@ -70,38 +70,31 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
         state = GatewayState(store, cache_size=settings.cache_size)
         gate = PhaseGate(settings.phase_hold_timeout_s)
         state.on_event(lambda stored: _follow_phase(gate, stored))
-        # One pooled session for every upstream call; sock_read bounds the wait for each read.
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=settings.upstream_connect_timeout_s, sock_read=settings.upstream_timeout_s
+        upstream = UpstreamClient(
+            read_timeout_s=settings.upstream_timeout_s, connect_timeout_s=settings.upstream_connect_timeout_s
         )
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0, ttl_dns_cache=300)
-        async with aiohttp.ClientSession(
-            timeout=timeout,
-            connector=connector,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        ) as upstream:
-            gateway = Gateway(
-                settings=settings,
-                store=store,
-                state=state,
-                reader=reader or StreamRolloutReader(store),
-                auth=Authenticator(settings.admin_token, TokenSigner(settings.secret)),
-                idempotency=IdempotencyCache(settings.idempotency_cache_size),
-                gate=gate,
-                upstream=upstream,
-            )
-            await state.start()
-            app.state.gateway = gateway
-            app.state.proxy = Proxy(gateway)
-            try:
-                yield
-            finally:
-                await state.stop()
-                if store.nc.is_connected:
-                    await store.close()
-                else:
-                    await store.nc.close()
+        gateway = Gateway(
+            settings=settings,
+            store=store,
+            state=state,
+            reader=reader or StreamRolloutReader(store),
+            auth=Authenticator(settings.admin_token, TokenSigner(settings.secret)),
+            idempotency=IdempotencyCache(settings.idempotency_cache_size),
+            gate=gate,
+            upstream=upstream,
+        )
+        await state.start()
+        app.state.gateway = gateway
+        app.state.proxy = Proxy(gateway)
+        try:
+            yield
+        finally:
+            await state.stop()
+            await upstream.close()
+            if store.nc.is_connected:
+                await store.close()
+            else:
+                await store.nc.close()
 
     app = FastAPI(
         title="Rollwire gateway", version="1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import aiohttp
 from fastapi import Request
 
 from schemas import Event
@@ -16,6 +15,7 @@ from services.gateway.phase import PhaseGate
 from services.gateway.readmodel import RolloutReader, RolloutView
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
+from services.gateway.upstream import UpstreamClient
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Gateway:
     auth: Authenticator
     idempotency: IdempotencyCache
     gate: PhaseGate
-    upstream: aiohttp.ClientSession
+    upstream: UpstreamClient
 
     def principal(self, request: Request) -> Principal:
         """The caller, or 401 when no valid token is presented."""

@@ -5,7 +5,7 @@
 
 This is the hot path, so it is a plain ASGI handler (no routing or validation framework in the
 way), admission is checked against the in-memory state (`state.py`), the upstream is one pooled
-`aiohttp.ClientSession` (a fraction of httpx's CPU cost per call), and JSON goes through msgspec.
+`UpstreamClient` (`upstream.py`, a lean HTTP/1.1 client), and JSON goes through msgspec.
 
 For each call: check the attempt token and that the attempt is live (403 foreign, 404 unknown,
 409 finished; nothing is forwarded otherwise), refuse with 503 when NATS is down, pass the phase
@@ -25,7 +25,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from schemas import ModelRequestRecorded, new_id
@@ -46,6 +45,7 @@ from services.gateway.openai_format import (
 )
 from services.gateway.readmodel import RolloutView
 from services.gateway.state import ModelEntry
+from services.gateway.upstream import UpstreamError, UpstreamResponse
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -198,12 +198,12 @@ class Proxy:
         model = self._choose(view, None)
         headers = {"authorization": f"Bearer {model.api_key}"} if model.api_key else {}
         try:
-            async with self.gw.upstream.get(f"{model.base_url}/models", headers=headers) as response:
-                status, content = response.status, await response.read()
+            response = await self.gw.upstream.request("GET", f"{model.base_url}/models", b"", headers)
+            status, content = response.status, await response.read()
         except TimeoutError:
             raise ApiError(504, f"the model endpoint {model.base_url} timed out") from None
-        except aiohttp.ClientError as exc:
-            raise ApiError(502, f"the model endpoint {model.base_url} failed: {exc!r}") from None
+        except UpstreamError as exc:
+            raise ApiError(502, f"the model endpoint {model.base_url} failed: {exc}") from None
         await _send_json(send, status, content)
 
     # ---- chat completions ----------------------------------------------------------------------
@@ -341,8 +341,13 @@ class Proxy:
 
     async def _post(self, call: Call, payload: bytes) -> Upstream:
         url = f"{call.model.base_url}/chat/completions"
-        async with self.gw.upstream.post(url, data=payload, headers=self._headers(call)) as response:
-            return Upstream(response.status, response.headers.get(WEIGHTS_HEADER), await response.read())
+        response = await self.gw.upstream.request("POST", url, payload, self._headers(call))
+        try:
+            content = await response.read()
+        except BaseException:
+            response.close()  # abandoned mid-answer (client gone, timeout): the connection is closed
+            raise
+        return Upstream(response.status, response.headers.get(WEIGHTS_HEADER), content)
 
     async def _complete(self, call: Call, payload: bytes, receive: Receive, send: Send) -> None:
         me = asyncio.current_task()
@@ -363,7 +368,7 @@ class Proxy:
         except asyncio.CancelledError:
             if not gone:
                 raise
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except UpstreamError as exc:
             error = exc
         finally:
             watcher.cancel()
@@ -443,14 +448,14 @@ class Proxy:
     async def _stream(self, call: Call, payload: bytes, receive: Receive, send: Send) -> None:
         url = f"{call.model.base_url}/chat/completions"
         try:
-            response = await self.gw.upstream.post(url, data=payload, headers=self._headers(call))
+            response = await self.gw.upstream.request("POST", url, payload, self._headers(call))
         except TimeoutError:
             await self._record_failure(call, "the model endpoint timed out")
             await _send_json(send, 504, _openai_error(504, "the model endpoint timed out", "timeout"))
             return
-        except aiohttp.ClientError as exc:
-            await self._record_failure(call, f"the model endpoint failed: {exc!r}")
-            await _send_json(send, 502, _openai_error(502, f"the model endpoint failed: {exc!r}"))
+        except UpstreamError as exc:
+            await self._record_failure(call, f"the model endpoint failed: {exc}")
+            await _send_json(send, 502, _openai_error(502, f"the model endpoint failed: {exc}"))
             return
         finished = False
         try:
@@ -469,7 +474,7 @@ class Proxy:
             else:
                 response.close()
 
-    async def _pump(self, call: Call, response: aiohttp.ClientResponse, receive: Receive, send: Send) -> bool:
+    async def _pump(self, call: Call, response: UpstreamResponse, receive: Receive, send: Send) -> bool:
         """Relay the stream; record the call; True when it ended normally."""
         fold = StreamFold()
         held: list[bytes] = []
@@ -541,13 +546,11 @@ async def _send_sse_error(send: Send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": b"data: " + _openai_error(status, message) + b"\n\n"})
 
 
-async def _relay(
-    response: aiohttp.ClientResponse, fold: StreamFold, held: list[bytes], wants: Wants, send: Send
-) -> None:
+async def _relay(response: UpstreamResponse, fold: StreamFold, held: list[bytes], wants: Wants, send: Send) -> None:
     """Forward SSE events as they arrive, folding each; hold back the ones that finish a choice."""
     passthrough = wants.token_ids and wants.logprobs and wants.usage_chunk
     buffer = b""
-    async for raw in response.content.iter_any():
+    async for raw in response.iter_chunks():
         buffer += raw
         if b"\r\n" in buffer:
             buffer = buffer.replace(b"\r\n", b"\n")
