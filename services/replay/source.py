@@ -15,8 +15,9 @@ small numbers. So a run is read in two passes over the stream, never all at once
 
 A replay unit is one group of one trainer step: advantages are per group, and a group the trainer
 cut across steps was normalized within each step. A step is what the trainer recorded for the
-rollout (a `CustomEvent` named `train_step` with payload `{"step": N}`); a run without step
-records is replayed as one batch (step `None`).
+rollout: a `CustomEvent` named `train_step` with payload `{"step": N}`; in a run without any such
+event, the `step` the trainer put in each rollout's creation metadata (the step that declared it,
+which is the step that trained it in sync mode). A run without either is one batch (step `None`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class RolloutEntry(msgspec.Struct, kw_only=True):
     """Stream sequence of its first indexed event: the order the trainer's `collect_rollouts` sees."""
     group_id: str | None = None
     step: int | None = None
+    declared_step: int | None = None
+    """`RolloutCreated.metadata["step"]`: the step that declared the rollout (the fallback step record)."""
     calls: int = 0
     events: list[tuple[int, AnyEvent]] = []
     skip: str | None = None
@@ -147,8 +150,8 @@ def _compact(event: AnyEvent) -> AnyEvent:
     return event
 
 
-def _step_of(event: CustomEvent) -> int | None:
-    step = event.payload.get("step")
+def _step_of(record: Mapping[str, Any]) -> int | None:
+    step = record.get("step")
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
@@ -176,7 +179,7 @@ async def index_run(store: EventStore, run_id: str, *, nats_url: str = "") -> Ru
         if entry is None:
             entry = rollouts[event.rollout_id] = RolloutEntry(rollout_id=event.rollout_id, order=stored.seq, events=[])
         if isinstance(event, CustomEvent):  # a trainer step record
-            step = _step_of(event)
+            step = _step_of(event.payload)
             if step is not None:
                 entry.step, has_steps = step, True
             adapter = event.payload.get("adapter")
@@ -185,6 +188,7 @@ async def index_run(store: EventStore, run_id: str, *, nats_url: str = "") -> Ru
             continue
         if isinstance(event, RolloutCreated):
             entry.group_id = event.group_id
+            entry.declared_step = _step_of(event.metadata)
         entry.events.append((stored.seq, _compact(event)))
     counts = await subject_counts(store, MODEL_REQUEST.format(run=run_id, rollout="*"))
     for subject, count in counts.items():
@@ -198,6 +202,10 @@ async def index_run(store: EventStore, run_id: str, *, nats_url: str = "") -> Ru
             rollout_calls(e for _, e in entry.events)
         except NotTrainable as exc:
             entry.skip = exc.reason
+    if not has_steps and any(e.declared_step is not None for e in rollouts.values()):
+        for entry in rollouts.values():
+            entry.step = entry.declared_step
+        has_steps = True
     if has_steps:
         for entry in rollouts.values():
             if entry.skip is None and entry.step is None:
@@ -213,7 +221,8 @@ def plan_units(index: RunIndex, step: int | None = None) -> list[Unit]:
     if step is not None:
         if not index.has_steps:
             raise ReplayError(
-                f"run {index.run_id!r} has no trainer step records ({STEP_EVENT} events); replay it without --step"
+                f"run {index.run_id!r} has no trainer step records ({STEP_EVENT} events or a step in the "
+                "rollouts' metadata); replay it without --step"
             )
         if step not in index.steps:
             steps = index.steps

@@ -61,11 +61,13 @@ def _conversation(run_id: str, rollout_id: str, attempt: str, rng: random.Random
 
 def rollout_events(run_id: str, rollout_id: str, group_id: str | None, rng: random.Random, tokens: count[int],
                    *, mode: str = "train", outcome: str = "succeeded", reward: float | None = None,
-                   retried: bool = False, step: int | None = None) -> list[Event]:  # fmt: skip
+                   retried: bool = False, step: int | None = None,
+                   step_in_metadata: bool = False) -> list[Event]:  # fmt: skip
     """The whole history of one rollout, in the order its writers would append it."""
     events: list[Event] = [
         RolloutCreated(run_id=run_id, rollout_id=rollout_id, group_id=group_id, mode=mode,  # type: ignore[arg-type]
-                       input={"task": f"task {group_id}", "text": "x" * 200}),
+                       input={"task": f"task {group_id}", "text": "x" * 200},
+                       metadata={"step": step} if step_in_metadata and step is not None else {}),
         RolloutStatusChanged(run_id=run_id, rollout_id=rollout_id, status="queuing"),
     ]  # fmt: skip
     attempts = ["a1", "a2"] if retried else ["a1"]
@@ -83,7 +85,7 @@ def rollout_events(run_id: str, rollout_id: str, group_id: str | None, rng: rand
             events.append(RewardReported(run_id=run_id, rollout_id=rollout_id, attempt_id=attempt, value=reward))
         events.append(RolloutStatusChanged(run_id=run_id, rollout_id=rollout_id, attempt_id=attempt,
                                            status=outcome))  # type: ignore[arg-type]  # fmt: skip
-    if step is not None:
+    if step is not None and not step_in_metadata:
         events.append(CustomEvent(run_id=run_id, rollout_id=rollout_id, name="train_step", payload={"step": step}))
     return events
 
@@ -103,11 +105,11 @@ def interleave(histories: list[list[Event]], rng: random.Random) -> list[Event]:
 
 
 def agent_run(run_id: str, *, groups: int = 4, per_group: int = 4, seed: int = 0,
-              steps: int | None = None) -> list[Event]:  # fmt: skip
+              steps: int | None = None, step_in_metadata: bool = False) -> list[Event]:  # fmt: skip
     """A run of `groups` × `per_group` training rollouts plus the odd ones (see the module docstring).
 
     With `steps`, group k is trained in step k % steps and every trained rollout carries a
-    `train_step` record, as the trainer writes them.
+    `train_step` record (or, with `step_in_metadata`, the step in its creation metadata).
     """
     rng = random.Random(seed)
     tokens = count(1000)
@@ -117,15 +119,17 @@ def agent_run(run_id: str, *, groups: int = 4, per_group: int = 4, seed: int = 0
         for k in range(per_group):
             rid = f"g{g}r{k}"
             if g == 0 and k == 1:  # succeeded but never reported a reward: dropped
-                histories.append(rollout_events(run_id, rid, f"g{g}", rng, tokens, step=step))
+                histories.append(rollout_events(run_id, rid, f"g{g}", rng, tokens, step=step,
+                                            step_in_metadata=step_in_metadata))  # fmt: skip
                 continue
             histories.append(
                 rollout_events(
                     run_id, rid, f"g{g}", rng, tokens, reward=round(rng.random(), 3) if g % 2 else float(k % 2),
-                    retried=rng.random() < 0.2, step=step,
+                    retried=rng.random() < 0.2, step=step, step_in_metadata=step_in_metadata,
                 )
             )  # fmt: skip
-    histories.append(rollout_events(run_id, "solo", None, rng, tokens, reward=1.0, step=0 if steps else None))
+    histories.append(rollout_events(run_id, "solo", None, rng, tokens, reward=1.0, step=0 if steps else None,
+                                    step_in_metadata=step_in_metadata))  # fmt: skip
     histories.append(rollout_events(run_id, "val", "g0", rng, tokens, mode="val", reward=1.0))
     histories.append(rollout_events(run_id, "broken", "g1", rng, tokens, outcome="failed"))
     return interleave(histories, rng)

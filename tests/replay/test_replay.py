@@ -85,14 +85,18 @@ async def test_a_rollout_with_a_malformed_call_is_skipped_as_the_trainer_skips_i
     _assert_same(scheme, build_step(collect_rollouts(good).rollouts, scheme.config))
 
 
+@pytest.mark.parametrize("in_metadata", [False, True], ids=["train_step-events", "creation-metadata"])
 async def test_replay_of_a_trainer_step_equals_what_the_trainer_built(
-    store: EventStore, nats_url: str, run_id: str
+    store: EventStore, nats_url: str, run_id: str, in_metadata: bool
 ) -> None:
     config = {"merge": "exact", "estimator": "rloo", "norm": "seq-mean-token-mean"}
     events: list[Event] = [RunStarted(run_id=run_id, config={"adapter": config})]
-    events += agent_run(run_id, groups=6, per_group=3, steps=3, seed=5)
+    events += agent_run(run_id, groups=6, per_group=3, steps=3, seed=5, step_in_metadata=in_metadata)
     await store.append_many(events)
-    steps = {e.rollout_id: e.payload["step"] for e in events if isinstance(e, CustomEvent) and e.name == "train_step"}
+    recorded = [(e.rollout_id, e.payload["step"]) for e in events if isinstance(e, CustomEvent)]
+    declared = [(e.rollout_id, e.metadata["step"]) for e in events if isinstance(e, RolloutCreated) and e.metadata]
+    steps = dict(declared if in_metadata else recorded)
+    assert len(steps) == 6 * 3 + 1
     collected = collect_rollouts(events)
     for n in range(3):
         # What the trainer built live in step n: build_step over that step's rollouts, its recorded config.
