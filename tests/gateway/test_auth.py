@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
 from fake_vllm import FakeVLLM
 from gw_harness import ADMIN, GatewayHandle
 
+from schemas import RolloutStatusChanged
+from services.eventstore import EventStore
 from services.gateway.auth import TokenSigner
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -97,3 +100,33 @@ def test_token_stops_working_when_the_attempt_ends(gateway: GatewayHandle, fake_
     wrong_mode = chat.replace("/mode/train/", "/mode/val/")
     assert httpx.post(wrong_mode, json=CHAT, headers=headers).status_code in (403, 409)
     assert fake_vllm.started == started
+
+
+async def test_status_written_by_another_service_ends_the_attempt(
+    gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str, store: EventStore
+) -> None:
+    """The admission cache follows the stream: a `failed` appended elsewhere refuses the next call."""
+    rollout, attempt = gateway.running(run_id, fake_vllm.url)
+    headers = {"authorization": f"Bearer {attempt['token']}"}
+    chat = attempt["proxy_base_url"] + "/chat/completions"
+    async with httpx.AsyncClient(headers=headers) as client:
+        assert (await client.post(chat, json=CHAT)).status_code == 200
+        last, seq = await store.last_status(run_id, rollout["rollout_id"])
+        assert last is not None
+        await store.append(
+            RolloutStatusChanged(
+                run_id=run_id,
+                rollout_id=rollout["rollout_id"],
+                status="failed",
+                previous=last.status,
+                attempt_id=attempt["attempt_id"],
+                reason="the executor lost the pod",
+            ),
+            expected_last_subject_seq=seq,
+        )
+        for _ in range(100):
+            refused = await client.post(chat, json=CHAT)
+            if refused.status_code == 409:
+                break
+            await asyncio.sleep(0.02)
+        assert refused.status_code == 409 and refused.json()["current"]["status"] == "failed"
