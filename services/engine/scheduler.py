@@ -153,9 +153,9 @@ class Scheduler:
         self._thread.join(timeout)
 
     def _finish(self, job: Job, item: object) -> None:
-        job.post(item)
         with self._lock:
-            self._open -= 1
+            self._open -= 1  # before the consumer can see the end, so `running` never lags behind it
+        job.post(item)
 
     def _fail(self, jobs: list[Job], exc: Exception) -> None:
         log.exception("generation failed")
@@ -164,6 +164,9 @@ class Scheduler:
 
     def _admit(self, job: Job, batches: dict[int, Batch]) -> None:
         """Prefill a new job into the batch of its weights (its own batch if they cannot be shared)."""
+        if job.cancelled:
+            self._finish(job, _DONE)
+            return
         key = id(job.weights) if job.weights.batchable else id(job)
         batch = batches.setdefault(key, Batch(job.weights))
         try:
@@ -205,24 +208,32 @@ class Scheduler:
         batches: dict[int, Batch] = {}
         if self._threads:
             limit_torch_threads_here(self._threads)
-        with torch.inference_mode():
-            while True:
-                incoming: list[Job | None] = []
-                try:
-                    incoming.append(self._inbox.get(block=not batches))
-                    while True:
-                        incoming.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    pass
-                if any(item is None for item in incoming):
-                    running = [job for batch in batches.values() for job in batch.owners()]
-                    for job in running + [j for j in incoming if j is not None]:
-                        self._finish(job, EngineClosedError("the engine shut down during generation"))
-                    return
-                for job in incoming:
-                    if job is not None:
-                        self._admit(job, batches)
-                for key, batch in list(batches.items()):
-                    self._advance(batch)
-                    if not batch.rows:
-                        del batches[key]
+        try:
+            with torch.inference_mode():
+                self._serve(batches)
+        except Exception as exc:  # a bug here must not leave requests waiting forever
+            self._fail([job for batch in batches.values() for job in batch.owners()], exc)
+            raise
+
+    def _serve(self, batches: dict[int, Batch]) -> None:
+        while True:
+            incoming: list[Job | None] = []
+            try:
+                incoming.append(self._inbox.get(block=not batches))
+                while True:
+                    incoming.append(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if any(item is None for item in incoming):
+                running = [job for batch in batches.values() for job in batch.owners()]
+                for job in running + [j for j in incoming if j is not None]:
+                    self._finish(job, EngineClosedError("the engine shut down during generation"))
+                batches.clear()
+                return
+            for job in incoming:
+                if job is not None:
+                    self._admit(job, batches)
+            for key, batch in list(batches.items()):
+                self._advance(batch)
+                if not batch.rows:
+                    del batches[key]
