@@ -80,7 +80,7 @@ class Engine:
         self.eos_token_ids = _eos_ids(self.weights, self.tokenizer.eos_token_id)
         limit = int(getattr(self.weights.model.config, "max_position_embeddings", 0) or 0) or None
         self.max_model_len = min(x for x in (max_model_len, limit, 1 << 31) if x)
-        self.served_name = served_name or model_dir.name
+        self.served_name = served_name or model_dir.resolve().name
         self.created = int(model_dir.stat().st_mtime)
         self._seeds: random.Random = random.Random(seed) if seed is not None else random.SystemRandom()
         self.scheduler = Scheduler(threads if threads is not None else _auto_threads(self.weights))
