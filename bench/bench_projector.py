@@ -20,16 +20,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
+import os
 import random
+import signal
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
 from schemas import (
     AttemptStarted,
@@ -41,12 +47,14 @@ from schemas import (
     RolloutStatusChanged,
     RunStarted,
 )
-from services.embedded import NatsServer, PostgresServer
+from services.embedded import NatsServer, PostgresServer, free_port
 from services.eventstore import EventStore
+from services.projector.__main__ import run
 from services.projector.migrate import migrate
 from services.projector.pgstore import NOTIFY_CHANNEL
-from services.projector.service import Projector, ProjectorSettings
+from services.projector.service import Projector, ProjectorSettings, tune_gc
 
+ROOT = Path(__file__).resolve().parent.parent
 WORDS = "the of and to in is that for it as with was on be by this are or from at an file test def return".split()
 TABLES = ("events", "model_calls", "rewards", "custom_events", "rollouts", "attempts", "attempt_stats", "sample_chains")
 
@@ -93,17 +101,21 @@ def rollout_events(
     return events
 
 
-def make_stream(rollouts: int, run_id: str, seed: int = 7) -> list[Event]:
+def iter_stream(rollouts: int, run_id: str, seed: int = 7) -> Iterator[Event]:
     """The benchmark's events: a run and `rollouts` interleaved in groups of 16, as if running concurrently."""
     rng = random.Random(seed)
-    out: list[Event] = [RunStarted(run_id=run_id, name="bench")]
+    yield RunStarted(run_id=run_id, name="bench")
     for base in range(0, rollouts, 16):
         streams = [rollout_events(rng, run_id, i) for i in range(base, min(rollouts, base + 16))]
         while any(streams):
             for s in streams:
                 if s:
-                    out.append(s.pop(0))
-    return out
+                    yield s.pop(0)
+
+
+def make_stream(rollouts: int, run_id: str, seed: int = 7) -> list[Event]:
+    """`iter_stream` as a list."""
+    return list(iter_stream(rollouts, run_id, seed))
 
 
 async def _rows(url: str) -> dict[str, tuple[list[str], list[tuple[Any, ...]]]]:
@@ -146,6 +158,7 @@ async def throughput(nats_url: str, pg_url: str, rollouts: int) -> None:
     calls = sum(isinstance(e, ModelRequestRecorded) for e in events)
     print(f"stream: {len(events)} events ({calls} model calls, {rollouts} rollouts)")
     projector = Projector(ProjectorSettings(nats_url=nats_url, database_url=pg_url))
+    tune_gc()  # as `python -m services.projector` does
     task = asyncio.create_task(projector.run())
     while projector.status.applied_seq == 0 and projector.status.batches_total == 0:
         await asyncio.sleep(0.001)
@@ -163,7 +176,9 @@ async def throughput(nats_url: str, pg_url: str, rollouts: int) -> None:
 
 
 async def steady_lag(nats_url: str, pg_url: str, rate: int, seconds: float) -> None:
-    events = make_stream(max(1, int(rate * seconds / 15) + 16), "steady")[: int(rate * seconds)]
+    """Publish at `rate` events/s for `seconds` while a projector process runs; report per-event lag."""
+    total = int(rate * seconds)
+    events = itertools.islice(iter_stream(total // 12 + 16, "steady"), total)
     store = await EventStore.connect(nats_url)
     conn = await asyncpg.connect(pg_url)
     start_seq = await store.last_sequence()
@@ -171,31 +186,43 @@ async def steady_lag(nats_url: str, pg_url: str, rate: int, seconds: float) -> N
     await conn.add_listener(
         NOTIFY_CHANNEL, lambda *args: committed.append((time.time(), int(args[3].rsplit(":", 1)[1])))
     )
-    projector = Projector(ProjectorSettings(nats_url=nats_url, database_url=pg_url))
-    task = asyncio.create_task(projector.run())
-    await asyncio.sleep(1.0)
-    published: list[tuple[int, float]] = []
-    begin = time.perf_counter()
-    for index, event in enumerate(events):
-        target = begin + index / rate
-        delay = target - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        sent = time.time()
-        appended = await store.append(event)
-        published.append((appended.seq, sent))
-    achieved = len(events) / (time.perf_counter() - begin)
-    while projector.status.applied_seq < published[-1][0]:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)
-    projector.stop.set()
-    await task
+    port = free_port()
+    projector = subprocess.Popen(
+        [sys.executable, "-m", "services.projector", "--nats-url", nats_url, "--database-url", pg_url,
+         "--metrics-port", str(port)],
+        cwd=ROOT, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        async with httpx.AsyncClient() as client:  # wait until it runs and has caught up
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    health = (await client.get(f"http://127.0.0.1:{port}/healthz")).json()
+                    if health["status"] == "ok" and health["applied_seq"] >= start_seq:
+                        break
+                await asyncio.sleep(0.1)
+        published: list[tuple[int, float]] = []
+        begin = time.perf_counter()
+        sent = 0
+        while sent < total:  # every 5 ms, pipeline the events that are due
+            due = min(total, int((time.perf_counter() - begin) * rate) + 1)
+            if due > sent:
+                at = time.time()
+                acks = await store.append_many(list(itertools.islice(events, due - sent)))
+                published += [(ack.seq, at) for ack in acks]
+                sent = due
+            await asyncio.sleep(0.005)
+        achieved = total / (time.perf_counter() - begin)
+        while not committed or committed[-1][1] < published[-1][0]:
+            await asyncio.sleep(0.01)
+    finally:
+        projector.send_signal(signal.SIGTERM)
+        projector.wait(30)
     lags = []
     pointer = 0
-    for seq, sent in published:
+    for seq, at in published:
         while committed[pointer][1] < seq:
             pointer += 1
-        lags.append(committed[pointer][0] - sent)
+        lags.append(committed[pointer][0] - at)
     lags.sort()
 
     def pct(p: float) -> float:
@@ -229,4 +256,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run(main())  # on uvloop when installed, as `python -m services.projector` runs

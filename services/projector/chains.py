@@ -46,9 +46,22 @@ def dump(chains: list[Chain]) -> bytes:
 
 
 def advance(chains: list[Chain], prompt: bytes, response: bytes) -> bool:
-    """Fold one ok call (packed int32 prompt and response ids) into `chains`; True if it opens a sample."""
-    prompt_hash = digest(prompt)
-    after = Chain(prompt_hash, (len(prompt) + len(response)) // 4, digest(prompt + response))
+    """Fold one ok call (packed int32 prompt and response ids) into `chains`; True if it opens a sample.
+
+    One pass over the prompt: the hasher is snapshotted at each open chain's length on the way
+    (the prefix test), then at the prompt's end (the retry test), then fed the response.
+    """
+    hasher = hashlib.blake2b(digest_size=16)
+    prefix_hashes: dict[int, bytes] = {}
+    done = 0
+    for size in sorted({c.full_len * 4 for c in chains if c.full_len * 4 <= len(prompt)}):
+        hasher.update(prompt[done:size])
+        done = size
+        prefix_hashes[size] = hasher.copy().digest()
+    hasher.update(prompt[done:])
+    prompt_hash = hasher.copy().digest()
+    hasher.update(response)
+    after = Chain(prompt_hash, (len(prompt) + len(response)) // 4, hasher.digest())
     chosen: int | None = None
     for index, chain in enumerate(chains):
         if chain.prompt_hash == prompt_hash:
@@ -57,8 +70,7 @@ def advance(chains: list[Chain], prompt: bytes, response: bytes) -> bool:
     if chosen is None:
         best = -1
         for index, chain in enumerate(chains):
-            size = chain.full_len * 4
-            if chain.full_len > best and len(prompt) >= size and digest(prompt[:size]) == chain.full_hash:
+            if chain.full_len > best and prefix_hashes.get(chain.full_len * 4) == chain.full_hash:
                 chosen, best = index, chain.full_len
     opens = chosen is None
     if chosen is not None:

@@ -130,6 +130,12 @@ def _snippet(text: str, match: re.Match[str]) -> str:
     return snippet[:_MAX_DETAIL]
 
 
+# Every rule's keywords in one pattern (a group per rule): one scan says which rules can match.
+_KEYWORDS = re.compile(
+    "|".join(f"(?P<r{i}>{'|'.join(re.escape(word) for word in rule.keywords)})" for i, rule in enumerate(RULES))
+)
+
+
 def _match(rule: Rule, text: str) -> re.Match[str] | None:
     for match in rule.pattern.finditer(text):
         if rule.same_line is None:
@@ -146,9 +152,10 @@ def call_flags(response: dict[str, Any], finish_reason: str | None, status: str,
     """Flags for one model call: rule hits in its actions, plus `truncated` and `failed-call`."""
     found: dict[str, str] = {}
     for text in actions(response):
-        lowered = text.lower()
-        for rule in RULES:
-            if rule.name in found or not any(word in lowered for word in rule.keywords):
+        candidates = {int(str(hit.lastgroup)[1:]) for hit in _KEYWORDS.finditer(text.lower())}
+        for index in sorted(candidates):
+            rule = RULES[index]
+            if rule.name in found:
                 continue
             match = _match(rule, text)
             if match is not None:

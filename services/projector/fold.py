@@ -132,6 +132,7 @@ class Plan(msgspec.Struct, kw_only=True):
     chains: dict[AttemptKey, bytes] = {}
     runs: dict[str, RunDelta] = {}
     models: dict[tuple[str, str], ModelDelta] = {}
+    rows: Any = None  # every row to write, materialized once folding is done (see pgstore.materialize)
 
 
 def needs(items: Iterable[Incoming]) -> tuple[set[RolloutKey], set[RolloutKey], set[RolloutKey], set[AttemptKey]]:
@@ -228,7 +229,9 @@ def _add_flags(extras: Extras, names: Iterable[str]) -> None:
         extras.flags = sorted(merged)
 
 
-def _fold_call(plan: Plan, loaded: Loaded, item: Incoming, extras: Extras) -> bool:
+def _fold_call(
+    plan: Plan, loaded: Loaded, open_chains: dict[AttemptKey, list[chain_state.Chain]], item: Incoming, extras: Extras
+) -> bool:
     """Count an accepted model call toward its rollout and attempt; True if it opens a sample."""
     event, call = item.event, item.call
     assert isinstance(event, ModelRequestRecorded) and call is not None
@@ -237,9 +240,10 @@ def _fold_call(plan: Plan, loaded: Loaded, item: Incoming, extras: Extras) -> bo
     ok = event.status == "ok"
     opens = False
     if ok:
-        state = chain_state.load(plan.chains.get(akey, loaded.chains.get(akey)))
+        state = open_chains.get(akey)
+        if state is None:
+            state = open_chains[akey] = chain_state.load(loaded.chains.get(akey))
         opens = chain_state.advance(state, call.prompt_ids, call.response_ids)
-        plan.chains[akey] = chain_state.dump(state)
     stats.calls += 1
     stats.failed_calls += not ok
     stats.prompt_tokens += call.prompt_tokens
@@ -263,6 +267,7 @@ def fold_batch(items: Sequence[Incoming], loaded: Loaded) -> Plan:
         with_attempts=set(loaded.with_attempts),
         with_rewards=set(loaded.with_rewards),
     )
+    open_chains: dict[AttemptKey, list[chain_state.Chain]] = {}
     for item in items:
         plan.last_seq = item.seq
         event = item.event
@@ -293,7 +298,7 @@ def fold_batch(items: Sequence[Incoming], loaded: Loaded) -> Plan:
         if view.terminal_seq != terminal_before:
             extras.ended_at = event.time
         if isinstance(event, ModelRequestRecorded):
-            plan.model_calls.append(_call_row(item, _fold_call(plan, loaded, item, extras)))
+            plan.model_calls.append(_call_row(item, _fold_call(plan, loaded, open_chains, item, extras)))
         elif isinstance(event, RewardReported):
             extras.rewards += 1
             stats = plan.stats.setdefault((*key, event.attempt_id or ""), StatsDelta())
@@ -302,6 +307,7 @@ def fold_batch(items: Sequence[Incoming], loaded: Loaded) -> Plan:
             extras.custom_events += 1
             if event.name.startswith("flag"):
                 _add_flags(extras, [event.name])
+    plan.chains = {key: chain_state.dump(state) for key, state in open_chains.items()}
     for key in plan.touched:
         extras = plan.extras[key]
         view = plan.views[key]

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from schemas import EVENT_TYPES, AnyEvent, InvalidId, ModelRegistered, ModelRequestRecorded, to_dict
 from schemas.events import CallStatus, Mode
 from services.projector.flags import call_flags
-from services.projector.packing import pack_float64_json, pack_int32_json, unpack_int32
+from services.projector.packing import PromptCache, pack_float64_json, pack_int32_json, unpack_int32
 from services.projector.tokens import Detokenizer
 
 _json = msgspec.json.Encoder()
@@ -111,7 +111,7 @@ def event_type(event: Any) -> str:
 
 
 def _json_object(raw: Raw, field: str) -> str:
-    text = bytes(raw).strip()
+    text = bytes(raw)  # a raw JSON value has no surrounding whitespace
     if text[:1] != b"{":
         raise msgspec.ValidationError(f"Expected `object` - at `$.{field}`")
     return text.decode()
@@ -125,8 +125,14 @@ def _response_dict(raw: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _call_row(wire: WireCall, event: ModelRequestRecorded, detok: Detokenizer | None) -> CallRow:
-    prompt = pack_int32_json(bytes(wire.prompt_ids))
+def _call_row(
+    wire: WireCall, event: ModelRequestRecorded, detok: Detokenizer | None, cache: PromptCache | None
+) -> CallRow:
+    prompt_text = bytes(wire.prompt_ids)
+    if cache is not None:
+        prompt = cache.pack((event.run_id, event.rollout_id, event.attempt_id), prompt_text)
+    else:
+        prompt = pack_int32_json(prompt_text)
     response = pack_int32_json(bytes(wire.response_ids))
     logprobs = pack_float64_json(bytes(wire.logprobs))
     response_json = _json_object(wire.response, "response")
@@ -157,12 +163,19 @@ def _body(event: AnyEvent, data: bytes) -> str | None:
     return data.decode()
 
 
-def prepare_one(seq: int, subject: str, data: bytes, stream_time: float, detok: Detokenizer | None) -> Incoming:
+def prepare_one(
+    seq: int,
+    subject: str,
+    data: bytes,
+    stream_time: float,
+    detok: Detokenizer | None,
+    cache: PromptCache | None = None,
+) -> Incoming:
     """Decode one message and precompute its rows; an undecodable one carries `error`."""
     try:
         decoded = _decoder.decode(data)
         event = decoded.envelope() if isinstance(decoded, WireCall) else decoded
-        call = _call_row(decoded, event, detok) if isinstance(decoded, WireCall) else None
+        call = _call_row(decoded, event, detok, cache) if isinstance(decoded, WireCall) else None
         body = _body(event, data)
     except (msgspec.ValidationError, msgspec.DecodeError, InvalidId) as exc:
         return Incoming(seq, subject, data, stream_time, error=f"undecodable event: {exc}")
@@ -171,10 +184,26 @@ def prepare_one(seq: int, subject: str, data: bytes, stream_time: float, detok: 
     return Incoming(seq, subject, data, stream_time, event=event, body=body, call=call)
 
 
-def prepare(msgs: Sequence[Msg], detok: Detokenizer | None = None) -> list[Incoming]:
+def position(msg: Msg) -> tuple[int, float]:
+    """A JetStream message's stream sequence and stored time, read off its reply subject.
+
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<seq>.<cseq>.<ns>.<pending>`, or the longer form with a
+    domain and account hash in front. `Msg.metadata` parses the same but builds objects and a
+    datetime per message, which shows in the projector's profile.
+    """
+    tokens = (msg.reply or "").split(".")
+    if tokens[0] == "$JS" and len(tokens) == 9:
+        return int(tokens[5]), int(tokens[7]) / 1e9
+    if tokens[0] == "$JS" and len(tokens) >= 11:
+        return int(tokens[7]), int(tokens[9]) / 1e9
+    meta = msg.metadata  # anything else: the client library decides (it raises if not JetStream)
+    return meta.sequence.stream, meta.timestamp.timestamp()
+
+
+def prepare(msgs: Sequence[Msg], detok: Detokenizer | None = None, cache: PromptCache | None = None) -> list[Incoming]:
     """`prepare_one` over fetched JetStream messages."""
     out: list[Incoming] = []
     for msg in msgs:
-        meta = msg.metadata
-        out.append(prepare_one(meta.sequence.stream, msg.subject, msg.data, meta.timestamp.timestamp(), detok))
+        seq, stored_at = position(msg)
+        out.append(prepare_one(seq, msg.subject, msg.data, stored_at, detok, cache))
     return out

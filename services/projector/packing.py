@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import warnings
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,8 @@ except ImportError:  # pragma: no cover - numpy is optional
     _np = None
 
 _SWAP = sys.byteorder != "little"
+# A partial parse is detected by counting values; numpy's warning about it would only be noise.
+warnings.filterwarnings("ignore", message="string or file could not be read to its end", module=__name__)
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _ints = msgspec.json.Decoder(list[int])
 _floats = msgspec.json.Decoder(list[float])
@@ -71,12 +74,10 @@ def _fast_int32(text: bytes) -> bytes | None:
     inner = text[1:-1]
     if not inner.strip():
         return b""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            values = _np.fromstring(inner, dtype=_np.int64, sep=",")
-        except ValueError:
-            return None
+    try:
+        values = _np.fromstring(inner, dtype=_np.int64, sep=",")
+    except ValueError:
+        return None
     if len(values) != inner.count(b",") + 1 or values.min() < _INT32_MIN or values.max() > _INT32_MAX:
         return None
     return bytes(values.astype("<i4").tobytes())
@@ -91,3 +92,41 @@ def pack_int32_json(text: bytes) -> bytes:
 def pack_float64_json(text: bytes) -> bytes:
     """Packed float64 values from a JSON array of numbers."""
     return pack_float64(_floats.decode(text))
+
+
+class PromptCache:
+    """Packs a conversation's prompts by parsing only what each adds to the previous one.
+
+    An agent's next prompt is its previous prompt plus the response and an observation, so the
+    JSON text of the new id list starts with the previous text up to its closing bracket. When it
+    does, and a comma follows (a token boundary), the packed previous prompt is reused and only
+    the rest is parsed. Anything else falls back to a full parse, so the cache only saves work.
+    Entries are kept per conversation key, least recently used evicted past `max_bytes`.
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.size = 0
+        self.entries: OrderedDict[object, tuple[bytes, bytes]] = OrderedDict()
+        self.hits = 0
+
+    def pack(self, key: object, text: bytes) -> bytes:
+        """`pack_int32_json(text)`, reusing the previous prompt of `key` when `text` extends it."""
+        cached = self.entries.pop(key, None)
+        packed: bytes | None = None
+        if cached is not None:
+            self.size -= len(cached[0]) + len(cached[1])
+            head, head_packed = cached
+            if len(text) > len(head) and text.startswith(head) and text[len(head) : len(head) + 1] == b",":
+                packed = head_packed + pack_int32_json(b"[" + text[len(head) + 1 :])
+                self.hits += 1
+        if packed is None:
+            packed = pack_int32_json(text)
+        head = text.rstrip()[:-1]  # the text without its closing bracket
+        if packed and len(head) + len(packed) <= self.max_bytes:
+            self.entries[key] = (head, packed)
+            self.size += len(head) + len(packed)
+            while self.size > self.max_bytes:
+                _, (old_head, old_packed) = self.entries.popitem(last=False)
+                self.size -= len(old_head) + len(old_packed)
+        return packed

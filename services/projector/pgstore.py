@@ -9,17 +9,23 @@ loses nothing and, since the position moved with the rows, duplicates nothing.
 A batch that Postgres refuses for its data (class 22/23/54: a NUL in a string, a value out of
 range) is split in halves until the one event at fault is alone; that event becomes a dead
 letter and the others are applied (`apply_isolating`).
+
+Folding ahead: while batch N commits, the service folds batch N+1 against N's plan (`load` with
+`prior`): rollouts N touched take their state from N's plan, the others from the database, which
+N does not change for them. N's rows are materialized before that fold starts, so it cannot
+change what N writes. The plan of N+1 is committed (`commit`) only if N committed exactly as
+planned, and its transaction still checks that the stored position is the one it assumed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import asyncpg
 import msgspec
 
-from services.gateway.readmodel import RolloutView
+from services.gateway.readmodel import AttemptView, RewardView, RolloutView
 from services.projector.fold import Extras, Loaded, Plan, RolloutKey, fold_batch, needs
 from services.projector.incoming import Incoming
 
@@ -195,25 +201,46 @@ async def load_lists(
     return attempts, rewards
 
 
-async def load(conn: asyncpg.Connection, items: Sequence[Incoming]) -> Loaded:
-    """The stored state `items` touch (see `fold.needs` for what is loaded when)."""
+async def load(conn: asyncpg.Connection, items: Sequence[Incoming], prior: Plan | None = None) -> Loaded:
+    """The state `items` touch (see `fold.needs` for what is loaded when), as of after `prior`.
+
+    Without `prior` everything comes from the database; with it, rollouts `prior` knows come
+    from its plan (see the module docstring) and only the rest, and lists it did not load, are read.
+    """
     touched, want_attempts, want_rewards, calls = needs(items)
     loaded = Loaded(views={}, extras={}, with_attempts=set(), with_rewards=set(), chains={})
-    if touched:
-        keys = sorted(touched)
+    known = touched & prior.views.keys() if prior is not None else set()
+    if prior is not None:
+        for key in known:
+            loaded.views[key], loaded.extras[key] = prior.views[key], prior.extras[key]
+        loaded.with_attempts = known & prior.with_attempts
+        loaded.with_rewards = known & prior.with_rewards
+    if touched - known:
+        keys = sorted(touched - known)
         rows = await conn.fetch(
             f"SELECT r.* FROM rollouts r JOIN ({_KEYS}) k USING (run_id, rollout_id)",
             [k[0] for k in keys],
             [k[1] for k in keys],
         )
-        present = {(row["run_id"], row["rollout_id"]): row for row in rows}
-        listed = sorted((want_attempts | want_rewards) & present.keys())
-        attempts, rewards = await load_lists(conn, listed) if listed else ({}, {})
-        for key, row in present.items():
-            loaded.views[key] = view_from_row(row, attempts.get(key, []), rewards.get(key, []))
+        for row in rows:
+            key = (row["run_id"], row["rollout_id"])
+            loaded.views[key] = view_from_row(row, [], [])
             loaded.extras[key] = extras_from_row(row)
-        loaded.with_attempts = want_attempts & present.keys()
-        loaded.with_rewards = want_rewards & present.keys()
+    present = loaded.views.keys()
+    listed_attempts = (want_attempts & present) - loaded.with_attempts
+    listed_rewards = (want_rewards & present) - loaded.with_rewards
+    if listed_attempts or listed_rewards:
+        attempts, rewards = await load_lists(conn, sorted(listed_attempts | listed_rewards))
+        for key in listed_attempts:
+            loaded.views[key].attempts = msgspec.convert(attempts[key], list[AttemptView])
+        for key in listed_rewards:
+            loaded.views[key].rewards = msgspec.convert(rewards[key], list[RewardView])
+    loaded.with_attempts |= listed_attempts
+    loaded.with_rewards |= listed_rewards
+    if prior is not None:
+        for akey in calls & prior.chains.keys():
+            loaded.chains[akey] = prior.chains[akey]
+        calls = calls - prior.chains.keys()
     if calls:
         ckeys = sorted(calls)
         for row in await conn.fetch(
@@ -243,14 +270,20 @@ async def _copy(conn: asyncpg.Connection, table: str, columns: Sequence[str], ro
         await conn.copy_records_to_table(table, records=rows, columns=list(columns))
 
 
-async def write(conn: asyncpg.Connection, plan: Plan) -> None:
-    """Write a folded batch (inside the caller's transaction)."""
-    await _copy(conn, "events", EVENT_COLUMNS, plan.events)
-    await _copy(conn, "model_calls", MODEL_CALL_COLUMNS, plan.model_calls)
-    await _copy(conn, "rewards", REWARD_COLUMNS, plan.rewards)
-    await _copy(conn, "custom_events", CUSTOM_COLUMNS, plan.custom_events)
-    await _copy(conn, "phases", PHASE_COLUMNS, plan.phases)
-    await _copy(conn, "dead_letters", DEAD_LETTER_COLUMNS, plan.dead_letters)
+class Rows(msgspec.Struct):
+    """The aggregate rows a plan writes (the append-only ones are already rows in the plan)."""
+
+    inserts: list[tuple[Any, ...]]
+    updates: list[tuple[Any, ...]]
+    attempts: list[tuple[Any, ...]]
+    stats: list[tuple[Any, ...]]
+    chains: list[tuple[Any, ...]]
+    runs: list[tuple[Any, ...]]
+    models: list[tuple[Any, ...]]
+
+
+def materialize(plan: Plan) -> Plan:
+    """Compute every row `plan` writes, now: a later fold may change the views it folded."""
     inserts, updates = [], []
     for key in sorted(plan.touched):
         values = _rollout_values(plan.views[key], plan.extras[key])
@@ -258,45 +291,73 @@ async def write(conn: asyncpg.Connection, plan: Plan) -> None:
             inserts.append(tuple(values[c] for c in ROLLOUT_COLUMNS))
         else:
             updates.append((key[0], key[1], *(values[c] for c in _MUTABLE)))
-    if inserts:
-        await conn.executemany(_INSERT_ROLLOUT, inserts)
-    if updates:
-        await conn.executemany(_UPDATE_ROLLOUT, updates)
-    attempt_rows = [
-        (key[0], key[1], a.attempt_id, idx, a.sequence, a.started_at, a.executor, a.ended)
-        for key in sorted(plan.with_attempts & plan.touched)
-        for idx, a in enumerate(plan.views[key].attempts)
-    ]
-    if attempt_rows:
-        await conn.executemany(_UPSERT_ATTEMPT, attempt_rows)
-    if plan.stats:
-        await conn.executemany(
-            _UPSERT_STATS,
-            [
-                (*k, d.calls, d.failed_calls, d.prompt_tokens, d.response_tokens, d.samples, d.reward, d.reward_seq)
-                for k, d in sorted(plan.stats.items())
-            ],
-        )
-    if plan.chains:
-        await conn.executemany(_UPSERT_CHAINS, [(*k, v) for k, v in sorted(plan.chains.items())])
-    if plan.runs:
-        await conn.executemany(
-            _UPSERT_RUN,
-            [
-                (run, d.name, d.config, d.started_at, d.started_seq, d.phase, d.weights_version, d.phase_seq,
-                 d.events, d.first_seq, d.last_seq, d.last_event_at)
-                for run, d in sorted(plan.runs.items())
-            ],
-        )  # fmt: skip
-    if plan.models:
-        await conn.executemany(
-            _UPSERT_MODEL,
-            [
-                (*k, d.base_url, d.served_model, d.weights_version, d.registered_at, d.registered_seq, d.removed_at,
-                 d.removed_seq)
-                for k, d in sorted(plan.models.items())
-            ],
-        )  # fmt: skip
+    plan.rows = Rows(
+        inserts=inserts,
+        updates=updates,
+        attempts=[
+            (key[0], key[1], a.attempt_id, idx, a.sequence, a.started_at, a.executor, a.ended)
+            for key in sorted(plan.with_attempts & plan.touched)
+            for idx, a in enumerate(plan.views[key].attempts)
+        ],
+        stats=[
+            (*k, d.calls, d.failed_calls, d.prompt_tokens, d.response_tokens, d.samples, d.reward, d.reward_seq)
+            for k, d in sorted(plan.stats.items())
+        ],
+        chains=[(*k, v) for k, v in sorted(plan.chains.items())],
+        runs=[
+            (
+                run,
+                d.name,
+                d.config,
+                d.started_at,
+                d.started_seq,
+                d.phase,
+                d.weights_version,
+                d.phase_seq,
+                d.events,
+                d.first_seq,
+                d.last_seq,
+                d.last_event_at,
+            )
+            for run, d in sorted(plan.runs.items())
+        ],
+        models=[
+            (
+                *k,
+                d.base_url,
+                d.served_model,
+                d.weights_version,
+                d.registered_at,
+                d.registered_seq,
+                d.removed_at,
+                d.removed_seq,
+            )
+            for k, d in sorted(plan.models.items())
+        ],
+    )
+    return plan
+
+
+async def write(conn: asyncpg.Connection, plan: Plan) -> None:
+    """Write a folded batch (inside the caller's transaction)."""
+    rows: Rows = plan.rows if plan.rows is not None else materialize(plan).rows
+    await _copy(conn, "events", EVENT_COLUMNS, plan.events)
+    await _copy(conn, "model_calls", MODEL_CALL_COLUMNS, plan.model_calls)
+    await _copy(conn, "rewards", REWARD_COLUMNS, plan.rewards)
+    await _copy(conn, "custom_events", CUSTOM_COLUMNS, plan.custom_events)
+    await _copy(conn, "phases", PHASE_COLUMNS, plan.phases)
+    await _copy(conn, "dead_letters", DEAD_LETTER_COLUMNS, plan.dead_letters)
+    for statement, batch in (
+        (_INSERT_ROLLOUT, rows.inserts),
+        (_UPDATE_ROLLOUT, rows.updates),
+        (_UPSERT_ATTEMPT, rows.attempts),
+        (_UPSERT_STATS, rows.stats),
+        (_UPSERT_CHAINS, rows.chains),
+        (_UPSERT_RUN, rows.runs),
+        (_UPSERT_MODEL, rows.models),
+    ):
+        if batch:
+            await conn.executemany(statement, batch)
 
 
 async def ensure_position(conn: asyncpg.Connection, stream: str) -> int:
@@ -320,44 +381,81 @@ async def _store_position(conn: asyncpg.Connection, stream: str, seq: int) -> No
     await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, f"{stream}:{seq}")
 
 
+class Applied(msgspec.Struct):
+    """What a transaction did: the new stored position, dead letters recorded, and the plan it
+    applied when one plan covered the whole batch (what the next batch may be folded against)."""
+
+    position: int
+    dead: int = 0
+    plan: Plan | None = None
+
+
+async def plan_batch(
+    conn: asyncpg.Connection, items: Sequence[Incoming], after_seq: int, prior: Plan | None = None
+) -> Plan | None:
+    """Fold the items past `after_seq` against the database (and `prior`); None when none are new."""
+    fresh = [item for item in items if item.seq > after_seq]
+    if not fresh:
+        return None
+    return materialize(fold_batch(fresh, await load(conn, fresh, prior)))
+
+
+async def commit(conn: asyncpg.Connection, stream: str, plan: Plan, expected: int) -> Applied:
+    """Write a plan folded for the position `expected` (PositionMoved if the stored one differs)."""
+    async with conn.transaction():
+        await _lock_position(conn, stream, expected)
+        await write(conn, plan)
+        await _store_position(conn, stream, plan.last_seq)
+    return Applied(plan.last_seq, len(plan.dead_letters), plan)
+
+
 async def apply_batch(
-    conn: asyncpg.Connection, stream: str, items: Sequence[Incoming], expected: int | None
-) -> tuple[int, int]:
+    conn: asyncpg.Connection,
+    stream: str,
+    items: Sequence[Incoming],
+    expected: int | None,
+    on_plan: Callable[[Plan], None] | None = None,
+) -> Applied:
     """Apply `items` exactly once (see the module docstring).
 
-    `expected` is the position this projector last stored (None: accept whatever is stored).
-    Returns the new stored position and how many dead letters the batch recorded.
+    `expected` is the position this projector last stored (None: accept whatever is stored);
+    `on_plan` sees the plan as soon as it is folded (so the next batch can be folded against it).
     """
     async with conn.transaction():
         stored = await _lock_position(conn, stream, expected)
-        fresh = [item for item in items if item.seq > stored]
-        if not fresh:
-            return stored, 0
-        plan = fold_batch(fresh, await load(conn, fresh))
+        plan = await plan_batch(conn, items, stored)
+        if plan is None:
+            return Applied(stored)
+        if on_plan is not None:
+            on_plan(plan)
         await write(conn, plan)
         await _store_position(conn, stream, plan.last_seq)
-        return plan.last_seq, len(plan.dead_letters)
+        return Applied(plan.last_seq, len(plan.dead_letters), plan)
 
 
 async def dead_letter(
     conn: asyncpg.Connection, stream: str, item: Incoming, reason: str, expected: int | None
-) -> tuple[int, int]:
-    """Record `item` as a dead letter and move the position past it (same return as `apply_batch`)."""
+) -> Applied:
+    """Record `item` as a dead letter and move the position past it."""
     async with conn.transaction():
         stored = await _lock_position(conn, stream, expected)
         if item.seq <= stored:
-            return stored, 0
+            return Applied(stored)
         await _copy(conn, "dead_letters", DEAD_LETTER_COLUMNS, [(item.seq, item.subject, reason, item.data)])
         await _store_position(conn, stream, item.seq)
-        return item.seq, 1
+        return Applied(item.seq, 1)
 
 
 async def apply_isolating(
-    conn: asyncpg.Connection, stream: str, items: Sequence[Incoming], expected: int | None
-) -> tuple[int, int]:
+    conn: asyncpg.Connection,
+    stream: str,
+    items: Sequence[Incoming],
+    expected: int | None,
+    on_plan: Callable[[Plan], None] | None = None,
+) -> Applied:
     """`apply_batch`, splitting the batch around events Postgres refuses, which become dead letters."""
     try:
-        return await apply_batch(conn, stream, items, expected)
+        return await apply_batch(conn, stream, items, expected, on_plan)
     except asyncpg.PostgresError as exc:
         if not is_poison(exc):
             raise
@@ -365,9 +463,9 @@ async def apply_isolating(
             reason = f"rejected by Postgres ({exc.sqlstate}): {exc}"
             return await dead_letter(conn, stream, items[0], reason, expected)
     middle = len(items) // 2
-    position, first = await apply_isolating(conn, stream, items[:middle], expected)
-    position, second = await apply_isolating(conn, stream, items[middle:], position)
-    return position, first + second
+    first = await apply_isolating(conn, stream, items[:middle], expected)
+    second = await apply_isolating(conn, stream, items[middle:], first.position)
+    return Applied(second.position, first.dead + second.dead)  # split: no single plan to fold against
 
 
 async def dead_letter_count(conn: asyncpg.Connection) -> int:

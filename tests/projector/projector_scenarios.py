@@ -23,7 +23,7 @@ from schemas import (
 )
 
 RUNS = ("r0", "r1")
-ROLLOUTS = ("x0", "x1", "x2")
+ROLLOUTS = ("x0", "x1")
 ATTEMPTS = ("a0", "a1", None)
 STATUSES = ("queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled")
 POISON = (b"{not json", b'{"type": "no.such.type", "run_id": "r0"}', b'{"type": "reward", "run_id": "bad.id"}')
@@ -130,8 +130,13 @@ OPS = st.one_of(
     st.tuples(st.just("poison"), st.integers(0, len(POISON) - 1)),
 )
 # How messages reach the projector: batch size, how many already-applied ones are redelivered with
-# it, and whether the batch is stored, lost in a crash before commit, or followed by a restart.
-DELIVERY = st.tuples(st.integers(1, 9), st.integers(0, 4), st.sampled_from(("apply", "apply", "lost", "restart")))
+# it, and whether the batch is stored, lost in a crash before commit, followed by a restart, or
+# stored together with the next one the pipelined way (folded ahead against its plan).
+DELIVERY = st.tuples(
+    st.integers(1, 9),
+    st.integers(0, 4),
+    st.sampled_from(("apply", "apply", "lost", "restart", "pipelined", "pipelined")),
+)
 
 
 def load_events(run: str, rollouts: int, seed: int) -> list[Event]:

@@ -14,7 +14,7 @@ from schemas import CustomEvent, ModelRegistered, ModelRequestRecorded, encode
 from services.projector import chains, packing
 from services.projector.flags import call_flags, flag_names
 from services.projector.http import route
-from services.projector.incoming import RAW_FIELDS, WireCall, prepare_one
+from services.projector.incoming import RAW_FIELDS, WireCall, position, prepare_one
 from services.projector.migrate import MigrationError, migrate
 from services.projector.status import Status
 from services.projector.tokens import Detokenizer, TokenizerError
@@ -180,3 +180,59 @@ def test_prepare_decodes_call_text_when_the_tokenizer_is_known(tmp_path: Path) -
     other = msgspec.structs.replace(call, model="unknown")
     unknown = prepare_one(2, other.subject, encode(other), 1.0, detok).call
     assert unknown is not None and unknown.prompt_text is None and unknown.response_pieces is None
+
+
+def test_prompt_cache_packs_exactly_what_a_full_parse_packs() -> None:
+    rng = random.Random(9)
+    cache = packing.PromptCache(max_bytes=4000)  # small: evictions happen
+    last: dict[int, list[int]] = {}
+    for _ in range(600):
+        key = rng.randrange(8)
+        previous = last.get(key, [])
+        kind = rng.random()
+        if previous and kind < 0.6:  # the conversation goes on
+            ids = previous + [rng.randrange(10**6) for _ in range(rng.randrange(1, 20))]
+        elif previous and kind < 0.7:  # same digits, different token boundary: 12,3 vs 1,23
+            ids = [*previous[:-1], previous[-1] * 10 + 7]
+        elif previous and kind < 0.8:
+            ids = previous[: rng.randrange(len(previous))]
+        else:
+            ids = [rng.randrange(10**6) for _ in range(rng.randrange(0, 30))]
+        text = msgspec.json.encode(ids)
+        assert packing.unpack_int32(cache.pack(key, text)) == ids
+        last[key] = ids
+    assert cache.hits > 100 and cache.size <= 4000
+
+
+def test_position_reads_sequence_and_time_off_both_reply_forms() -> None:
+    from nats.aio.msg import Msg
+
+    v1 = Msg(None, subject="rl.x", reply="$JS.ACK.ROLLWIRE.c.1.42.7.1700000000500000000.3")  # type: ignore[arg-type]
+    v2 = Msg(None, subject="rl.x", reply="$JS.ACK._.hash.ROLLWIRE.c.1.43.8.1700000001000000000.0.tok")  # type: ignore[arg-type]
+    assert position(v1) == (42, 1700000000.5) and position(v2) == (43, 1700000001.0)
+    assert position(v1) == (v1.metadata.sequence.stream, v1.metadata.timestamp.timestamp())
+
+
+async def test_backlog_bounds_batches_and_bytes() -> None:
+    import asyncio
+
+    from services.projector.backlog import Backlog
+
+    backlog: Backlog[str] = Backlog(max_batches=3, max_bytes=100)
+    await backlog.put("big", 500)  # an empty backlog takes any batch
+    blocked = asyncio.create_task(backlog.put("next", 10))
+    await asyncio.sleep(0.01)
+    assert not blocked.done() and len(backlog) == 1  # over the byte bound: the producer waits
+    assert await backlog.get() == "big"
+    await asyncio.wait_for(blocked, 1)
+    await backlog.put("a", 1)
+    third = asyncio.create_task(backlog.put("b", 1))
+    await asyncio.sleep(0.01)
+    assert third.done() and len(backlog) == 3
+    fourth = asyncio.create_task(backlog.put("c", 1))
+    await asyncio.sleep(0.01)
+    assert not fourth.done()  # over the batch bound
+    assert [backlog.get_nowait(), backlog.get_nowait()] == ["next", "a"]
+    await asyncio.wait_for(fourth, 1)
+    assert backlog.get_nowait() == "b" and await backlog.get() == "c" and backlog.get_nowait() is None
+    assert backlog.bytes == 0
