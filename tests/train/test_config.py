@@ -1,0 +1,78 @@
+"""`rollwire train` configs: the example parses, and every mistake names its key and the allowed values."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainer.config import ConfigError, config_from_mapping, config_to_mapping, load_config
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart" / "train.toml"
+
+
+def minimal(**sections: dict[str, Any]) -> dict[str, Any]:
+    base: dict[str, Any] = {"data": {"path": "tasks.jsonl"}, "agent": {"command": ["agent"]}, "model": {"path": "m"}}
+    for name, values in sections.items():
+        base.setdefault(name.rstrip("_"), {}).update(values)
+    return base
+
+
+def test_example_config_loads_with_paths_resolved_against_its_directory() -> None:
+    config = load_config(EXAMPLE)
+    assert config.run.mode == "sync"
+    assert Path(config.data.path) == EXAMPLE.parent / "tasks.jsonl"
+    assert Path(config.stack.data_dir).resolve() == (EXAMPLE.parent / "../../.rollwire").resolve()
+    assert config.agent.command[0] == sys.executable  # a leading `python` is this interpreter
+    assert config.adapter.norm == "rollout-mean"
+    assert config.min_groups() == 6
+
+
+def test_defaults_and_round_trip() -> None:
+    config = config_from_mapping(minimal())
+    assert config.run.steps == 20 and config.run.mode == "sync"
+    assert config.min_groups() == config.data.tasks_per_step
+    assert config_from_mapping(config_to_mapping(config)) == config
+
+
+@pytest.mark.parametrize(
+    ("sections", "expected"),
+    [
+        ({"run": {"mode": "fast"}}, "run.mode: Invalid enum value 'fast'; choose one of: sync, async"),
+        ({"run": {"stepz": 3}}, "run.stepz: unknown key in [run]; the keys are: name, out_dir"),
+        ({"backend": {"kind": "tpu"}}, "backend.kind: Invalid enum value 'tpu'; choose one of: cpu"),
+        ({"backend": {"kind": "verl"}}, "backend.kind: 'verl' is not available in this install; choose one of: cpu"),
+        ({"algorithm": {"adapter": {"norm": "x"}}}, "algorithm.adapter: norm = 'x' is not allowed; choose one of"),
+        ({"algorithm": {"loss": {"clip_low": "x"}}}, "algorithm.loss.clip_low: Expected `float`, got `str`"),
+        ({"algorithm": {"loss": {"ratio_cap": 0.5}}}, "algorithm.loss.ratio_cap: must be > 1"),
+        ({"algorithm": {"lr": 0}}, "algorithm.lr: must be positive"),
+        ({"async_": {"min_groups": 99}}, "async.min_groups: must be between 1 and async.max_groups_in_flight"),
+        ({"async_": {"max_groups_in_flight": 2}}, "async.max_groups_in_flight: must be at least data.tasks_per_step"),
+        ({"data": {"rollouts_per_task": 0}}, "data.rollouts_per_task: must be at least 1"),
+        ({"agent": {"command": []}}, "agent.command: must name the program to run"),
+        ({"bogus": {"x": 1}}, "bogus: unknown section in the top level; the sections are: data, agent, model"),
+    ],
+)
+def test_errors_name_the_key_and_the_allowed_values(sections: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        config_from_mapping(minimal(**sections))
+    assert str(raised.value).startswith(expected), str(raised.value)
+
+
+def test_missing_required_key_and_bad_files(tmp_path: Path) -> None:
+    mapping = minimal()
+    del mapping["data"]["path"]
+    with pytest.raises(ConfigError, match=r"^data.path: required but missing"):
+        config_from_mapping(mapping)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nname = 1")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(bad)
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text('[data]\npath = "t.jsonl"\n[agent]\ncommand = ["a"]\n[model]\npath = "m"\n[run]\nmode = "x"\n')
+    with pytest.raises(ConfigError, match=r"wrong.toml: run.mode: .*choose one of: sync, async"):
+        load_config(wrong)

@@ -1,0 +1,85 @@
+"""The quickstart, shortened: the whole loop turns on the real stack and the weights change.
+
+Two steps of the real quickstart: embedded stack (nats-server, Postgres, engine, gateway,
+projector, controller), the real agent harness launched by the controller through the fork
+server, replay, update, reload. The model is a short warm start (seconds, not minutes), so the
+harness runs with its tool-use reward: rewards then differ within groups, which every parameter
+needs to receive a gradient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from schemas import ModelRequestRecorded, PhaseChanged, RewardReported
+from services.embedded import NatsServer
+from services.eventstore import EventStore
+from trainer.quickstart.run import QuickstartOptions, run_quickstart
+from trainer.quickstart.warmstart import WarmStartConfig, ensure_warm_model
+
+pytestmark = pytest.mark.slow
+
+SMOKE_WARM_START = WarmStartConfig(skill_steps=0, steps=40, tool_rate=0.5, transcripts=256, skill_transcripts=256)
+
+
+async def run_events(nats_dir: Path, run_id: str) -> list:
+    server = NatsServer(nats_dir).start()
+    try:
+        store = await EventStore.connect(server.url)
+        try:
+            return [stored.event async for stored in store.read_run(run_id)]
+        finally:
+            await store.close()
+    finally:
+        server.stop()
+
+
+def test_two_quickstart_steps_update_every_parameter_and_serve_the_new_version(
+    tmp_path: Path, model_cache: Path
+) -> None:
+    model_dir = ensure_warm_model(model_cache, SMOKE_WARM_START)
+    options = QuickstartOptions(
+        steps=2,
+        data_dir=tmp_path / "stack",
+        out=tmp_path / "runs",
+        tasks_per_step=6,
+        rollouts_per_task=4,
+        model_dir=model_dir,
+        run_name="smoke",
+        extra={"agent": {"env": {"AGENT_SEED": "0", "QUICKSTART_REWARD": "tool"}}},
+    )
+    result = run_quickstart(options, say=lambda line: None)
+
+    assert [row["step"] for row in result.rows] == [1, 2]
+    for row in result.rows:
+        assert row["rollouts"] == 24 and row["rollouts_failed"] == 0
+        assert row["samples"] > 0 and row["response_tokens"] > 0
+    assert result.rows[-1]["weights_version"] == 2
+    assert result.curve.read_bytes()[:4] == b"\x89PNG"
+    assert (result.run_dir / "metrics.csv").read_text().count("\n") == 3
+
+    before = load_file(result.run_dir / "weights" / "v0" / "model.safetensors")
+    after = load_file(result.run_dir / "weights" / "v1" / "model.safetensors")
+    assert before.keys() == after.keys()
+    unchanged = [name for name in before if before[name].equal(after[name])]
+    assert not unchanged, f"parameters not updated by step 1: {unchanged}"
+
+    events = asyncio.run(run_events(tmp_path / "stack" / "nats", "smoke"))
+    calls = [e for e in events if isinstance(e, ModelRequestRecorded)]
+    rewards = [e for e in events if isinstance(e, RewardReported)]
+    assert len(rewards) == 48 and len(calls) >= 48
+    versions: dict[int, set[int | None]] = {}
+    for call in calls:
+        task_number = int(str(call.rollout_id).split("-g")[1].split("-")[0])
+        step = 1 if task_number < 6 else 2
+        versions.setdefault(step, set()).add(call.weights_version)
+    assert versions == {1: {0}, 2: {1}}  # step 2's calls ran on the weights step 1 produced
+    phases = [(e.phase, e.weights_version) for e in events if isinstance(e, PhaseChanged)]
+    assert phases[-4:] == [("update", 0), ("rollout", 1), ("update", 1), ("rollout", 2)]
+    config = json.loads((result.run_dir / "config.json").read_text())
+    assert config["run"]["steps"] == 2

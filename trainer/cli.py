@@ -1,0 +1,132 @@
+"""The trainer's commands: `rollwire train CONFIG.toml` and `rollwire quickstart`.
+
+`register(app)` adds them to the `rollwire` typer app. Heavy imports (torch, transformers) happen
+inside the commands, so the rest of the CLI stays fast. A mistake a user can make (a config key,
+the dataset, a service that refuses) prints one `error: ...` line and exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import typer
+
+from trainer.clients import ServiceUrls
+from trainer.config import ConfigError, StackSection
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    print(f"error: {message}", file=sys.stderr)
+    return typer.Exit(code)
+
+
+def train(
+    config: Path = typer.Argument(..., help="The run's TOML config (see examples/quickstart/train.toml)."),
+    steps: int | None = typer.Option(None, help="Override run.steps."),
+) -> None:
+    """Train a model with RL through its agent harness, as CONFIG.toml describes."""
+    import msgspec
+
+    from services.stack import Stack, StackConfig, StackError
+    from trainer.checkpoint import CheckpointError
+    from trainer.clients import GatewayError
+    from trainer.config import load_config
+    from trainer.dataset import DatasetError
+    from trainer.display import StepDisplay
+    from trainer.loop import Trainer, TrainingError
+
+    try:
+        loaded = load_config(config)
+        if steps is not None:
+            loaded = msgspec.structs.replace(loaded, run=msgspec.structs.replace(loaded.run, steps=steps))
+    except ConfigError as exc:
+        raise _fail(str(exc), 2) from None
+    local: Stack | None = None
+    try:
+        if loaded.stack.embedded:
+            local = Stack(
+                StackConfig(
+                    data_dir=Path(loaded.stack.data_dir),
+                    nats_port=0,
+                    pg_port=0,
+                    gateway_port=0,
+                    engine_model=Path(loaded.model.path),
+                )
+            )
+            endpoints = local.start()
+            for line in endpoints.lines:
+                print(line)
+            urls = ServiceUrls(
+                gateway_url=endpoints.gateway_url or "",
+                nats_url=endpoints.nats_url,
+                engine_url=endpoints.engine_url or "",
+                admin_token=endpoints.admin_token,
+            )
+        else:
+            urls = _external_urls(loaded.stack)
+        with StepDisplay(loaded.run.steps) as display:
+            rows = asyncio.run(Trainer(loaded, urls, on_step=display.step).run())
+        print(f"{len(rows)} steps done; metrics in {loaded.run_dir / 'metrics.csv'}")
+    except (StackError, GatewayError, DatasetError, TrainingError, CheckpointError, ConfigError) as exc:
+        raise _fail(str(exc)) from None
+    finally:
+        if local is not None:
+            local.stop()
+
+
+def _external_urls(stack: StackSection) -> ServiceUrls:
+    """Service URLs of a running stack, from the config or the environment (named when missing)."""
+    values = {
+        "gateway_url": stack.gateway_url or os.environ.get("ROLLWIRE_GATEWAY_URL"),
+        "nats_url": stack.nats_url or os.environ.get("NATS_URL"),
+        "engine_url": stack.engine_url or os.environ.get("ROLLWIRE_ENGINE_URL"),
+        "admin_token": stack.admin_token or os.environ.get("ROLLWIRE_ADMIN_TOKEN"),
+    }
+    missing = [k for k, v in values.items() if not v]
+    if missing:
+        raise ConfigError(
+            f"stack.embedded is false but {', '.join('stack.' + k for k in missing)} "
+            "is not set (nor its environment variable)"
+        )
+    return ServiceUrls(**{k: str(v) for k, v in values.items()})
+
+
+def quickstart(
+    steps: int = typer.Option(30, help="Training steps."),
+    seed: int = typer.Option(0, help="Seed of the model, the tasks, the warm start and the sampling."),
+    data_dir: Path = typer.Option(Path(".rollwire"), help="Where the embedded stack keeps its data and logs."),
+    out: Path = typer.Option(Path("runs"), help="Where the run directory (weights, metrics, curve) goes."),
+    mode: str = typer.Option("sync", help="sync or async (collocated)."),
+    tasks_per_step: int = typer.Option(8, help="Tasks per step."),
+    rollouts_per_task: int = typer.Option(4, help="Rollouts of each task (one group)."),
+) -> None:
+    """Run RL on a tiny model on this CPU, end to end: stack, agents, updates, a reward curve."""
+    from services.stack import StackError
+    from trainer.clients import GatewayError
+    from trainer.loop import TrainingError
+    from trainer.quickstart.run import QuickstartOptions, run_quickstart
+
+    if mode not in ("sync", "async"):
+        raise _fail(f"--mode {mode!r} is not allowed; choose one of: sync, async", 2)
+    options = QuickstartOptions(
+        steps=steps,
+        seed=seed,
+        data_dir=data_dir,
+        out=out,
+        mode=mode,
+        tasks_per_step=tasks_per_step,
+        rollouts_per_task=rollouts_per_task,
+    )
+    try:
+        run_quickstart(options, say=lambda line: print(line, flush=True))
+    except (StackError, GatewayError, TrainingError, ConfigError) as exc:
+        raise _fail(str(exc)) from None
+
+
+def register(app: typer.Typer) -> None:
+    """Add `train` and `quickstart` to the `rollwire` app."""
+    app.command()(train)
+    app.command()(quickstart)

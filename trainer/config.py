@@ -1,0 +1,328 @@
+"""The training run's settings, read from TOML (`rollwire train CONFIG.toml`).
+
+    [run]        name, out_dir, seed, steps, mode ("sync" | "async"), resume
+    [data]       path (JSONL, one rollout input per line), tasks_per_step, rollouts_per_task, shuffle
+    [agent]      command (argv), env, timeout_s, concurrency, max_attempts
+    [model]      path (a saved transformers model directory), served_name
+    [backend]    kind ("cpu"), threads
+    [algorithm]  lr, weight_decay, grad_clip, updates_per_step, micro_batch_tokens, loss_temperature
+    [algorithm.adapter]  the adapter's switches (`trainer.core.AdapterConfig`)
+    [algorithm.loss]     clip_low, clip_high, ratio_cap, kl_coef (`trainer.loss.PolicyLossConfig`)
+    [async]      min_groups, max_staleness, max_groups_in_flight
+    [stack]      embedded or external: data_dir, gateway_url, nats_url, engine_url, admin_token
+
+A mistake is a `ConfigError` naming the key (`algorithm.adapter.norm`) and, for a choice, the
+allowed values; unknown keys are errors too, so a typo never silently falls back to a default.
+Relative paths are resolved against the config file's directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import msgspec
+
+from trainer.core import AdapterConfig, AdapterConfigError
+
+Mode = Literal["sync", "async"]
+BackendKind = Literal["cpu", "verl"]
+AVAILABLE_BACKENDS: tuple[str, ...] = ("cpu",)
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names the key and what it may be."""
+
+
+class RunSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[run]`: the run id (`name`), where its files go (`out_dir/name`), the seed and the step count.
+
+    `resume` continues from the run directory's last checkpoint; `keep_weights` keeps that many
+    newest weights versions on disk besides v0 and the checkpoint's (0 keeps all).
+    """
+
+    name: str = "run"
+    out_dir: str = "runs"
+    seed: int = 0
+    steps: int = 20
+    mode: Mode = "sync"
+    resume: bool = True
+    keep_weights: int = 3
+
+
+class DataSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[data]`: the task dataset and how many tasks (each run `rollouts_per_task` times) make a step."""
+
+    path: str
+    tasks_per_step: int = 8
+    rollouts_per_task: int = 4
+    shuffle: bool = True
+
+
+class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[agent]`: the harness command the controller runs once per rollout attempt.
+
+    A leading `python` in `command` stands for the Python running the trainer (its virtualenv).
+    """
+
+    command: list[str]
+    env: dict[str, str] = {}
+    timeout_s: float = 600.0
+    concurrency: int = 32
+    max_attempts: int = 1
+
+
+class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[model]`: the starting weights (a saved transformers model directory) and the name agents use."""
+
+    path: str
+    served_name: str = "policy"
+
+
+class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[backend]`: where updates run (`cpu`: torch + transformers in this process)."""
+
+    kind: BackendKind = "cpu"
+    threads: int | None = None
+
+
+class LossSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[algorithm.loss]`: the clipped policy loss (see `trainer.loss`)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    ratio_cap: float | None = 3.0
+    kl_coef: float = 0.0
+
+
+class AlgorithmSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[algorithm]`: optimizer and update settings, plus the adapter and loss subsections.
+
+    `updates_per_step` optimizer steps are taken on each batch (the first is on-policy, later ones
+    are clipped); `micro_batch_tokens` bounds one forward pass (gradients accumulate exactly);
+    `loss_temperature` must match how the engine reports logprobs (raw, i.e. 1.0, for the
+    embedded engine and vLLM's default).
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    updates_per_step: int = 1
+    micro_batch_tokens: int = 16384
+    loss_temperature: float = 1.0
+    adapter: dict[str, Any] = {}
+    loss: LossSection = LossSection()
+
+
+class AsyncSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[async]`: collocated async. Update once `min_groups` task groups have ended (default: all of a
+    step's); keep at most `max_groups_in_flight` groups declared; drop calls more than
+    `max_staleness` weights versions behind the weights being trained."""
+
+    min_groups: int | None = None
+    max_staleness: int = 1
+    max_groups_in_flight: int | None = None
+
+
+class StackSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[stack]`: start the embedded stack in `data_dir` (`embedded = true`) or use running services.
+
+    For running services, unset URLs come from ROLLWIRE_GATEWAY_URL, NATS_URL, ROLLWIRE_ENGINE_URL
+    and the token from ROLLWIRE_ADMIN_TOKEN.
+    """
+
+    embedded: bool = True
+    data_dir: str = ".rollwire"
+    gateway_url: str | None = None
+    nats_url: str | None = None
+    engine_url: str | None = None
+    admin_token: str | None = None
+
+
+class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A whole training run (see the module docstring for the sections)."""
+
+    data: DataSection
+    agent: AgentSection
+    model: ModelSection
+    run: RunSection = RunSection()
+    backend: BackendSection = BackendSection()
+    algorithm: AlgorithmSection = AlgorithmSection()
+    async_: AsyncSection = msgspec.field(default_factory=AsyncSection, name="async")
+    stack: StackSection = StackSection()
+
+    @property
+    def adapter(self) -> AdapterConfig:
+        """The adapter's switches (validated when the config was loaded)."""
+        return AdapterConfig.from_mapping(self.algorithm.adapter)
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this run's weights, checkpoints and metrics go."""
+        return Path(self.run.out_dir) / self.run.name
+
+    def min_groups(self) -> int:
+        """Task groups that must have ended before an update (all of a step's by default)."""
+        return self.async_.min_groups or self.data.tasks_per_step
+
+    def max_groups_in_flight(self) -> int:
+        """Task groups declared and not yet trained on, at most (async mode keeps this many running)."""
+        return self.async_.max_groups_in_flight or self.data.tasks_per_step
+
+
+def _choices(kind: Any) -> tuple[str, ...] | None:
+    """The allowed strings of a Literal field type (or of a Literal inside an Optional)."""
+    args = get_args(kind)
+    if args and all(isinstance(a, str) for a in args):
+        return args
+    return None
+
+
+def _decode_error(exc: msgspec.ValidationError) -> ConfigError:
+    """msgspec's `... - at $.algorithm.loss.clip_low` as `algorithm.loss.clip_low: ...`, naming allowed values."""
+    text = str(exc)
+    message, _, where = text.rpartition(" - at `$")
+    if not message:
+        message, where = text, ""
+    section = where.rstrip("`").lstrip(".")
+    unknown = re.fullmatch(r"Object contains unknown field `(.+)`", message)
+    if unknown:
+        keys = ", ".join(f.encode_name for f in msgspec.structs.fields(_struct_at(section)))
+        where_text = f"[{section}]" if section else "the top level"
+        kind = "key" if section else "section"
+        key = _join(section, unknown.group(1))
+        return ConfigError(f"{key}: unknown {kind} in {where_text}; the {kind}s are: {keys}")
+    missing = re.fullmatch(r"Object missing required field `(.+)`", message)
+    if missing:
+        return ConfigError(f"{_join(section, missing.group(1))}: required but missing")
+    allowed = _allowed_for(section)
+    suffix = f"; choose one of: {', '.join(allowed)}" if allowed else ""
+    return ConfigError(f"{section}: {message}{suffix}")
+
+
+def _join(section: str, key: str) -> str:
+    return f"{section}.{key}" if section else key
+
+
+def _struct_at(section: str) -> Any:
+    """The Struct type of a dotted section (`algorithm.loss`), or TrainConfig for the top level."""
+    struct: Any = TrainConfig
+    for part in filter(None, section.split(".")):
+        struct = {f.encode_name: f.type for f in msgspec.structs.fields(struct)}[part]
+    return struct
+
+
+def _allowed_for(key: str) -> tuple[str, ...] | None:
+    """The allowed values of a choice setting, looked up by its dotted key."""
+    if key == "backend.kind":
+        return AVAILABLE_BACKENDS
+    section, _, name = key.rpartition(".")
+    try:
+        struct = _struct_at(section)
+        fields = {f.encode_name: f.type for f in msgspec.structs.fields(struct)}
+    except (KeyError, TypeError):
+        return None
+    return _choices(fields.get(name))
+
+
+def _check(config: TrainConfig) -> None:
+    """Range checks msgspec's types cannot express, each naming its key."""
+
+    def need(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}: {what}")
+
+    need(config.run.steps >= 1, "run.steps", "must be at least 1")
+    need(config.run.keep_weights >= 0, "run.keep_weights", "must be >= 0 (0 keeps every version)")
+    need(bool(config.run.name) and "/" not in config.run.name, "run.name", "must be a non-empty id without '/'")
+    need(config.data.tasks_per_step >= 1, "data.tasks_per_step", "must be at least 1")
+    need(config.data.rollouts_per_task >= 1, "data.rollouts_per_task", "must be at least 1")
+    need(bool(config.agent.command), "agent.command", "must name the program to run, as a list of strings")
+    need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
+    need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
+    need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
+    if config.backend.kind not in AVAILABLE_BACKENDS:
+        raise ConfigError(
+            f"backend.kind: {config.backend.kind!r} is not available in this install; "
+            f"choose one of: {', '.join(AVAILABLE_BACKENDS)} (the GPU backend comes later)"
+        )
+    need(config.backend.threads is None or config.backend.threads >= 1, "backend.threads", "must be at least 1")
+    algo = config.algorithm
+    need(algo.lr > 0, "algorithm.lr", "must be positive")
+    need(algo.weight_decay >= 0, "algorithm.weight_decay", "must be >= 0")
+    need(algo.grad_clip > 0, "algorithm.grad_clip", "must be positive")
+    need(algo.updates_per_step >= 1, "algorithm.updates_per_step", "must be at least 1")
+    need(algo.micro_batch_tokens >= 1, "algorithm.micro_batch_tokens", "must be at least 1")
+    need(algo.loss_temperature > 0, "algorithm.loss_temperature", "must be positive")
+    loss = algo.loss
+    need(0.0 <= loss.clip_low < 1.0, "algorithm.loss.clip_low", "must be in [0, 1)")
+    need(loss.clip_high >= 0.0, "algorithm.loss.clip_high", "must be >= 0")
+    need(loss.ratio_cap is None or loss.ratio_cap > 1.0, "algorithm.loss.ratio_cap", "must be > 1, or left out (off)")
+    need(loss.kl_coef >= 0.0, "algorithm.loss.kl_coef", "must be >= 0")
+    try:
+        AdapterConfig.from_mapping(algo.adapter)
+    except AdapterConfigError as exc:
+        raise ConfigError(f"algorithm.adapter: {exc}") from None
+    groups = config.data.tasks_per_step
+    need(
+        config.async_.min_groups is None or 1 <= config.async_.min_groups <= config.max_groups_in_flight(),
+        "async.min_groups",
+        "must be between 1 and async.max_groups_in_flight",
+    )
+    need(config.async_.max_staleness >= 0, "async.max_staleness", "must be >= 0")
+    need(
+        config.async_.max_groups_in_flight is None or config.async_.max_groups_in_flight >= groups,
+        "async.max_groups_in_flight",
+        f"must be at least data.tasks_per_step ({groups})",
+    )
+
+
+def _resolve(base: Path, value: str) -> str:
+    path = Path(os.path.expanduser(value))
+    return str(path if path.is_absolute() else (base / path))
+
+
+def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None) -> TrainConfig:
+    """A checked `TrainConfig` from plain data (a parsed TOML document); paths resolved against `base_dir`."""
+    try:
+        config = msgspec.convert(dict(mapping), TrainConfig, strict=True)
+    except msgspec.ValidationError as exc:
+        raise _decode_error(exc) from None
+    _check(config)
+    if config.agent.command[0] == "python":
+        command = [sys.executable, *config.agent.command[1:]]
+        config = msgspec.structs.replace(config, agent=msgspec.structs.replace(config.agent, command=command))
+    if base_dir is not None:
+        config = msgspec.structs.replace(
+            config,
+            run=msgspec.structs.replace(config.run, out_dir=_resolve(base_dir, config.run.out_dir)),
+            data=msgspec.structs.replace(config.data, path=_resolve(base_dir, config.data.path)),
+            model=msgspec.structs.replace(config.model, path=_resolve(base_dir, config.model.path)),
+            stack=msgspec.structs.replace(config.stack, data_dir=_resolve(base_dir, config.stack.data_dir)),
+        )
+    return config
+
+
+def load_config(path: Path) -> TrainConfig:
+    """Read and check a TOML config file; `ConfigError` names the file and the bad key."""
+    path = Path(path)
+    try:
+        document = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    try:
+        return config_from_mapping(document, path.resolve().parent)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def config_to_mapping(config: TrainConfig) -> dict[str, Any]:
+    """The config as plain data (what a checkpoint stores and a run records)."""
+    return msgspec.to_builtins(config)  # type: ignore[no-any-return]

@@ -1,0 +1,370 @@
+"""The training loop: declare rollouts, wait for them to end, replay them, update, serve the new weights.
+
+One step, in both modes:
+
+1. declare task groups through the gateway: each task of the dataset runs `rollouts_per_task`
+   times under one group id (the unit of the advantage baseline);
+2. wait, on the run's status subjects, until enough groups have ended;
+3. replay each ended rollout's events and build the step's samples with `trainer.core`;
+4. switch the gateway's phase to `update` (new model calls are held, calls in flight finish),
+   take the optimizer step, save the weights as version v+1 (safetensors), make the engine serve
+   them (`POST /reload`), and switch the phase back to `rollout` with v+1, which releases the
+   held calls; the engine stamps every later call with v+1 and the proxy records it;
+5. checkpoint, and log the step's metrics.
+
+**sync**: each step declares `tasks_per_step` groups and waits for all of them.
+**async** (collocated): up to `max_groups_in_flight` groups run at all times and the step waits
+only for `min_groups` of them; rollouts still running keep going across the update and finish on
+the new weights, so their calls carry both versions. Calls more than `max_staleness` versions
+behind the weights being trained are dropped before merging (their tokens stay in later prompts
+as context, never trained), and the loss's ratio clipping bounds what the kept ones contribute.
+
+Every write to the gateway has an idempotency key derived from the run and the step, and
+rollout ids follow from the number of tasks consumed, so a run resumed from its checkpoint
+re-declares the very same rollouts instead of new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from schemas.events import TERMINAL_STATUSES
+from schemas.runs import RunSpec
+from services.eventstore import EventStore
+from trainer.backend import CpuBackend, UpdateMetrics
+from trainer.checkpoint import InFlightGroup, RunDir, TrainerState
+from trainer.clients import EngineClient, GatewayClient, NewRollout, ServiceUrls
+from trainer.config import TrainConfig, config_to_mapping
+from trainer.core import RolloutCalls, StepBatch, build_step
+from trainer.dataset import TaskOrder, load_jsonl
+from trainer.metrics import MetricsLog
+from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group
+
+Row = dict[str, Any]
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on; the message says why and where to look."""
+
+
+def drop_stale_calls(
+    rollouts: Sequence[RolloutCalls], version: int, max_staleness: int
+) -> tuple[list[RolloutCalls], int]:
+    """Rollouts without the calls made more than `max_staleness` versions before `version`.
+
+    Dropping a call (rather than a merged sample) keeps merging exact: a later call's prompt still
+    holds the dropped response, which then becomes context with loss mask 0. Calls without a
+    recorded version are kept. Returns the rollouts and how many calls were dropped.
+    """
+    kept: list[RolloutCalls] = []
+    dropped = 0
+    for rollout in rollouts:
+        fresh = [c for c in rollout.calls if c.weights_version is None or version - c.weights_version <= max_staleness]
+        dropped += len(rollout.calls) - len(fresh)
+        kept.append(rollout if len(fresh) == len(rollout.calls) else msgspec.structs.replace(rollout, calls=fresh))
+    return kept, dropped
+
+
+def _stats(values: Sequence[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
+
+
+def step_row(
+    step: int,
+    version: int,
+    replayed: Sequence[ReplayedGroup],
+    batch: StepBatch,
+    stale_dropped: int,
+    trained_version: int,
+    update: UpdateMetrics | None,
+    times: dict[str, float],
+) -> Row:
+    """The metrics of one step, as one row of the CSV (see `trainer.metrics.COLUMNS`)."""
+    stats = batch.stats
+    rollouts = [r for g in replayed for r in g.rollouts]
+    failed = sum(len(g.skipped) for g in replayed)
+    rewards = [r.reward for r in rollouts if r.reward is not None]
+    per_rollout = {s.rollout_id: s.advantage for s in batch.samples}
+    adv_mean, adv_std = _stats(list(per_rollout.values()))
+    reward_mean, reward_std = _stats(rewards)
+    low = stats.min_weights_version
+    row: Row = {
+        "step": step,
+        "weights_version": version,
+        "rollouts": len(rollouts) + failed,
+        "rollouts_failed": failed,
+        "groups": len(replayed),
+        "reward_mean": reward_mean,
+        "reward_std": reward_std,
+        "advantage_mean": adv_mean,
+        "advantage_std": adv_std,
+        "advantage_abs_mean": statistics.fmean(abs(a) for a in per_rollout.values()) if per_rollout else None,
+        "samples": stats.samples,
+        "samples_per_rollout": stats.samples_per_rollout_mean,
+        "samples_per_rollout_max": stats.samples_per_rollout_max,
+        "merge_ratio": stats.merge_ratio,
+        "calls": stats.calls,
+        "calls_stale_dropped": stale_dropped,
+        "staleness_max": trained_version - low if low is not None else None,
+        "tokens": stats.tokens,
+        "response_tokens": stats.response_tokens,
+    }
+    if update is not None:
+        row |= {
+            "loss": update.loss,
+            "entropy": update.entropy,
+            "clip_fraction": update.clip_fraction,
+            "dual_clip_fraction": update.dual_clip_fraction,
+            "ratio_mean": update.ratio_mean,
+            "approx_kl": update.approx_kl,
+            "kl_ref": update.kl_ref,
+            "grad_norm": update.grad_norm,
+        }
+    agent: dict[str, list[float]] = {}
+    for group in replayed:
+        for found in group.agent_metrics:
+            for key, value in found.items():
+                agent.setdefault(key, []).append(value)
+    row |= {f"agent_{key}": statistics.fmean(values) for key, values in sorted(agent.items())}
+    row |= {f"time_{name}_s": round(seconds, 4) for name, seconds in times.items()}
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+class Trainer:
+    """Runs the loop of the module docstring for one `TrainConfig` against running services."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        urls: ServiceUrls,
+        *,
+        on_step: Callable[[Row], None] | None = None,
+        say: Callable[[str], None] = print,
+    ) -> None:
+        self.config = config
+        self.urls = urls
+        self.on_step = on_step
+        self.say = say
+        self.run_id = config.run.name
+        self.run_dir = RunDir(config.run_dir)
+        self.tasks = load_jsonl(Path(config.data.path))
+        self.order = TaskOrder(len(self.tasks), config.run.seed, config.data.shuffle)
+        self.metrics: MetricsLog | None = None
+        self.backend: CpuBackend | None = None
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def _prepare(self) -> TrainerState:
+        """Load the model (from the checkpoint when resuming) and write the run's config."""
+        config = self.config
+        self.run_dir.ensure()
+        (self.run_dir.root / "config.json").write_text(json.dumps(config_to_mapping(config), indent=2))
+        resumed = self.run_dir.latest_checkpoint() if config.run.resume else None
+        self.backend = CpuBackend(
+            Path(config.model.path), config.algorithm, seed=config.run.seed, threads=config.backend.threads
+        )
+        if resumed is not None:
+            state, backend_state = resumed
+            self.backend.load_weights(self.run_dir.weights(state.weights_version))
+            self.backend.load_state(backend_state)
+            self.say(f"resuming {self.run_id} after step {state.step} (weights v{state.weights_version})")
+        else:
+            state = TrainerState(run_id=self.run_id, step=0, weights_version=0, tasks_consumed=0)
+            self.backend.save_weights(self.run_dir.weights(0))
+        self.metrics = MetricsLog(
+            self.run_dir.metrics_csv,
+            self.run_dir.tensorboard,
+            resume_after=state.step if resumed is not None else None,
+        )
+        return state
+
+    def run_spec(self) -> dict[str, Any]:
+        """The run's executor settings, as the gateway records them (`RunSpec`)."""
+        agent = self.config.agent
+        spec = RunSpec(
+            run_id=self.run_id,
+            name=self.run_id,
+            backend="local",
+            command=list(agent.command),
+            concurrency=agent.concurrency,
+            timeout_s=agent.timeout_s,
+            max_attempts=agent.max_attempts,
+            env=dict(agent.env),
+        )
+        return msgspec.to_builtins(spec)  # type: ignore[no-any-return]
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    async def run(self) -> list[Row]:
+        """Train for the configured number of steps (continuing a checkpoint if there is one)."""
+        state = await asyncio.to_thread(self._prepare)
+        store = await EventStore.connect(self.urls.nats_url)
+        gateway = GatewayClient(self.urls.gateway_url, self.urls.admin_token)
+        engine = EngineClient(self.urls.engine_base)
+        watch = StatusWatch(store, self.run_id)
+        rows: list[Row] = []
+        in_flight = list(state.in_flight)
+        try:
+            await gateway.start_run(self.run_spec())
+            await self._serve(engine, gateway, state.weights_version)
+            await watch.start(await store.last_sequence())
+            if in_flight:
+                await watch.adopt(r for g in in_flight for r in g.rollout_ids)
+            started = time.monotonic() - state.elapsed_s
+            for step in range(state.step + 1, self.config.run.steps + 1):
+                state, in_flight, row = await self._step(step, state, in_flight, store, gateway, engine, watch, started)
+                rows.append(row)
+            for group in in_flight:
+                for rollout_id in group.rollout_ids:
+                    if rollout_id not in watch.ended:
+                        await gateway.cancel_rollout(rollout_id, "the training run finished")
+        finally:
+            await watch.stop()
+            await gateway.close()
+            await engine.close()
+            await store.close()
+            if self.metrics is not None:
+                self.metrics.close()
+        return rows
+
+    async def _serve(self, engine: EngineClient, gateway: GatewayClient, version: int) -> None:
+        """Make the engine serve the run's current weights and route the run's calls to it."""
+        served = await engine.served_model()
+        await engine.reload(str(self.run_dir.weights(version).resolve()), version)
+        await gateway.register_model(
+            self.run_id,
+            name=self.config.model.served_name,
+            base_url=f"{self.urls.engine_base}/v1",
+            served_model=served,
+            weights_version=None,  # the engine stamps each response with the version it ran on
+            key=f"{self.run_id}-model-{self.config.model.served_name}",
+        )
+        # No idempotency key: a resumed run must reopen a gate its crash may have left closed.
+        await gateway.set_phase(self.run_id, "rollout", version, key=None)
+
+    def _declare(self, state: TrainerState, in_flight: list[InFlightGroup]) -> tuple[list[InFlightGroup], int]:
+        """New groups to top the run up to its target of groups in flight; returns them and the task count."""
+        config = self.config
+        target = config.data.tasks_per_step if config.run.mode == "sync" else config.max_groups_in_flight()
+        consumed = state.tasks_consumed
+        fresh: list[InFlightGroup] = []
+        while len(in_flight) + len(fresh) < target:
+            group_id = f"{self.run_id}-g{consumed}"
+            fresh.append(
+                InFlightGroup(
+                    group_id=group_id,
+                    rollout_ids=[f"{group_id}-r{j}" for j in range(config.data.rollouts_per_task)],
+                    task_index=consumed,
+                    created_version=state.weights_version,
+                )
+            )
+            consumed += 1
+        return fresh, consumed
+
+    async def _step(
+        self,
+        step: int,
+        state: TrainerState,
+        in_flight: list[InFlightGroup],
+        store: EventStore,
+        gateway: GatewayClient,
+        engine: EngineClient,
+        watch: StatusWatch,
+        started: float,
+    ) -> tuple[TrainerState, list[InFlightGroup], Row]:
+        config = self.config
+        assert self.backend is not None and self.metrics is not None
+        step_start = time.monotonic()
+        version = state.weights_version
+        fresh, consumed = self._declare(state, in_flight)
+        if fresh:
+            declared = [
+                NewRollout(
+                    rollout_id=rollout_id,
+                    group_id=group.group_id,
+                    input=self.tasks[self.order.index(group.task_index)],
+                    metadata={"task_index": group.task_index, "step": step},
+                )
+                for group in fresh
+                for rollout_id in group.rollout_ids
+            ]
+            key = f"{self.run_id}-declare-{fresh[0].task_index}-{fresh[-1].task_index}"
+            for record in await gateway.create_rollouts(self.run_id, declared, key=key):
+                status = record.get("state")
+                if status in TERMINAL_STATUSES:  # declared before a crash, already over
+                    watch.ended[str(record["rollout_id"])] = str(status)
+            in_flight = in_flight + fresh
+        need = config.data.tasks_per_step if config.run.mode == "sync" else config.min_groups()
+        ended = await watch.wait_groups(in_flight, need)
+        in_flight = [g for g in in_flight if g not in ended]
+        waited = time.monotonic()
+
+        replayed = [await replay_group(store, self.run_id, group) for group in ended]
+        rollouts = [r for g in replayed for r in g.rollouts]
+        if replayed and not rollouts:
+            reasons = sorted({reason for g in replayed for reason in g.skipped.values()})
+            if step == 1 or state.step == 0:
+                raise TrainingError(
+                    f"no rollout of step {step} succeeded ({', '.join(reasons)}); check the agent command "
+                    "and its logs under the stack's data dir (executions/)"
+                )
+        if config.run.mode == "async":
+            rollouts, stale = drop_stale_calls(rollouts, version, config.async_.max_staleness)
+        else:
+            stale = 0
+        batch = build_step(rollouts, config.adapter)
+        replayed_at = time.monotonic()
+
+        update: UpdateMetrics | None = None
+        new_version = version
+        times: dict[str, float] = {"wait": waited - step_start, "replay": replayed_at - waited}
+        trainable = any(s.response_tokens and s.token_weight for s in batch.samples)
+        await gateway.set_phase(self.run_id, "update", version, key=f"{self.run_id}-update-{step}")
+        mark = time.monotonic()
+        times["drain"] = mark - replayed_at
+        if trainable:
+            update = await asyncio.to_thread(self.backend.update, batch.samples)
+            times["update"] = time.monotonic() - mark
+            mark = time.monotonic()
+            new_version = version + 1
+            path = await asyncio.to_thread(self.backend.save_weights, self.run_dir.weights(new_version))
+            times["save"] = time.monotonic() - mark
+            mark = time.monotonic()
+            await engine.reload(str(path.resolve()), new_version)
+        await gateway.set_phase(self.run_id, "rollout", new_version, key=f"{self.run_id}-rollout-{step}")
+        done = time.monotonic()
+        times["reload"] = done - mark
+        times["step"] = done - step_start
+
+        state = TrainerState(
+            run_id=self.run_id,
+            step=step,
+            weights_version=new_version,
+            tasks_consumed=consumed,
+            in_flight=in_flight,
+            elapsed_s=done - started,
+        )
+        await asyncio.to_thread(self._checkpoint, state)
+        row = step_row(step, new_version, replayed, batch, stale, version, update, times)
+        row["elapsed_s"] = round(done - started, 3)
+        self.metrics.add(row)
+        if self.on_step is not None:
+            self.on_step(row)
+        return state, in_flight, row
+
+    def _checkpoint(self, state: TrainerState) -> None:
+        assert self.backend is not None
+        self.run_dir.save_checkpoint(state, self.backend.state())
+        keep = self.config.run.keep_weights
+        self.run_dir.prune(keep_checkpoints=2, keep_weights=keep, protect={0, state.weights_version})

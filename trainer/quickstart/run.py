@@ -1,0 +1,216 @@
+"""`rollwire quickstart`: RL on a laptop CPU, end to end, with nothing but the install.
+
+1. build the tiny model and its warm start (cached: `trainer.quickstart.warmstart`);
+2. write the task dataset (`trainer.quickstart.task`) into the run directory;
+3. start the agent fork server and the embedded stack (nats-server, Postgres, engine, gateway,
+   projector, controller: child processes, free ports);
+4. train: every step runs `tasks_per_step` tasks `rollouts_per_task` times each through the real
+   agent harness (`trainer.quickstart.agent`, launched by the controller's local backend), replays
+   the recorded calls, updates the model and has the engine serve the new weights;
+5. write `reward_curve.png`, print where the metrics, logs and trajectory viewer are, and stop.
+
+The warm-started model calls the tool on about a fifth of the tasks, so its reward starts near
+0.2; the run shows RL raising the rate of tool use, and the reward with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.clients import ServiceUrls
+from trainer.config import TrainConfig, config_from_mapping
+from trainer.display import StepDisplay
+from trainer.loop import Trainer
+from trainer.metrics import MetricsLog, plot_curves
+from trainer.quickstart.forkserver import launcher_command
+from trainer.quickstart.task import make_tasks, write_tasks_jsonl
+
+DATASET_SIZE = 512
+QUICKSTART_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("reward_mean", "reward", "{:.2f}"),
+    ("agent_tool_used", "tool use", "{:.2f}"),
+    ("samples_per_rollout", "samples/rollout", "{:.2f}"),
+    ("merge_ratio", "calls/sample", "{:.2f}"),
+    ("entropy", "entropy", "{:.2f}"),
+    ("time_step_s", "step", "{:.1f}s"),
+)
+
+
+@dataclass
+class QuickstartOptions:
+    """What `rollwire quickstart` can change (the defaults are the README's run)."""
+
+    steps: int = 30
+    seed: int = 0
+    data_dir: Path = Path(".rollwire")
+    out: Path = Path("runs")
+    mode: str = "sync"
+    tasks_per_step: int = 8
+    rollouts_per_task: int = 4
+    lr: float = 2e-3
+    cache_dir: Path | None = None
+    model_dir: Path | None = None
+    fork_server: bool = True
+    run_name: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class QuickstartResult:
+    """What a quickstart run produced."""
+
+    run_dir: Path
+    rows: list[dict[str, Any]]
+    gateway_url: str
+    curve: Path
+    seconds: float
+
+
+def quickstart_config(
+    options: QuickstartOptions, name: str, model_dir: Path, dataset: Path, agent_command: list[str]
+) -> TrainConfig:
+    """The training config of a quickstart run named `name`."""
+    mapping: dict[str, Any] = {
+        "run": {"name": name, "out_dir": str(options.out), "seed": options.seed, "steps": options.steps,
+                "mode": options.mode, "resume": False},
+        "data": {"path": str(dataset), "tasks_per_step": options.tasks_per_step,
+                 "rollouts_per_task": options.rollouts_per_task},
+        "agent": {"command": agent_command, "env": {"AGENT_SEED": str(options.seed)}, "timeout_s": 300.0,
+                  "concurrency": options.tasks_per_step * options.rollouts_per_task},
+        "model": {"path": str(model_dir), "served_name": "policy"},
+        "backend": {"kind": "cpu", "threads": 2},
+        "algorithm": {"lr": options.lr, "micro_batch_tokens": 8192},
+    }  # fmt: skip
+    for section, values in options.extra.items():
+        mapping.setdefault(section, {}).update(values)
+    return config_from_mapping(mapping)
+
+
+@contextlib.contextmanager
+def fork_server(say: Callable[[str], None]) -> Iterator[list[str]]:
+    """Run the agent fork server for the duration; yields the agent command that launches through it."""
+    directory = Path(tempfile.mkdtemp(prefix="rw-agents-"))
+    socket_path = directory / "agent.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.quickstart.forkserver", str(socket_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120.0
+        while not socket_path.exists():
+            if proc.poll() is not None:
+                error = proc.stderr.read().decode(errors="replace")[-500:] if proc.stderr else ""
+                raise RuntimeError(f"the agent fork server exited with code {proc.returncode}: {error}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the agent fork server did not start within 120s")
+            time.sleep(0.05)
+        yield launcher_command(socket_path)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(OSError):
+            socket_path.unlink()
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+
+
+@contextlib.contextmanager
+def _engine_single_thread() -> Iterator[None]:
+    """Children started inside get one torch thread: the engine decodes one token at a time, where
+    threads only add synchronisation, and the other core stays free for agents and the trainer."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def summarize(rows: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """The reward at the start (mean of the first two steps) and at the end (mean of the last three)."""
+    rewards = [r["reward_mean"] for r in rows if isinstance(r.get("reward_mean"), int | float)]
+    if not rewards:
+        return None, None
+    return statistics.fmean(rewards[:2]), statistics.fmean(rewards[-3:])
+
+
+def run_quickstart(options: QuickstartOptions, say: Callable[[str], None] = print) -> QuickstartResult:
+    """Run the whole quickstart (see the module docstring); returns where everything went."""
+    from services.stack import Stack, StackConfig
+    from trainer.quickstart.warmstart import WarmStartConfig, ensure_warm_model
+
+    start = time.monotonic()
+    say("preparing the tiny model and its warm start (built once, then cached)...")
+    model_dir = options.model_dir or ensure_warm_model(options.cache_dir, WarmStartConfig(seed=options.seed))
+    say(f"model: {model_dir}")
+    with contextlib.ExitStack() as stack:
+        agent_command = stack.enter_context(fork_server(say)) if options.fork_server else None
+        command = agent_command or [sys.executable, "-m", "trainer.quickstart.agent"]
+        name = options.run_name or f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = options.out / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dataset = run_dir / "tasks.jsonl"
+        dataset.write_bytes(write_tasks_jsonl(make_tasks(DATASET_SIZE, seed=options.seed)))
+        config = quickstart_config(options, name, model_dir, dataset, command)
+        say("starting the embedded stack...")
+        with _engine_single_thread():
+            local = Stack(StackConfig(data_dir=options.data_dir, nats_port=0, pg_port=0, gateway_port=0,
+                                      engine_model=model_dir), say=say)  # fmt: skip
+            endpoints = local.start()
+        stack.callback(local.stop)
+        for line in endpoints.lines:
+            say(line)
+        assert endpoints.gateway_url and endpoints.engine_url
+        urls = ServiceUrls(
+            gateway_url=endpoints.gateway_url,
+            nats_url=endpoints.nats_url,
+            engine_url=endpoints.engine_url,
+            admin_token=endpoints.admin_token,
+        )
+        say(f"run {config.run.name}: {options.steps} steps of {options.tasks_per_step} tasks x "
+            f"{options.rollouts_per_task} rollouts ({config.run.mode})")  # fmt: skip
+        with StepDisplay(options.steps, fields=QUICKSTART_FIELDS) as display:
+            rows = asyncio.run(Trainer(config, urls, on_step=display.step, say=say).run())
+        log = MetricsLog(run_dir / "metrics.csv", resume_after=options.steps)
+        curve = plot_curves(
+            log,
+            run_dir / "reward_curve.png",
+            keys=("reward_mean", "agent_tool_used"),
+            title=f"quickstart {config.run.name}: reward and tool use per step",
+            ylim=(-0.02, 1.02),
+        )
+        log.close()
+        seconds = time.monotonic() - start
+        first, last = summarize(rows)
+        if first is not None and last is not None:
+            say(f"reward: {first:.2f} at the start -> {last:.2f} at the end ({last - first:+.2f}) in {seconds:.0f}s")
+        data_dir = options.data_dir.resolve()
+        say(f"reward curve: {curve}")
+        say(f"metrics: {run_dir / 'metrics.csv'} (TensorBoard: tensorboard --logdir {run_dir / 'tb'})")
+        say(f"weights: {run_dir / 'weights'}")
+        say(f"logs: {data_dir / 'logs'} (services), {data_dir / 'executions'} (each agent run)")
+        say(f"trajectory viewer: {endpoints.gateway_url}/ui while a stack runs on this data dir; "
+            f"start one with `rollwire up --data-dir {options.data_dir}` (then http://127.0.0.1:18080/ui)")  # fmt: skip
+        return QuickstartResult(
+            run_dir=run_dir, rows=rows, gateway_url=endpoints.gateway_url, curve=curve, seconds=seconds
+        )

@@ -1,0 +1,150 @@
+"""Knowing when rollouts have ended, and replaying what they recorded.
+
+`StatusWatch` follows the run's status subjects (`rl.<run>.rollout.*.status`) with one JetStream
+subscription, started at a stream sequence taken before any rollout it waits for was declared, so
+no status change can slip between declaring and watching. The trainer never polls rollouts one by
+one: it awaits `wait_groups`, which wakes when status events arrive.
+
+`replay_group` reads each ended rollout's whole history (`rl.<run>.rollout.<id>.>`) and turns it
+into the adapter's input (`trainer.core.rollout_calls`): only succeeded rollouts are trainable;
+the others are counted. Agents may post `metrics` custom events (a flat object of numbers); their
+values are collected so the trainer can report per-step means next to the reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from schemas import CustomEvent, RolloutStatusChanged
+from schemas.events import TERMINAL_STATUSES
+from schemas.ids import ROLLOUT_STATUS
+from services.eventstore import EventStore
+from trainer.checkpoint import InFlightGroup
+from trainer.core import MalformedCall, NotTrainable, RolloutCalls, rollout_calls
+
+AGENT_METRICS_EVENT = "metrics"
+
+
+class StatusWatch:
+    """Terminal statuses of a run's rollouts, kept current by one subscription (see the module docstring)."""
+
+    def __init__(self, store: EventStore, run_id: str) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.ended: dict[str, str] = {}
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+
+    async def start(self, after_seq: int) -> None:
+        """Begin following status events stored after `after_seq`."""
+        pattern = ROLLOUT_STATUS.format(run=self.run_id, rollout="*")
+        ready = asyncio.Event()
+
+        async def follow() -> None:
+            try:
+                stream = self.store.subscribe(pattern, after_seq=after_seq)
+                ready.set()
+                async for stored in stream:
+                    event = stored.event
+                    if isinstance(event, RolloutStatusChanged) and event.status in TERMINAL_STATUSES:
+                        if event.rollout_id is not None:
+                            self.ended[event.rollout_id] = event.status
+                            self._changed.set()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # surfaced to the waiter instead of dying silently
+                self._error = exc
+                self._changed.set()
+                ready.set()
+
+        self._task = asyncio.create_task(follow(), name=f"status-watch-{self.run_id}")
+        await ready.wait()
+
+    async def adopt(self, rollout_ids: Iterable[str]) -> None:
+        """Record the current status of rollouts declared before this watch started (a resumed run)."""
+        for rollout_id in rollout_ids:
+            status, _ = await self.store.last_status(self.run_id, rollout_id)
+            if status is not None and status.status in TERMINAL_STATUSES:
+                self.ended[rollout_id] = status.status
+        self._changed.set()
+
+    def group_ended(self, group: InFlightGroup) -> bool:
+        """True when every rollout of the group has a terminal status."""
+        return all(r in self.ended for r in group.rollout_ids)
+
+    async def wait_groups(
+        self, groups: Sequence[InFlightGroup], count: int, timeout_s: float | None = None
+    ) -> list[InFlightGroup]:
+        """Wait until at least `count` of `groups` have ended; return all that have, in declaration order."""
+        deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+        while True:
+            if self._error is not None:
+                raise RuntimeError(f"the status subscription stopped: {self._error}") from self._error
+            done = [g for g in groups if self.group_ended(g)]
+            if len(done) >= min(count, len(groups)):
+                return done
+            self._changed.clear()
+            remaining = None if deadline is None else deadline - asyncio.get_running_loop().time()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"{len(done)} of {len(groups)} groups ended; waited for {count}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+
+    async def stop(self) -> None:
+        """Stop following."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+
+class ReplayedGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """One ended group: its trainable rollouts, why the others were skipped, and agent metrics."""
+
+    group: InFlightGroup
+    rollouts: list[RolloutCalls]
+    skipped: dict[str, str]
+    agent_metrics: list[dict[str, float]]
+
+
+def _agent_metrics(events: Sequence[object], attempt_id: str | None) -> dict[str, float]:
+    """The last `metrics` custom event of the attempt, numbers only."""
+    found: dict[str, float] = {}
+    for event in events:
+        if isinstance(event, CustomEvent) and event.name == AGENT_METRICS_EVENT:
+            if attempt_id is None or event.attempt_id in (attempt_id, None):
+                found = {
+                    k: float(v)
+                    for k, v in event.payload.items()
+                    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(float(v))
+                }
+    return found
+
+
+async def replay_group(store: EventStore, run_id: str, group: InFlightGroup) -> ReplayedGroup:
+    """Read every rollout of an ended group from the stream and extract its training calls."""
+    rollouts: list[RolloutCalls] = []
+    skipped: dict[str, str] = {}
+    metrics: list[dict[str, float]] = []
+    for rollout_id in group.rollout_ids:
+        events = [stored.event for stored in await store.read_rollout(run_id, rollout_id)]
+        try:
+            calls = rollout_calls(events)
+        except NotTrainable as exc:
+            skipped[rollout_id] = exc.reason
+            continue
+        except MalformedCall as exc:
+            skipped[rollout_id] = f"malformed-call: {exc}"
+            continue
+        rollouts.append(calls)
+        found = _agent_metrics(events, calls.attempt_id)
+        if found:
+            metrics.append(found)
+    return ReplayedGroup(group=group, rollouts=rollouts, skipped=skipped, agent_metrics=metrics)
