@@ -106,10 +106,25 @@ class CpuBackend:
                 ref = token_logprobs(ref_logits, batch.input_ids, temperature=temperature)
         return policy_loss(logprobs, batch, self.loss_config, ref_logprobs=ref, logits=logits.detach())
 
+    def _contributes(self, sample: Sample) -> bool:
+        """Whether a sample has a gradient: sampled tokens with weight, and an advantage or a KL term.
+
+        A sample with advantage 0 (a group whose rewards were all equal) has no policy gradient,
+        so it is not run at all; and a step where no sample contributes takes no optimizer step,
+        since AdamW would still move every weight along its momentum.
+        """
+        if sample.response_tokens == 0 or sample.token_weight <= 0.0:
+            return False
+        return sample.advantage != 0.0 or self.reference is not None
+
     def update(self, samples: Sequence[Sample]) -> UpdateMetrics:
-        """`updates_per_step` optimizer steps on the step's samples; returns the token-weighted metrics."""
+        """`updates_per_step` optimizer steps on the step's samples; returns the token-weighted metrics.
+
+        Loss weights were fixed over the whole step, so leaving out samples without a gradient
+        changes nothing in the others' contribution.
+        """
         start = time.monotonic()
-        trained = [s for s in samples if s.response_tokens > 0 and s.token_weight > 0.0]
+        trained = [s for s in samples if self._contributes(s)]
         parts: list[LossMetrics] = []
         grad_norm = 0.0
         steps = 0

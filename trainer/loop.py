@@ -329,14 +329,14 @@ class Trainer:
         update: UpdateMetrics | None = None
         new_version = version
         times: dict[str, float] = {"wait": waited - step_start, "replay": replayed_at - waited}
-        trainable = any(s.response_tokens and s.token_weight for s in batch.samples)
         await gateway.set_phase(self.run_id, "update", version, key=f"{self.run_id}-update-{step}")
         mark = time.monotonic()
         times["drain"] = mark - replayed_at
-        if trainable:
+        if batch.samples:
             update = await asyncio.to_thread(self.backend.update, batch.samples)
             times["update"] = time.monotonic() - mark
             mark = time.monotonic()
+        if update is not None and update.optimizer_steps:  # else nothing changed: no new version
             new_version = version + 1
             path = await asyncio.to_thread(self.backend.save_weights, self.run_dir.weights(new_version))
             times["save"] = time.monotonic() - mark

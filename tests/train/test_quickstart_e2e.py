@@ -24,7 +24,16 @@ from trainer.quickstart.warmstart import WarmStartConfig, ensure_warm_model
 
 pytestmark = pytest.mark.slow
 
-SMOKE_WARM_START = WarmStartConfig(skill_steps=0, steps=40, tool_rate=0.5, transcripts=256, skill_transcripts=256)
+SMOKE_WARM_START = WarmStartConfig(
+    skill_max_steps=1,
+    steps=60,
+    max_steps=60,
+    lr=3e-3,
+    warmup_steps=5,
+    tool_rate=0.5,
+    transcripts=256,
+    skill_transcripts=256,
+)
 
 
 async def run_events(nats_dir: Path, run_id: str) -> list:

@@ -18,6 +18,7 @@ The server is single-threaded, so forking it is safe (no lock can be held by ano
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -88,9 +89,24 @@ def _run_child(module_name: str, request: dict[str, object], fds: list[int]) -> 
         os._exit(code)
 
 
+def preload(module_name: str) -> None:
+    """Import the agent module and run its `warmup()` if it has one, then freeze the heap.
+
+    `warmup` does the per-process work every child would otherwise repeat (lazy imports inside
+    client libraries). `gc.freeze()` moves everything loaded so far out of the collector's reach,
+    so children neither scan it nor touch (and so copy) its pages.
+    """
+    module = importlib.import_module(module_name)
+    warmup = getattr(module, "warmup", None)
+    if callable(warmup):
+        warmup()
+    gc.collect()
+    gc.freeze()
+
+
 def serve(socket_path: Path, module_name: str = DEFAULT_MODULE) -> None:
-    """Import `module_name`, listen on `socket_path` and fork one child per launcher until SIGTERM."""
-    importlib.import_module(module_name)
+    """Preload `module_name`, listen on `socket_path` and fork one child per launcher until SIGTERM."""
+    preload(module_name)
     socket_path = Path(socket_path)
     with contextlib.suppress(FileNotFoundError):
         socket_path.unlink()

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from trainer.config import TrainConfig, config_from_mapping
 from trainer.display import StepDisplay
 from trainer.loop import Trainer
 from trainer.metrics import MetricsLog, plot_curves
-from trainer.quickstart.forkserver import launcher_command
+from trainer.quickstart.forkserver import DEFAULT_MODULE, launcher_command
 from trainer.quickstart.task import make_tasks, write_tasks_jsonl
 
 DATASET_SIZE = 512
@@ -58,7 +58,7 @@ class QuickstartOptions:
     mode: str = "sync"
     tasks_per_step: int = 8
     rollouts_per_task: int = 4
-    lr: float = 2e-3
+    lr: float = 3e-4
     cache_dir: Path | None = None
     model_dir: Path | None = None
     fork_server: bool = True
@@ -90,7 +90,10 @@ def quickstart_config(
                   "concurrency": options.tasks_per_step * options.rollouts_per_task},
         "model": {"path": str(model_dir), "served_name": "policy"},
         "backend": {"kind": "cpu", "threads": 2},
-        "algorithm": {"lr": options.lr, "micro_batch_tokens": 8192},
+        # token-mean: the decision token (call the tool or answer) weighs the same in a 2-token
+        # direct answer as in a 25-token tool call; per-rollout means would make one lucky guess
+        # outweigh a dozen successful tool calls.
+        "algorithm": {"lr": options.lr, "micro_batch_tokens": 8192, "adapter": {"norm": "token-mean"}},
     }  # fmt: skip
     for section, values in options.extra.items():
         mapping.setdefault(section, {}).update(values)
@@ -98,15 +101,22 @@ def quickstart_config(
 
 
 @contextlib.contextmanager
-def fork_server(say: Callable[[str], None]) -> Iterator[list[str]]:
-    """Run the agent fork server for the duration; yields the agent command that launches through it."""
+def fork_server(module: str = DEFAULT_MODULE, pythonpath: Sequence[Path] = ()) -> Iterator[list[str]]:
+    """Run an agent fork server for `module` for the duration; yields the agent command that uses it.
+
+    `pythonpath` adds directories the module is imported from (for agents outside the package).
+    """
     directory = Path(tempfile.mkdtemp(prefix="rw-agents-"))
     socket_path = directory / "agent.sock"
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), *filter(None, [env.get("PYTHONPATH")])])
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.quickstart.forkserver", str(socket_path)],
+        [sys.executable, "-m", "trainer.quickstart.forkserver", str(socket_path), module],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
+        env=env,
     )
     try:
         deadline = time.monotonic() + 120.0
@@ -154,63 +164,80 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[float | None, float | None]:
     return statistics.fmean(rewards[:2]), statistics.fmean(rewards[-3:])
 
 
-def run_quickstart(options: QuickstartOptions, say: Callable[[str], None] = print) -> QuickstartResult:
-    """Run the whole quickstart (see the module docstring); returns where everything went."""
+@contextlib.contextmanager
+def embedded_stack(data_dir: Path, model_dir: Path, say: Callable[[str], None]) -> Iterator[ServiceUrls]:
+    """The embedded stack (free ports, the engine serving `model_dir`) for the duration; yields its URLs."""
     from services.stack import Stack, StackConfig
-    from trainer.quickstart.warmstart import WarmStartConfig, ensure_warm_model
 
-    start = time.monotonic()
-    say("preparing the tiny model and its warm start (built once, then cached)...")
-    model_dir = options.model_dir or ensure_warm_model(options.cache_dir, WarmStartConfig(seed=options.seed))
-    say(f"model: {model_dir}")
-    with contextlib.ExitStack() as stack:
-        agent_command = stack.enter_context(fork_server(say)) if options.fork_server else None
-        command = agent_command or [sys.executable, "-m", "trainer.quickstart.agent"]
-        name = options.run_name or f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir = options.out / name
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dataset = run_dir / "tasks.jsonl"
-        dataset.write_bytes(write_tasks_jsonl(make_tasks(DATASET_SIZE, seed=options.seed)))
-        config = quickstart_config(options, name, model_dir, dataset, command)
-        say("starting the embedded stack...")
-        with _engine_single_thread():
-            local = Stack(StackConfig(data_dir=options.data_dir, nats_port=0, pg_port=0, gateway_port=0,
-                                      engine_model=model_dir), say=say)  # fmt: skip
-            endpoints = local.start()
-        stack.callback(local.stop)
+    with _engine_single_thread():
+        local = Stack(
+            StackConfig(data_dir=data_dir, nats_port=0, pg_port=0, gateway_port=0, engine_model=model_dir), say=say
+        )
+        endpoints = local.start()
+    try:
         for line in endpoints.lines:
             say(line)
         assert endpoints.gateway_url and endpoints.engine_url
-        urls = ServiceUrls(
+        yield ServiceUrls(
             gateway_url=endpoints.gateway_url,
             nats_url=endpoints.nats_url,
             engine_url=endpoints.engine_url,
             admin_token=endpoints.admin_token,
         )
-        say(f"run {config.run.name}: {options.steps} steps of {options.tasks_per_step} tasks x "
-            f"{options.rollouts_per_task} rollouts ({config.run.mode})")  # fmt: skip
+    finally:
+        local.stop()
+
+
+def run_quickstart(options: QuickstartOptions, say: Callable[[str], None] = print) -> QuickstartResult:
+    """Run the whole quickstart (see the module docstring); returns where everything went."""
+    from trainer.quickstart.warmstart import WarmStartConfig, ensure_warm_model
+
+    start = time.monotonic()
+    say("preparing the tiny model and its warm start (built once, then cached)...")
+    model_dir = options.model_dir or ensure_warm_model(
+        options.cache_dir, WarmStartConfig(seed=options.seed), progress=say
+    )
+    say(f"model: {model_dir}")
+    name = options.run_name or f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = options.out / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dataset = run_dir / "tasks.jsonl"
+    dataset.write_bytes(write_tasks_jsonl(make_tasks(DATASET_SIZE, seed=options.seed)))
+    with contextlib.ExitStack() as stack:
+        command = (
+            stack.enter_context(fork_server())
+            if options.fork_server
+            else [sys.executable, "-m", "trainer.quickstart.agent"]
+        )
+        config = quickstart_config(options, name, model_dir, dataset, command)
+        say("starting the embedded stack...")
+        urls = stack.enter_context(embedded_stack(options.data_dir, model_dir, say))
+        say(
+            f"run {config.run.name}: {options.steps} steps of {options.tasks_per_step} tasks x "
+            f"{options.rollouts_per_task} rollouts ({config.run.mode})"
+        )
         with StepDisplay(options.steps, fields=QUICKSTART_FIELDS) as display:
             rows = asyncio.run(Trainer(config, urls, on_step=display.step, say=say).run())
-        log = MetricsLog(run_dir / "metrics.csv", resume_after=options.steps)
-        curve = plot_curves(
-            log,
-            run_dir / "reward_curve.png",
-            keys=("reward_mean", "agent_tool_used"),
-            title=f"quickstart {config.run.name}: reward and tool use per step",
-            ylim=(-0.02, 1.02),
-        )
-        log.close()
-        seconds = time.monotonic() - start
-        first, last = summarize(rows)
-        if first is not None and last is not None:
-            say(f"reward: {first:.2f} at the start -> {last:.2f} at the end ({last - first:+.2f}) in {seconds:.0f}s")
-        data_dir = options.data_dir.resolve()
-        say(f"reward curve: {curve}")
-        say(f"metrics: {run_dir / 'metrics.csv'} (TensorBoard: tensorboard --logdir {run_dir / 'tb'})")
-        say(f"weights: {run_dir / 'weights'}")
-        say(f"logs: {data_dir / 'logs'} (services), {data_dir / 'executions'} (each agent run)")
-        say(f"trajectory viewer: {endpoints.gateway_url}/ui while a stack runs on this data dir; "
-            f"start one with `rollwire up --data-dir {options.data_dir}` (then http://127.0.0.1:18080/ui)")  # fmt: skip
-        return QuickstartResult(
-            run_dir=run_dir, rows=rows, gateway_url=endpoints.gateway_url, curve=curve, seconds=seconds
-        )
+    log = MetricsLog(run_dir / "metrics.csv", resume_after=options.steps)
+    curve = plot_curves(
+        log,
+        run_dir / "reward_curve.png",
+        keys=("reward_mean", "agent_tool_used"),
+        title=f"quickstart {config.run.name}: reward and tool use per step",
+        ylim=(-0.02, 1.02),
+    )
+    log.close()
+    seconds = time.monotonic() - start
+    first, last = summarize(rows)
+    if first is not None and last is not None:
+        say(f"reward: {first:.2f} at the start -> {last:.2f} at the end ({last - first:+.2f}) in {seconds:.0f}s")
+    data_dir = options.data_dir.resolve()
+    say(f"reward curve: {curve}")
+    say(f"metrics: {run_dir / 'metrics.csv'} (TensorBoard: tensorboard --logdir {run_dir / 'tb'})")
+    say(f"weights: {run_dir / 'weights'}")
+    say(f"logs: {data_dir / 'logs'} (services), {data_dir / 'executions'} (each agent run)")
+    say(
+        f"trajectory viewer: {urls.gateway_url}/ui while the run was up; to browse it now, run "
+        f"`rollwire up --data-dir {options.data_dir}` and open http://127.0.0.1:18080/ui"
+    )
+    return QuickstartResult(run_dir=run_dir, rows=rows, gateway_url=urls.gateway_url, curve=curve, seconds=seconds)
