@@ -16,6 +16,7 @@ from services.eventstore import EventStoreError
 from services.projector import cli as projector_cli
 from services.replay import cli as replay_cli
 from services.stack import DEFAULT_GATEWAY_PORT, DEFAULT_NATS_PORT, DEFAULT_PG_PORT, StackConfig, StackError
+from trainer import cli as trainer_cli
 
 app = typer.Typer(
     help="Rollwire: RL for LLM agents through their own harness.",
@@ -81,6 +82,7 @@ app.command("tail")(replay_cli.tail)
 app.command("export")(replay_cli.export)
 app.command("runs")(replay_cli.runs)
 app.add_typer(projector_cli.app, name="projector")
+trainer_cli.register(app)
 
 KNOWN_ERRORS = (
     CliError, StackError, EventStoreError, EmbeddedServerError, InvalidId, MalformedEvent,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Literal
 from urllib.parse import urlparse
@@ -358,7 +358,7 @@ class EventStore:
         durable: str | None = None,
         since: float | None = None,
         after_seq: int | None = None,
-    ) -> AsyncIterator[StoredEvent]:
+    ) -> AsyncGenerator[StoredEvent, None]:
         """Follow events matching `pattern` (or several patterns, in stream order) forever.
 
         Starts from the start, from now, from a time (`since`) or after a stream sequence
@@ -391,7 +391,7 @@ class EventStore:
             while True:
                 try:
                     unfinished = await psub.fetch(256, timeout=1.0)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises both on an idle fetch
+                except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises both on an idle fetch
                     continue
                 while unfinished:
                     yield _to_stored(unfinished[0])

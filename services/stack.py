@@ -143,7 +143,11 @@ class Stack:
 
     def _ports(self) -> dict[str, int]:
         cfg = self.config
-        ports = {"gateway": cfg.gateway_port or free_port(), "engine": cfg.engine_port or free_port()}
+        ports = {
+            "gateway": cfg.gateway_port or free_port(),
+            "engine": cfg.engine_port or free_port(),
+            "projector": free_port(),
+        }
         if not cfg.external:
             ports["nats"] = cfg.nats_port or free_port()
             ports["postgres"] = cfg.pg_port or free_port()
@@ -221,7 +225,12 @@ class Stack:
                 health_url=f"{gateway}/healthz",
                 endpoint=f"gateway: {gateway}",
             ),
-            "projector": ChildService("projector", ["--metrics-port", "-1"]),
+            "projector": ChildService(
+                "projector",
+                ["--metrics-port", str(ports["projector"])],
+                health_url=f"http://127.0.0.1:{ports['projector']}/healthz",
+                endpoint=f"projector: http://127.0.0.1:{ports['projector']}/metrics",
+            ),
             "controller": ChildService("controller", []),
         }  # fmt: skip
         return [known[name] for name in self.config.services if name in known]

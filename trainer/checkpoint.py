@@ -79,6 +79,10 @@ class RunDir:
         """The TensorBoard log directory."""
         return self.root / "tb"
 
+    def samples(self, step: int) -> Path:
+        """What step `step` trained on: one JSON line per sample (sizes, advantage, token weight)."""
+        return self.root / "samples" / f"step-{step}.jsonl"
+
     @property
     def reward_curve(self) -> Path:
         """The reward-per-step plot."""

@@ -96,7 +96,7 @@ def _external_urls(stack: StackSection) -> ServiceUrls:
 
 def quickstart(
     steps: int = typer.Option(30, help="Training steps."),
-    seed: int = typer.Option(0, help="Seed of the model, the tasks, the warm start and the sampling."),
+    seed: int = typer.Option(0, help="Seed of the warm start, the tasks and the sampling."),
     data_dir: Path = typer.Option(Path(".rollwire"), help="Where the embedded stack keeps its data and logs."),
     out: Path = typer.Option(Path("runs"), help="Where the run directory (weights, metrics, curve) goes."),
     mode: str = typer.Option("sync", help="sync or async (collocated)."),

@@ -61,7 +61,7 @@ class StepDisplay:
     def step(self, row: dict[str, Any]) -> None:
         """Show a finished step."""
         line = format_row(row, self.fields)
-        self.progress.console.print(line, highlight=False)
+        self.progress.console.print(line, highlight=False, soft_wrap=True)
         reward = row.get("reward_mean")
         description = f"reward {reward:.2f}" if isinstance(reward, int | float) else ""
         self.progress.update(self.task, advance=1, description=description)

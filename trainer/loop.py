@@ -27,6 +27,7 @@ re-declares the very same rollouts instead of new ones.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import statistics
@@ -37,14 +38,14 @@ from typing import Any
 
 import msgspec
 
-from schemas.events import TERMINAL_STATUSES
+from schemas.events import TERMINAL_STATUSES, CustomEvent
 from schemas.runs import RunSpec
 from services.eventstore import EventStore
 from trainer.backend import CpuBackend, UpdateMetrics
 from trainer.checkpoint import InFlightGroup, RunDir, TrainerState
 from trainer.clients import EngineClient, GatewayClient, NewRollout, ServiceUrls
 from trainer.config import TrainConfig, config_to_mapping
-from trainer.core import RolloutCalls, StepBatch, build_step
+from trainer.core import TRAIN_STEP_EVENT, RolloutCalls, StepBatch, build_step, drop_stale_calls
 from trainer.dataset import TaskOrder, load_jsonl
 from trainer.metrics import MetricsLog
 from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group
@@ -54,24 +55,6 @@ Row = dict[str, Any]
 
 class TrainingError(RuntimeError):
     """The run cannot go on; the message says why and where to look."""
-
-
-def drop_stale_calls(
-    rollouts: Sequence[RolloutCalls], version: int, max_staleness: int
-) -> tuple[list[RolloutCalls], int]:
-    """Rollouts without the calls made more than `max_staleness` versions before `version`.
-
-    Dropping a call (rather than a merged sample) keeps merging exact: a later call's prompt still
-    holds the dropped response, which then becomes context with loss mask 0. Calls without a
-    recorded version are kept. Returns the rollouts and how many calls were dropped.
-    """
-    kept: list[RolloutCalls] = []
-    dropped = 0
-    for rollout in rollouts:
-        fresh = [c for c in rollout.calls if c.weights_version is None or version - c.weights_version <= max_staleness]
-        dropped += len(rollout.calls) - len(fresh)
-        kept.append(rollout if len(fresh) == len(rollout.calls) else msgspec.structs.replace(rollout, calls=fresh))
-    return kept, dropped
 
 
 def _stats(values: Sequence[float]) -> tuple[float | None, float | None]:
@@ -324,6 +307,8 @@ class Trainer:
         else:
             stale = 0
         batch = build_step(rollouts, config.adapter)
+        await self._record_step(store, step, version, rollouts)
+        await asyncio.to_thread(self._write_samples, step, batch)
         replayed_at = time.monotonic()
 
         update: UpdateMetrics | None = None
@@ -362,6 +347,51 @@ class Trainer:
         if self.on_step is not None:
             self.on_step(row)
         return state, in_flight, row
+
+    async def _record_step(self, store: EventStore, step: int, version: int, rollouts: Sequence[RolloutCalls]) -> None:
+        """A `train_step` custom event on each rollout this step trains: what `rollwire replay --step` reads.
+
+        The payload carries everything the replay needs to rebuild the step exactly: the step, the
+        weights version trained, the staleness limit applied (async) and the adapter config. Event
+        ids follow from run, rollout and step, so a step retried after a crash records nothing twice.
+        """
+        config = self.config
+        payload = {
+            "step": step,
+            "weights_version": version,
+            "max_staleness": config.async_.max_staleness if config.run.mode == "async" else None,
+            "adapter": msgspec.to_builtins(config.adapter),
+        }
+        await store.append_many(
+            CustomEvent(
+                run_id=self.run_id,
+                rollout_id=rollout.rollout_id,
+                name=TRAIN_STEP_EVENT,
+                payload=payload,
+                event_id=hashlib.sha256(f"{self.run_id}/{rollout.rollout_id}/{step}".encode()).hexdigest()[:32],
+            )
+            for rollout in rollouts
+        )
+
+    def _write_samples(self, step: int, batch: StepBatch) -> None:
+        """The step's samples as `rollwire replay --format json` names them, for audit and comparison."""
+        path = self.run_dir.samples(step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = (
+            {
+                "rollout_id": s.rollout_id,
+                "group_id": s.group_id,
+                "step": step,
+                "index": s.index,
+                "prompt_tokens": len(s.tokens) - s.response_tokens,
+                "response_tokens": s.response_tokens,
+                "calls": s.num_calls,
+                "advantage": s.advantage,
+                "token_weight": s.token_weight,
+            }
+            for s in batch.samples
+        )
+        path.write_bytes(b"".join(msgspec.json.encode(row) + b"\n" for row in rows))
 
     def _checkpoint(self, state: TrainerState) -> None:
         assert self.backend is not None

@@ -19,6 +19,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -147,10 +148,21 @@ def ensure_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
     target = root / f"tiny-qwen2-v{BUILDER_VERSION}-seed{seed}"
     if target.is_dir():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    return build_dir_atomically(target, lambda staging: build_tiny_model(staging, seed=seed))
+
+
+def build_dir_atomically(target: Path, build: Callable[[Path], object]) -> Path:
+    """`target`, built by `build(staging)` in a temporary sibling directory then renamed into place.
+
+    A directory that exists is therefore complete; when two processes race, the loser's rename
+    fails, it finds the winner's copy and uses that.
+    """
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        build_tiny_model(staging, seed=seed)
+        build(staging)
         try:
             staging.rename(target)
         except OSError:

@@ -15,7 +15,9 @@ small numbers. So a run is read in two passes over the stream, never all at once
 
 A replay unit is one group of one trainer step: advantages are per group, and a group the trainer
 cut across steps was normalized within each step. A step is what the trainer recorded for the
-rollout: a `CustomEvent` named `train_step` with payload `{"step": N}`; in a run without any such
+rollout: a `CustomEvent` named `train_step` with payload `{"step": N, ...}` (with the weights
+version and staleness limit of an async step, whose stale calls the replay drops as the trainer
+did, and the adapter config the trainer used); in a run without any such
 event, the `step` the trainer put in each rollout's creation metadata (the step that declared it,
 which is the step that trained it in sync mode). A run without either is one batch (step `None`).
 """
@@ -33,10 +35,9 @@ from schemas import decode
 from schemas.events import AnyEvent, CustomEvent, Event, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, RUN_ALL, check_id
 from services.eventstore import EventStore, _stream_sequence
-from trainer.core import MalformedCall, NotTrainable, RolloutCalls, rollout_calls
+from trainer.core import TRAIN_STEP_EVENT, MalformedCall, NotTrainable, RolloutCalls, drop_stale_calls, rollout_calls
 
-STEP_EVENT = "train_step"
-"""Name of the `CustomEvent` the trainer records on each rollout it trains: payload `{"step": N}`."""
+STEP_EVENT = TRAIN_STEP_EVENT
 
 CALL_BUDGET = 2048
 """Calls read per stream request (whole groups; one larger group is read alone)."""
@@ -69,6 +70,8 @@ class RolloutEntry(msgspec.Struct, kw_only=True):
     step: int | None = None
     declared_step: int | None = None
     """`RolloutCreated.metadata["step"]`: the step that declared the rollout (the fallback step record)."""
+    stale_limit: tuple[int, int] | None = None
+    """(weights version trained, max staleness) when the trainer dropped stale calls (async)."""
     calls: int = 0
     events: list[tuple[int, AnyEvent]] = []
     skip: str | None = None
@@ -99,6 +102,8 @@ class Unit(msgspec.Struct, frozen=True, kw_only=True):
     group_id: str | None
     rollout_ids: list[str]
     calls: int
+    stale_limits: dict[str, tuple[int, int]] = {}
+    """Rollout id -> (weights version trained, max staleness) where the trainer dropped stale calls."""
 
 
 async def subject_counts(store: EventStore, subject_filter: str) -> dict[str, int]:
@@ -150,6 +155,13 @@ def _compact(event: AnyEvent) -> AnyEvent:
     return event
 
 
+def _stale_limit(record: Mapping[str, Any]) -> tuple[int, int] | None:
+    version, limit = record.get("weights_version"), record.get("max_staleness")
+    if isinstance(version, int) and isinstance(limit, int):
+        return version, limit
+    return None
+
+
 def _step_of(record: Mapping[str, Any]) -> int | None:
     step = record.get("step")
     return step if isinstance(step, int) and not isinstance(step, bool) else None
@@ -182,6 +194,7 @@ async def index_run(store: EventStore, run_id: str, *, nats_url: str = "") -> Ru
             step = _step_of(event.payload)
             if step is not None:
                 entry.step, has_steps = step, True
+                entry.stale_limit = _stale_limit(event.payload)
             adapter = event.payload.get("adapter")
             if isinstance(adapter, Mapping):
                 recorded = dict(adapter)
@@ -244,6 +257,7 @@ def plan_units(index: RunIndex, step: int | None = None) -> list[Unit]:
             group_id=entries[0].group_id,
             rollout_ids=[e.rollout_id for e in entries],
             calls=sum(e.calls for e in entries),
+            stale_limits={e.rollout_id: e.stale_limit for e in entries if e.stale_limit is not None},
         )
         for entries in units.values()
     ]
@@ -283,9 +297,12 @@ def unit_rollouts(item: UnitInput) -> tuple[list[RolloutCalls], dict[str, str]]:
         calls: list[tuple[int, Event]] = [(seq, decode(data)) for seq, data in raw]
         merged = heapq.merge(small, calls, key=lambda pair: pair[0])
         try:
-            rollouts.append(rollout_calls(event for _, event in merged))
+            rollout = rollout_calls(event for _, event in merged)
         except MalformedCall:
             skipped[rollout_id] = "malformed-call"
+            continue
+        limit = item.unit.stale_limits.get(rollout_id)
+        rollouts.append(rollout if limit is None else drop_stale_calls([rollout], *limit)[0][0])
     return rollouts, skipped
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Rig
+from controller_rig import Rig
 
 from services.agentkit import AgentkitError, Attempt
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ADMIN
+from controller_rig import ADMIN
 
 from services.controller.backends.base import ExecutionKey
 from services.controller.gateway import GatewayClient

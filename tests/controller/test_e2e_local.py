@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Rig, agent
+from controller_rig import Rig, agent
 
 
 def test_a_crashing_agent_is_retried_then_failed_with_its_reason(rig: Rig) -> None:

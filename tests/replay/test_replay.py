@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 from agentrun import agent_run
-from conftest import CliResult, publish
+from replay_support import CliResult, publish
 
 from schemas import (
     AttemptStarted,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 from agentrun import agent_run
-from conftest import CliResult, publish
+from replay_support import CliResult, publish
 
 from services.replay.schema import SCHEMA_PATH, schema_text
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from agentrun import agent_run
-from conftest import CliResult, publish
+from replay_support import CliResult, publish
 
 from schemas import (
     CustomEvent,

@@ -26,7 +26,7 @@ def test_example_config_loads_with_paths_resolved_against_its_directory() -> Non
     assert Path(config.data.path) == EXAMPLE.parent / "tasks.jsonl"
     assert Path(config.stack.data_dir).resolve() == (EXAMPLE.parent / "../../.rollwire").resolve()
     assert config.agent.command[0] == sys.executable  # a leading `python` is this interpreter
-    assert config.adapter.norm == "rollout-mean"
+    assert config.adapter.norm == "token-mean"
     assert config.min_groups() == 6
 
 

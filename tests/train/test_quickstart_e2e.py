@@ -1,5 +1,8 @@
 """The quickstart, shortened: the whole loop turns on the real stack and the weights change.
 
+It also checks that `rollwire replay --step N` rebuilds exactly the samples the trainer trained on
+in step N (their sizes, advantages and loss weights), from the run's events alone.
+
 Two steps of the real quickstart: embedded stack (nats-server, Postgres, engine, gateway,
 projector, controller), the real agent harness launched by the controller through the fork
 server, replay, update, reload. The model is a short warm start (seconds, not minutes), so the
@@ -13,12 +16,14 @@ import asyncio
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 from safetensors.torch import load_file
 
 from schemas import ModelRequestRecorded, PhaseChanged, RewardReported
 from services.embedded import NatsServer
 from services.eventstore import EventStore
+from services.replay.replay import replay_run
 from trainer.quickstart.run import QuickstartOptions, run_quickstart
 from trainer.quickstart.warmstart import WarmStartConfig, ensure_warm_model
 
@@ -36,16 +41,27 @@ SMOKE_WARM_START = WarmStartConfig(
 )
 
 
-async def run_events(nats_dir: Path, run_id: str) -> list:
+async def run_events_and_replays(nats_dir: Path, run_id: str, steps: int) -> tuple[list, list[list[dict]]]:
+    """The run's events, and `rollwire replay --step N`'s samples of each step, from the stopped stack's stream."""
     server = NatsServer(nats_dir).start()
     try:
         store = await EventStore.connect(server.url)
         try:
-            return [stored.event async for stored in store.read_run(run_id)]
+            events = [stored.event async for stored in store.read_run(run_id)]
+            replays = []
+            for step in range(1, steps + 1):
+                report = await replay_run(store, run_id, step=step)
+                replays.append([msgspec.to_builtins(row) for row in report.schemes[0].samples])
+            return events, replays
         finally:
             await store.close()
     finally:
         server.stop()
+
+
+def comparable(row: dict) -> tuple:
+    return (row["rollout_id"], row["index"], row["prompt_tokens"], row["response_tokens"], row["calls"],
+            round(row["advantage"], 9), round(row["token_weight"], 12))  # fmt: skip
 
 
 def test_two_quickstart_steps_update_every_parameter_and_serve_the_new_version(
@@ -78,7 +94,12 @@ def test_two_quickstart_steps_update_every_parameter_and_serve_the_new_version(
     unchanged = [name for name in before if before[name].equal(after[name])]
     assert not unchanged, f"parameters not updated by step 1: {unchanged}"
 
-    events = asyncio.run(run_events(tmp_path / "stack" / "nats", "smoke"))
+    events, replays = asyncio.run(run_events_and_replays(tmp_path / "stack" / "nats", "smoke", 2))
+    for step, replayed in enumerate(replays, start=1):
+        trained = [json.loads(line) for line in result.run_dir.joinpath("samples", f"step-{step}.jsonl").open()]
+        assert trained, f"step {step} trained on no sample"
+        assert sorted(map(comparable, replayed)) == sorted(map(comparable, trained)), f"replay of step {step} differs"
+
     calls = [e for e in events if isinstance(e, ModelRequestRecorded)]
     rewards = [e for e in events if isinstance(e, RewardReported)]
     assert len(rewards) == 48 and len(calls) >= 48

@@ -14,8 +14,7 @@ from schemas import (
 )
 from services.eventstore import EventStore
 from trainer.checkpoint import InFlightGroup
-from trainer.core import Call, RolloutCalls
-from trainer.loop import drop_stale_calls
+from trainer.core import Call, RolloutCalls, drop_stale_calls
 from trainer.rollouts import StatusWatch, replay_group
 
 

@@ -24,6 +24,7 @@ from trainer.core.calls import (
 from trainer.core.config import AdapterConfig, AdapterConfigError, AdvantageLevel
 from trainer.core.dedup import dedup_calls
 from trainer.core.merge import MergeMode, MergeResult, Sample, merge_calls
+from trainer.core.staleness import TRAIN_STEP_EVENT, drop_stale_calls
 from trainer.core.step import (
     MergedRollout,
     StepBatch,
@@ -39,6 +40,7 @@ from trainer.core.weights import NORMS, Norm, loss_weights
 __all__ = [
     "NORMS",
     "SKIP_REASONS",
+    "TRAIN_STEP_EVENT",
     "AdapterConfig",
     "AdapterConfigError",
     "AdvantageLevel",
@@ -60,6 +62,7 @@ __all__ = [
     "call_from_event",
     "collect_rollouts",
     "dedup_calls",
+    "drop_stale_calls",
     "events_by_rollout",
     "group_advantages",
     "group_baselines",

@@ -28,7 +28,6 @@ import hashlib
 import math
 import random
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,7 +37,7 @@ import msgspec
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from services.engine.tiny_model import ensure_tiny_model
+from services.engine.tiny_model import build_dir_atomically, ensure_tiny_model
 from services.engine.tokenizer import load_tokenizer
 from trainer.forward import forward_logits
 from trainer.quickstart.task import TOOLS, VALUES, Task, make_tasks, transcript
@@ -345,17 +344,7 @@ def ensure_warm_model(
     target = base.parent / warm_model_name(base.name, config)
     if target.is_dir():
         return target
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=base.parent))
-    try:
-        build_warm_model(base, staging, config, progress)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return build_dir_atomically(target, lambda staging: build_warm_model(base, staging, config, progress))
 
 
 def main(argv: list[str] | None = None) -> None:
