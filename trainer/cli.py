@@ -23,6 +23,13 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _quiet_transformers() -> None:
+    """No per-load/save tqdm bars from transformers: each step saves and reloads weights."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def train(
     config: Path = typer.Argument(..., help="The run's TOML config (see examples/quickstart/train.toml)."),
     steps: int | None = typer.Option(None, help="Override run.steps."),
@@ -38,6 +45,7 @@ def train(
     from trainer.display import StepDisplay
     from trainer.loop import Trainer, TrainingError
 
+    _quiet_transformers()
     try:
         loaded = load_config(config)
         if steps is not None:
@@ -111,6 +119,7 @@ def quickstart(
 
     if mode not in ("sync", "async"):
         raise _fail(f"--mode {mode!r} is not allowed; choose one of: sync, async", 2)
+    _quiet_transformers()
     options = QuickstartOptions(
         steps=steps,
         seed=seed,

@@ -707,6 +707,17 @@ async def healthz(request: Request) -> Response:
     return json_response({"status": "ok" if connected else "degraded", "nats": connected})
 
 
+BODIES: dict[Callable[..., Any], Any] = {
+    create_rollouts: list[bodies.NewRollout] | bodies.RolloutBatch,
+    patch_rollout: bodies.RolloutPatch,
+    start_attempt: bodies.NewAttempt,
+    post_event: bodies.EventBody,
+    register_models: list[bodies.AglModel] | bodies.ModelBody,
+    start_run: RunSpec,
+}
+"""The JSON body each handler decodes, for the OpenAPI document (`services.gateway.openapi`)."""
+
+
 def register(app: FastAPI) -> None:
     """Add the rollout API's routes to the app."""
     add = app.add_api_route

@@ -24,6 +24,7 @@ from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, translate, unavailable
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import IdempotencyCache
+from services.gateway.openapi import openapi_document
 from services.gateway.phase import PhaseGate
 from services.gateway.proxy import PREFIX, Proxy
 from services.gateway.readmodel import RolloutReader, StreamRolloutReader
@@ -131,6 +132,13 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
         app.add_exception_handler(exc_type, _errors)  # type: ignore[arg-type]
     api.register(app)
     app.add_api_route("/api/phase", set_phase, methods=["POST"])
+
+    async def openapi_json(request: Request) -> Response:
+        """`GET /openapi.json`: this gateway's API (bodies as JSON Schema), built from its routes."""
+        document = openapi_document(request.app, api.BODIES | {set_phase: bodies.PhaseBody})
+        return Response(encode(document), media_type="application/json")
+
+    app.add_api_route("/openapi.json", openapi_json, methods=["GET"], include_in_schema=False)
     return app
 
 

@@ -17,6 +17,7 @@ What it adds to the app:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs
@@ -77,6 +78,7 @@ class MinSeqMiddleware:
 def _guarded(
     authorize: Authorize | None, fetch: Callable[[Request], Awaitable[Any]]
 ) -> Callable[[Request], Awaitable[Response]]:
+    @functools.wraps(fetch)
     async def handle(request: Request) -> Response:
         if authorize is not None:
             maybe = authorize(request)
@@ -116,11 +118,13 @@ def install_read_side(
     app.add_middleware(MinSeqMiddleware, reader=reader, timeout_s=min_seq_timeout_s, prefixes=("/api/", "/ui/api/"))
 
     async def run_list(request: Request) -> Any:
+        """`GET /api/runs?limit=` (admin): every run's summary, from the projection."""
         limit = request.query_params.get("limit", "200")
         summaries = await reader.summaries(int(limit) if limit.isdigit() else 200)
         return {"runs": msgspec.to_builtins(summaries), "applied_seq": await reader.applied_seq()}
 
     async def run_summary(request: Request) -> Any:
+        """`GET /api/runs/{run_id}/summary` (admin): rollouts by status, reward mean, tokens, calls per rollout."""
         summary = await reader.summary(request.path_params["run_id"])
         return None if summary is None else msgspec.to_builtins(summary)
 
