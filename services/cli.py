@@ -26,6 +26,8 @@ app = typer.Typer(
 )
 schemas_app = typer.Typer(help="The event contract.", no_args_is_help=True)
 app.add_typer(schemas_app, name="schemas")
+models_app = typer.Typer(help="The models the gateway routes proxy calls to.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
 
 
 class CliError(Exception):
@@ -58,6 +60,24 @@ def up(
             raise CliError(f"unknown service {', '.join(unknown)}; choose from {', '.join(config.services)}", 2)
         config.services = chosen
     raise typer.Exit(run_foreground(config, say=lambda line: print(line, flush=True)))
+
+
+@models_app.command("register")
+def models_register(
+    name: str = typer.Argument(..., help="The model name agents ask for (`model` in their requests)."),
+    base_url: str = typer.Argument(..., help="The endpoint's OpenAI base URL, e.g. http://engine:8000/v1."),
+    served_model: str | None = typer.Option(None, help="The name the endpoint itself serves (default: NAME)."),
+    run_id: str | None = typer.Option(None, help="Register for one run only (default: every run)."),
+    gateway_url: str = typer.Option(
+        f"http://127.0.0.1:{DEFAULT_GATEWAY_PORT}", envvar="ROLLWIRE_GATEWAY_URL", help="The gateway."
+    ),
+    admin_token: str = typer.Option(..., envvar="ROLLWIRE_ADMIN_TOKEN", help="The gateway's admin token."),
+) -> None:
+    """Route proxy calls for NAME to an OpenAI-compatible endpoint (a vLLM server, the embedded engine)."""
+    from services.stack import register_model
+
+    register_model(gateway_url, admin_token, name, base_url, served_model=served_model, run_id=run_id)
+    print(f"registered {name} -> {base_url}")
 
 
 @schemas_app.command("export")

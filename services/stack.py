@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import json
 import os
 import secrets
 import signal
@@ -43,6 +45,31 @@ class StackError(RuntimeError):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def register_model(
+    gateway_url: str, admin_token: str, name: str, base_url: str, *, served_model: str | None = None,
+    run_id: str | None = None, timeout_s: float = 30.0,
+) -> None:  # fmt: skip
+    """Register an OpenAI-compatible endpoint with the gateway (idempotent: same call, same result).
+
+    Raises `StackError` with the gateway's answer when it refuses, or when it cannot be reached.
+    """
+    body = {"name": name, "base_url": base_url, "served_model": served_model or name}
+    if run_id:
+        body["run_id"] = run_id
+    key = "register-" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+    try:
+        response = httpx.post(
+            f"{gateway_url.rstrip('/')}/api/models",
+            json=body,
+            headers={"Authorization": f"Bearer {admin_token}", "Idempotency-Key": key},
+            timeout=timeout_s,
+        )
+    except httpx.HTTPError as exc:
+        raise StackError(f"the gateway at {gateway_url} cannot be reached: {exc}") from None
+    if response.status_code >= 300:
+        raise StackError(f"registering {name} with the gateway failed ({response.status_code}): {response.text[:200]}")
 
 
 @dataclass
@@ -227,7 +254,7 @@ class Stack:
             ),
             "projector": ChildService(
                 "projector",
-                ["--metrics-port", str(ports["projector"])],
+                ["--metrics-port", str(ports["projector"]), *self._tokenizer_args()],
                 health_url=f"http://127.0.0.1:{ports['projector']}/healthz",
                 endpoint=f"projector: http://127.0.0.1:{ports['projector']}/metrics",
             ),
@@ -235,16 +262,21 @@ class Stack:
         }  # fmt: skip
         return [known[name] for name in self.config.services if name in known]
 
+    def _tokenizer_args(self) -> list[str]:
+        """`--tokenizer DIR` of the engine's model, so the projection (and the viewer) has call text."""
+        if "engine" not in self.config.services:
+            return []
+        model = self.config.engine_model
+        if model is None:
+            from services.engine.tiny_model import tiny_model_dir  # torch: only with the engine
+
+            model = tiny_model_dir()
+        return ["--tokenizer", str(model)]
+
     def _register_engine(self, endpoints: Endpoints) -> None:
         """Register the embedded engine as the default model, so any run's proxy calls reach it."""
-        response = httpx.post(
-            f"{endpoints.gateway_url}/api/models",
-            json={"name": DEFAULT_MODEL_NAME, "base_url": endpoints.engine_url, "served_model": DEFAULT_MODEL_NAME},
-            headers={"Authorization": f"Bearer {endpoints.admin_token}", "Idempotency-Key": "stack-engine"},
-            timeout=30.0,
-        )
-        if response.status_code >= 300:
-            raise StackError(f"registering the engine with the gateway failed: {response.text[:200]}")
+        assert endpoints.gateway_url is not None and endpoints.engine_url is not None
+        register_model(endpoints.gateway_url, endpoints.admin_token, DEFAULT_MODEL_NAME, endpoints.engine_url)
 
     def _start_child(self, spec: ChildService, env: dict[str, str]) -> None:
         logs = self.data_dir / "logs"

@@ -138,14 +138,19 @@ def default_cache_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "rollwire" / "models"
 
 
+def tiny_model_dir(cache_dir: Path | None = None, seed: int = 0) -> Path:
+    """Where `ensure_tiny_model` keeps the tiny model (built or not)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return root / f"tiny-qwen2-v{BUILDER_VERSION}-seed{seed}"
+
+
 def ensure_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
     """The default tiny model under `cache_dir`, built on first use and reused afterwards.
 
     The build goes to a temporary sibling directory that is renamed into place, so a directory that
     exists is complete, and two processes racing to build it both end up with the same files.
     """
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / f"tiny-qwen2-v{BUILDER_VERSION}-seed{seed}"
+    target = tiny_model_dir(cache_dir, seed)
     if target.is_dir():
         return target
     return build_dir_atomically(target, lambda staging: build_tiny_model(staging, seed=seed))

@@ -31,6 +31,7 @@ from schemas import (
     is_terminal,
     new_id,
 )
+from schemas.ids import RUN_SUBJECT
 from schemas.runs import RunSpec
 from schemas.transitions import IllegalTransition
 from services.eventstore import ConcurrencyConflict, StoredEvent
@@ -40,7 +41,7 @@ from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, forbidden, from_validation, invalid, not_found, unavailable
 from services.gateway.http import decode, encode, fingerprint, json_response, read_body
 from services.gateway.idempotency import Result, derive_id
-from services.gateway.readmodel import RolloutQuery, RolloutView
+from services.gateway.readmodel import RolloutQuery, RolloutView, StreamRolloutReader
 from services.gateway.views import event_json, rollout_detail_json, rollout_json, triplet_json
 
 _SLUG = re.compile(r"[^A-Za-z0-9_-]+")
@@ -119,7 +120,7 @@ async def _create(gw: Gateway, items: list[bodies.NewRollout], key: str | None) 
                         f"rollout id {rollout_id} is already used in run {existing_run}",
                         field=f"rollouts[{index}].rollout_id",
                     )
-                existing = await _full_view(gw, rollout_id, run_id)
+                existing = await _written_view(gw, rollout_id, run_id)
                 if existing is not None:
                     prepared.append(existing)
                     continue
@@ -155,13 +156,13 @@ async def _create(gw: Gateway, items: list[bodies.NewRollout], key: str | None) 
     position = 0
     for p in prepared:
         if isinstance(p, RolloutView):
-            out.append(await _full_view(gw, p.rollout_id, p.run_id) or p)
+            out.append(await _written_view(gw, p.rollout_id, p.run_id) or p)
             continue
         created, queued = p
         ack_created, ack_queued = acks[position], acks[position + 1]
         position += 2
         if ack_created.duplicate:  # created concurrently by a retry: answer with what is stored
-            stored = await _full_view(gw, created.rollout_id or "", created.run_id)
+            stored = await _written_view(gw, created.rollout_id or "", created.run_id)
             if stored is not None:
                 out.append(stored)
                 continue
@@ -190,9 +191,29 @@ async def _full_view(gw: Gateway, rollout_id: str, run_id: str | None = None) ->
     return await gw.reader.get(rollout_id, run_id)
 
 
+async def _written_view(gw: Gateway, rollout_id: str, run_id: str | None = None) -> RolloutView | None:
+    """The rollout folded from the stream, for write paths: it shows the write just made (the
+    projection may not have applied it yet) and needs no Postgres, so a write never fails on a read."""
+    return await StreamRolloutReader(gw.store).get(rollout_id, run_id)
+
+
 def _may_read(principal: Principal, rollout_id: str) -> None:
     if isinstance(principal, AttemptScope) and principal.rollout_id != rollout_id:
         raise forbidden(f"this token belongs to rollout {principal.rollout_id}; it cannot read {rollout_id}")
+
+
+def _attempt_reader(principal: Principal, view: RolloutView) -> str | None:
+    """For an attempt token: its attempt id, once checked live (an ended attempt's token reads nothing).
+
+    Agents are untrusted: their token reads only their own attempt's events, and only while the
+    attempt runs, so an agent cannot learn from other attempts or from rewards judged after it ended.
+    """
+    if not isinstance(principal, AttemptScope):
+        return None
+    attempt = view.attempt(principal.attempt_id)
+    if attempt is None or attempt.ended:
+        raise forbidden(f"attempt {principal.attempt_id} has ended; its token no longer reads this rollout")
+    return principal.attempt_id
 
 
 async def get_rollout(request: Request, rollout_id: str) -> Response:
@@ -200,10 +221,13 @@ async def get_rollout(request: Request, rollout_id: str) -> Response:
     gw = _gw(request)
     principal = gw.principal(request)
     _may_read(principal, _id("rollout_id", rollout_id))
-    located = await gw.rollout_for(principal, rollout_id)
+    located = await gw.rollout_for(principal, rollout_id, refresh=isinstance(principal, AttemptScope))
+    own_attempt = _attempt_reader(principal, located)
     view = await _full_view(gw, rollout_id, located.run_id)
     if view is None:
         raise not_found(f"rollout {rollout_id} does not exist")
+    if own_attempt is not None:
+        view = msgspec.structs.replace(view, rewards=[r for r in view.rewards if r.attempt_id == own_attempt])
     return json_response(rollout_detail_json(view))
 
 
@@ -286,7 +310,7 @@ async def patch_rollout(request: Request, rollout_id: str) -> Response:
         last, seq = await gw.store.last_status(view.run_id, rollout_id)
         event_id = _event_id(key, "patch", rollout_id)
         if last is None or requested is None or (key and last.event_id == event_id):
-            full = await _full_view(gw, rollout_id, view.run_id)
+            full = await _written_view(gw, rollout_id, view.run_id)
             return 200, encode({**rollout_json(full or view), "seq": seq})
         try:
             check_transition(last.status, requested)
@@ -332,7 +356,7 @@ async def patch_rollout(request: Request, rollout_id: str) -> Response:
                 )
             )
         gw.state.forget(rollout_id)
-        full = await _full_view(gw, rollout_id, view.run_id)
+        full = await _written_view(gw, rollout_id, view.run_id)
         return 200, encode({**rollout_json(full or view), "seq": ack.seq})
 
     return await _keyed(request, "admin", body, command)
@@ -527,7 +551,8 @@ async def list_events(request: Request, rollout_id: str) -> Response:
     gw = _gw(request)
     principal = gw.principal(request)
     _may_read(principal, _id("rollout_id", rollout_id))
-    view = await gw.rollout_for(principal, rollout_id)
+    view = await gw.rollout_for(principal, rollout_id, refresh=isinstance(principal, AttemptScope))
+    own_attempt = _attempt_reader(principal, view)
     stored = await gw.reader.events(rollout_id, view.run_id)
     params = request.query_params
     types = {t for raw in params.getlist("type") for t in raw.split(",") if t}
@@ -552,6 +577,8 @@ async def list_events(request: Request, rollout_id: str) -> Response:
         elif not isinstance(event, (RewardReported, CustomEvent)) and not _is_call(item):
             continue
         if attempt is not None and event.attempt_id != attempt:
+            continue
+        if own_attempt is not None and event.attempt_id != own_attempt:
             continue
         rendered = triplet_json(item) if fmt == "triplet" else event_json(item)
         if params.get("event_type") and rendered["event_type"] != params.get("event_type"):
@@ -660,13 +687,13 @@ async def start_run(request: Request) -> Response:
     config = msgspec.to_builtins(spec)
 
     async def command(key: str | None) -> Result:
-        existing = await gw.reader.run(spec.run_id)
-        if existing is not None:
-            if existing.config != config:
+        existing = await gw.store.last(RUN_SUBJECT.format(run=spec.run_id))  # the stream: no Postgres for a write
+        if existing is not None and isinstance(existing.event, RunStarted):
+            if existing.event.config != config:
                 raise ApiError(
-                    409, f"run {spec.run_id} was already started with a different spec", current=existing.config
+                    409, f"run {spec.run_id} was already started with a different spec", current=existing.event.config
                 )
-            return 200, encode({"run_id": spec.run_id, "spec": existing.config, "seq": existing.seq})
+            return 200, encode({"run_id": spec.run_id, "spec": existing.event.config, "seq": existing.seq})
         event = RunStarted(event_id=derive_id(spec.run_id, "run"), run_id=spec.run_id, name=spec.name, config=config)
         try:
             ack = await gw.append_registry(event, expected_last_subject_seq=0)
@@ -701,10 +728,10 @@ async def get_run(request: Request, run_id: str) -> Response:
 
 
 async def healthz(request: Request) -> Response:
-    """`GET /healthz`: liveness, with whether NATS is connected."""
+    """`GET /healthz`: 200 when NATS is connected, else 503 (`degraded`), so probes and orchestrators act on it."""
     gw = _gw(request)
     connected = gw.store.nc.is_connected
-    return json_response({"status": "ok" if connected else "degraded", "nats": connected})
+    return json_response({"status": "ok" if connected else "degraded", "nats": connected}, 200 if connected else 503)
 
 
 BODIES: dict[Callable[..., Any], Any] = {

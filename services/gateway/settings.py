@@ -8,6 +8,8 @@ import sys
 
 import msgspec
 
+from schemas.ids import STREAM_NAME
+
 DEFAULT_PORT = 8080
 DEFAULT_RUN = "default"
 
@@ -36,7 +38,7 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     phase_hold_timeout_s: float = 600.0
     drain_timeout_s: float = 900.0
     default_run: str = DEFAULT_RUN
-    stream: str = "ROLLWIRE"
+    stream: str = STREAM_NAME
     cache_size: int = 100_000
     idempotency_cache_size: int = 20_000
 
@@ -67,7 +69,7 @@ def settings_from_env(env: dict[str, str] | None = None, *, announce: bool = Tru
 
     Variables: NATS_URL, ROLLWIRE_ADMIN_TOKEN, ROLLWIRE_SECRET, ROLLWIRE_PUBLIC_URL,
     ROLLWIRE_GATEWAY_HOST, ROLLWIRE_GATEWAY_PORT, ROLLWIRE_MAX_BODY_BYTES,
-    ROLLWIRE_UPSTREAM_TIMEOUT_S, ROLLWIRE_PHASE_HOLD_TIMEOUT_S, ROLLWIRE_DEFAULT_RUN.
+    ROLLWIRE_UPSTREAM_TIMEOUT_S, ROLLWIRE_PHASE_HOLD_TIMEOUT_S, ROLLWIRE_DEFAULT_RUN, ROLLWIRE_STREAM.
     """
     env = dict(os.environ if env is None else env)
     admin = env.get("ROLLWIRE_ADMIN_TOKEN", "")
@@ -95,4 +97,5 @@ def settings_from_env(env: dict[str, str] | None = None, *, announce: bool = Tru
         upstream_timeout_s=_number(env, "ROLLWIRE_UPSTREAM_TIMEOUT_S", 600.0),
         phase_hold_timeout_s=_number(env, "ROLLWIRE_PHASE_HOLD_TIMEOUT_S", 600.0),
         default_run=env.get("ROLLWIRE_DEFAULT_RUN", DEFAULT_RUN),
+        stream=env.get("ROLLWIRE_STREAM") or STREAM_NAME,
     )

