@@ -21,6 +21,7 @@ from typing import Any
 
 from schemas.ids import STREAM_NAME
 from services.projector.http import serve
+from services.projector.migrate import MigrationError
 from services.projector.service import Projector, ProjectorSettings, tune_gc
 from services.projector.tokens import Detokenizer, TokenizerError
 
@@ -82,6 +83,8 @@ async def main(settings: ProjectorSettings) -> None:
         print(f"rollwire projector: metrics on http://{settings.metrics_host}:{port}/metrics", flush=True)
     try:
         await projector.run()
+    except MigrationError as exc:
+        raise SystemExit(f"error: {exc}") from None
     finally:
         if server is not None:
             server.close()

@@ -39,7 +39,7 @@ from services.eventstore import EventStore, EventStoreUnavailable
 from services.projector import pgstore
 from services.projector.backlog import Backlog
 from services.projector.incoming import Incoming, prepare
-from services.projector.migrate import migrate
+from services.projector.migrate import MigrationError, migrate
 from services.projector.packing import PromptCache
 from services.projector.status import Status
 from services.projector.tokens import Detokenizer
@@ -165,8 +165,8 @@ class Projector:
                     raise _Stopped
             try:
                 return await action()
-            except (_Resync, _Stopped, pgstore.PositionMoved):
-                raise
+            except (_Resync, _Stopped, pgstore.PositionMoved, MigrationError):
+                raise  # MigrationError: a schema this binary must not write into; waiting cannot fix it
             except Exception as exc:
                 self.status.last_error = f"{what}: {type(exc).__name__}: {exc}"
                 log.warning("%s failed (%s); retrying in %.1fs", what, exc, delay)

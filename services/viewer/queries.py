@@ -52,6 +52,16 @@ def _finite(value: float | None) -> float | None:
     return value if value is None or math.isfinite(value) else None
 
 
+def long_limits(median_calls: float, median_tokens: float) -> tuple[float, float]:
+    """Calls and tokens above which a rollout is `long`: 3x the run's medians (none while the median is 0).
+
+    The table's filter (SQL) and its flags (Python) both use these, so a filtered row always shows why.
+    """
+    if not median_calls:
+        return math.inf, math.inf
+    return 3 * median_calls, 3 * max(median_tokens, 1.0)
+
+
 async def runs(reader: PostgresRolloutReader) -> dict[str, Any]:
     """Every run, most recently active first, with its summary and whether it is live."""
     now = time.time()
@@ -90,12 +100,13 @@ async def rollouts(
         )
         median_calls = float(medians["calls"] or 0)
         median_tokens = float(medians["tokens"] or 0)
+        calls_limit, tokens_limit = long_limits(median_calls, median_tokens)
         where = (
             "run_id = $1 AND ($2::text IS NULL OR status = $2) AND ($3::text IS NULL OR rollout_id ILIKE $3 "
-            "OR group_id ILIKE $3) AND (NOT $4 OR cardinality(flags) > 0 OR calls > 3 * $5 OR "
-            "(prompt_tokens + response_tokens) > 3 * $6 OR samples > 3)"
+            "OR group_id ILIKE $3) AND (NOT $4 OR cardinality(flags) > 0 OR calls > $5::float8 OR "
+            "(prompt_tokens + response_tokens) > $6::float8 OR samples > 3)"
         )
-        args = (run_id, status, f"%{search}%" if search else None, flagged, median_calls, median_tokens)
+        args = (run_id, status, f"%{search}%" if search else None, flagged, calls_limit, tokens_limit)
         rows = await conn.fetch(
             f"SELECT * FROM rollouts WHERE {where} ORDER BY {order} LIMIT $7 OFFSET $8", *args, limit, offset
         )
@@ -105,7 +116,7 @@ async def rollouts(
     for row in rows:
         tokens = row["prompt_tokens"] + row["response_tokens"]
         flags = list(row["flags"])
-        if median_calls and (row["calls"] > 3 * median_calls or tokens > 3 * max(median_tokens, 1)):
+        if row["calls"] > calls_limit or tokens > tokens_limit:
             flags.append("long")
         if row["samples"] > 3:
             flags.append("many-samples")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import sys
 from pathlib import Path
 
 import asyncpg
@@ -236,3 +238,16 @@ async def test_backlog_bounds_batches_and_bytes() -> None:
     await asyncio.wait_for(fourth, 1)
     assert backlog.get_nowait() == "b" and await backlog.get() == "c" and backlog.get_nowait() is None
     assert backlog.bytes == 0
+
+
+async def test_the_service_exits_on_a_newer_schema_instead_of_retrying(
+    conn: asyncpg.Connection, database: str, nats_url: str
+) -> None:
+    await migrate(conn)
+    await conn.execute("INSERT INTO schema_migrations (version, name) VALUES (999, 'from_the_future')")
+    command = [sys.executable, "-m", "services.projector", "--nats-url", nats_url, "--database-url", database,
+               "--metrics-port", "-1"]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
+    _, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode != 0
+    assert b"error: the database has read-model schema version 999" in stderr

@@ -65,6 +65,7 @@ async def test_viewer_api(demo: EventStore, database: str) -> None:
         assert table["rollouts"][0]["rollout_id"] == "ro-runaway" and "long" in table["rollouts"][0]["flags"]
         flagged = (await client.get(f"/ui/api/runs/{RUN}/rollouts?flagged=1", headers=auth)).json()
         assert {r["rollout_id"] for r in flagged["rollouts"]} == {"ro-hack", "ro-runaway"}
+        assert all(r["flags"] for r in flagged["rollouts"]), "a row the filter keeps must show its flag"
         bad = await client.get(f"/ui/api/runs/{RUN}/rollouts?sort=nonsense", headers=auth)
         assert bad.status_code == 422 and "choose one of" in bad.json()["error"]
         detail = (await client.get(f"/ui/api/runs/{RUN}/rollouts/ro-hack", headers=auth)).json()
