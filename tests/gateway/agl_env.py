@@ -41,21 +41,22 @@ def agl_python() -> tuple[Path | None, str]:
     )
 
 
+def _runs(python: Path) -> bool:
+    """Whether `python` starts (a pyenv shim for a version that is not selected does not)."""
+    probe = subprocess.run([str(python), "-c", "import sys; assert sys.version_info >= (3, 12)"], capture_output=True)
+    return probe.returncode == 0
+
+
 def find_python312() -> Path | None:
-    """The first Python >= 3.12 interpreter on this machine, if any."""
-    for name in ("python3.14", "python3.13", "python3.12"):
-        found = shutil.which(name)
-        if found:
-            return Path(found)
+    """The first Python >= 3.12 interpreter on this machine that actually runs, if any."""
+    candidates = [Path(found) for name in ("python3.14", "python3.13", "python3.12") if (found := shutil.which(name))]
     pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
     if pyenv.is_dir():
         for version in sorted(pyenv.iterdir(), reverse=True):
             parts = version.name.split(".")
             if len(parts) >= 2 and parts[0] == "3" and parts[1].isdigit() and int(parts[1]) >= 12:
-                python = version / "bin" / "python"
-                if python.exists():
-                    return python
-    return None
+                candidates.append(version / "bin" / "python")
+    return next((python for python in candidates if python.exists() and _runs(python)), None)
 
 
 def setup() -> Path:
