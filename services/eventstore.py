@@ -272,6 +272,8 @@ class EventStore:
 
         An ephemeral pull consumer with no acks; batches are requested with `no_wait` and
         delivered to one callback subscription, which avoids a task per message in the client.
+        The next batch is requested before this one is yielded, so the server reads and sends it
+        while the caller works (one request in flight: a batch is complete before the next starts).
         """
         filters = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
         name = secrets.token_hex(8)
@@ -294,10 +296,15 @@ class EventStore:
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, cb=batch.on_message, pending_bytes_limit=1 << 30)
         next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{name}"
+
+        async def request() -> None:
+            batch.expect(min(FETCH_BATCH, remaining))
+            await self.nc.publish(next_subject, b'{"batch":%d,"no_wait":true}' % batch.wanted, reply=inbox)
+
         try:
+            if remaining > 0:
+                await request()
             while remaining > 0:
-                batch.expect(min(FETCH_BATCH, remaining))
-                await self.nc.publish(next_subject, b'{"batch":%d,"no_wait":true}' % batch.wanted, reply=inbox)
                 try:
                     await asyncio.wait_for(batch.done.wait(), 10.0)
                 except TimeoutError:
@@ -306,6 +313,8 @@ class EventStore:
                 if not msgs:
                     break
                 remaining -= len(msgs)
+                if remaining > 0:  # the next batch is on its way while the caller works on this one
+                    await request()
                 yield msgs
         finally:
             with contextlib.suppress(Exception):

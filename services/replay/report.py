@@ -189,7 +189,7 @@ class SchemeAccumulator:
         self.config = scheme.config
         self.rollouts: list[tuple[int, RolloutRow]] = []
         self.samples: dict[str, list[SampleRow]] = {}
-        self.groups: list[GroupRow] = []
+        self.groups: list[tuple[int, GroupRow]] = []
         self.dropped = 0
         self.deduped = 0
         self.too_long = 0
@@ -201,7 +201,8 @@ class SchemeAccumulator:
         for row, samples in zip(unit.rollouts, unit.samples, strict=True):
             self.rollouts.append((order[row.rollout_id], row))
             self.samples[row.rollout_id] = samples
-        self.groups.extend(unit.groups)
+        first = min((order[row.rollout_id] for row in unit.rollouts), default=0)
+        self.groups.extend((first, group) for group in unit.groups)
         self.dropped += unit.dropped
         self.deduped += unit.deduped
         self.too_long += unit.too_long
@@ -213,6 +214,7 @@ class SchemeAccumulator:
     def finish(self, skipped: Mapping[str, str]) -> SchemeReport:
         """Loss weights per step (from the rows, by `loss_weights`), rows in run order, and the figures."""
         self.rollouts.sort(key=lambda pair: pair[0])
+        self.groups.sort(key=lambda pair: pair[0])
         rollouts = [row for _, row in self.rollouts]
         by_step: dict[int | None, list[SampleRow]] = {}
         for row in rollouts:
@@ -227,7 +229,7 @@ class SchemeAccumulator:
             name=self.scheme.name,
             config=self.config,
             summary=self._summary(rollouts, samples, {**skipped, **self.skipped}),
-            groups=self.groups,
+            groups=[group for _, group in self.groups],
             rollouts=rollouts,
             samples=samples,
         )

@@ -1,17 +1,19 @@
-"""Reading a past run for replay, one group at a time, so memory is bounded by a group, not the run.
+"""Reading a past run for replay in two passes, so memory is bounded by the groups running together, not the run.
 
 The advantages of a rollout only need its group; the loss weights need step totals, which are
 small numbers. So a run is read in two passes over the stream, never all at once:
 
 1. **Index** (small events only): `created`, `status`, `attempt`, `reward` and the trainer's
-   step records (`event.train_step`) of every rollout, plus the run's `RunStarted` and the number
-   of recorded calls per rollout (from the stream's per-subject counts, no message read). From
+   step records (`event.train_step`) of every rollout, plus the run's `RunStarted` (one read per
+   subject filter, concurrently, merged in stream order) and the number of recorded calls per
+   rollout (from the stream's per-subject counts, no message read). From
    this the index knows each rollout's group, step and order, and which rollouts the trainer
    would skip (the adapter's own `rollout_calls` decides, on the small events alone).
-2. **Calls**: the `model_request` events of a few whole groups at a time (one read whose filter
-   lists their rollouts' subjects, sized by a call budget), decoded group by group and handed to
-   the adapter's `rollout_calls` merged in stream order with the small events, exactly as if the
-   rollout's whole history had been read.
+2. **Calls**: one sequential read of the run's `model_request` events from the first planned
+   rollout on; a unit's calls are held only until the last of them arrives (the index knows each
+   rollout's count), then decoded (as `CallRecord`s: the request and response bodies are
+   skipped) and handed to the adapter's `rollout_calls` merged in stream order with the small
+   events, exactly as if the rollout's whole history had been read.
 
 A replay unit is one group of one trainer step: advantages are per group, and a group the trainer
 cut across steps was normalized within each step. A step is what the trainer recorded for the
@@ -24,26 +26,26 @@ which is the step that trained it in sync mode). A run without either is one bat
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import json
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import msgspec
 
-from schemas import decode
-from schemas.events import AnyEvent, CustomEvent, Event, RolloutCreated, RunStarted
+from schemas import MalformedEvent
+from schemas.events import AnyEvent, CustomEvent, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, RUN_ALL, check_id
-from services.eventstore import EventStore, _stream_sequence
+from services.eventstore import EventStore, StoredEvent, _stream_sequence
 from trainer.core import TRAIN_STEP_EVENT, MalformedCall, NotTrainable, RolloutCalls, drop_stale_calls, rollout_calls
+from trainer.core.calls import CallRecord
 
 STEP_EVENT = TRAIN_STEP_EVENT
 
 CALL_BUDGET = 2048
-"""Calls read per stream request (whole groups; one larger group is read alone)."""
+"""Calls per batch of units handed to the adapter (whole units; one larger unit goes alone)."""
 
-MAX_SUBJECTS = 512
-"""Rollout subjects per stream request (keeps the consumer's filter small)."""
 
 STREAM_NOT_FOUND = 10059
 
@@ -148,10 +150,29 @@ def _small_subjects(run_id: str) -> list[str]:
     ]
 
 
+async def _small_events(store: EventStore, run_id: str) -> list[StoredEvent]:
+    """The run's small events (`_small_subjects`), compacted, in stream order.
+
+    One read per subject filter, run concurrently: the server walks the stream once per filter
+    either way, but one consumer with several filters is markedly slower than a consumer per
+    filter, and concurrent reads overlap the server's walks with this process's decoding.
+    """
+
+    async def one(subject: str) -> list[StoredEvent]:
+        return [msgspec.structs.replace(stored, event=_compact(stored.event)) async for stored in store.read(subject)]
+
+    per_subject = await asyncio.gather(*(one(subject) for subject in _small_subjects(run_id)))
+    return list(heapq.merge(*per_subject, key=lambda stored: stored.seq))
+
+
 def _compact(event: AnyEvent) -> AnyEvent:
-    # The index keeps every rollout's small events; a created event's input can be a whole task.
+    """A `RolloutCreated` without its input and config, its metadata cut to the step (what the index reads).
+
+    The index keeps every rollout's small events; a created event's input can be a whole task.
+    """
     if isinstance(event, RolloutCreated) and (event.input is not None or event.metadata or event.config):
-        return msgspec.structs.replace(event, input=None, metadata={}, config={})
+        step = _step_of(event.metadata)
+        return msgspec.structs.replace(event, input=None, metadata={} if step is None else {"step": step}, config={})
     return event
 
 
@@ -179,7 +200,7 @@ async def index_run(store: EventStore, run_id: str, *, nats_url: str = "") -> Ru
     rollouts: dict[str, RolloutEntry] = {}
     recorded: dict[str, Any] | None = None
     has_steps = False
-    async for stored in store.read(_small_subjects(run_id)):
+    for stored in await _small_events(store, run_id):
         event = stored.event
         if isinstance(event, RunStarted):
             adapter = event.config.get("adapter")
@@ -202,7 +223,7 @@ async def index_run(store: EventStore, run_id: str, *, nats_url: str = "") -> Ru
         if isinstance(event, RolloutCreated):
             entry.group_id = event.group_id
             entry.declared_step = _step_of(event.metadata)
-        entry.events.append((stored.seq, _compact(event)))
+        entry.events.append((stored.seq, event))
     counts = await subject_counts(store, MODEL_REQUEST.format(run=run_id, rollout="*"))
     for subject, count in counts.items():
         rollout_id = subject.split(".")[3]
@@ -263,26 +284,23 @@ def plan_units(index: RunIndex, step: int | None = None) -> list[Unit]:
     ]
 
 
-def _chunks(units: list[Unit], budget: int) -> Iterable[list[Unit]]:
-    chunk: list[Unit] = []
-    calls = subjects = 0
-    for unit in units:
-        if chunk and (calls + unit.calls > budget or subjects + len(unit.rollout_ids) > MAX_SUBJECTS):
-            yield chunk
-            chunk, calls, subjects = [], 0, 0
-        chunk.append(unit)
-        calls += unit.calls
-        subjects += len(unit.rollout_ids)
-    if chunk:
-        yield chunk
-
-
 class UnitInput(msgspec.Struct, frozen=True, kw_only=True):
     """A unit with its rollouts' indexed events and raw calls: all a worker needs to replay it."""
 
     unit: Unit
     histories: list[tuple[list[tuple[int, AnyEvent]], list[tuple[int, bytes]]]]
     """Per rollout of the unit: its small events and its calls' (sequence, JSON bytes), both in stream order."""
+
+
+_call_decoder = msgspec.json.Decoder(CallRecord)
+
+
+def decode_call(data: bytes) -> CallRecord:
+    """A `model_request` event's bytes as the adapter's `CallRecord`: its request and response bodies are skipped."""
+    try:
+        return _call_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise MalformedEvent(str(exc)) from None
 
 
 def unit_rollouts(item: UnitInput) -> tuple[list[RolloutCalls], dict[str, str]]:
@@ -294,7 +312,7 @@ def unit_rollouts(item: UnitInput) -> tuple[list[RolloutCalls], dict[str, str]]:
     rollouts = []
     skipped: dict[str, str] = {}
     for rollout_id, (small, raw) in zip(item.unit.rollout_ids, item.histories, strict=True):
-        calls: list[tuple[int, Event]] = [(seq, decode(data)) for seq, data in raw]
+        calls = [(seq, decode_call(data)) for seq, data in raw]
         merged = heapq.merge(small, calls, key=lambda pair: pair[0])
         try:
             rollout = rollout_calls(event for _, event in merged)
@@ -309,20 +327,62 @@ def unit_rollouts(item: UnitInput) -> tuple[list[RolloutCalls], dict[str, str]]:
 async def stream_chunks(
     store: EventStore, index: RunIndex, units: list[Unit], *, budget: int = CALL_BUDGET
 ) -> AsyncIterator[list[UnitInput]]:
-    """Pass 2, raw: whole units with their calls' bytes, about `budget` calls per stream read."""
-    run_id = index.run_id
-    for chunk in _chunks(units, budget):
-        wanted = [rid for unit in chunk for rid in unit.rollout_ids if index.rollouts[rid].calls]
-        raw: dict[str, list[tuple[int, bytes]]] = {rid: [] for rid in wanted}
-        if wanted:
-            subjects = [MODEL_REQUEST.format(run=run_id, rollout=rid) for rid in wanted]
-            async for batch in store.read_raw(subjects):
-                for msg in batch:
-                    raw[msg.subject.split(".", 4)[3]].append((_stream_sequence(msg.reply), msg.data))
-        yield [
-            UnitInput(
-                unit=unit,
-                histories=[(index.rollouts[rid].events, raw.pop(rid, [])) for rid in unit.rollout_ids],
-            )
-            for unit in chunk
-        ]
+    """Pass 2, raw: units with their calls' bytes, in batches of about `budget` calls.
+
+    One sequential read of the run's `model_request` subjects, from the first planned rollout's
+    creation on: each call's bytes are kept only until its unit is complete (the index knows how
+    many calls every rollout has), then the unit is handed on and forgotten. Memory is bounded by
+    the units whose rollouts overlap in the stream (the groups that ran at the same time), not by
+    the run, and the read stops at the last planned call. Units come in the order they complete;
+    the accumulators restore run order.
+    """
+    remaining: dict[str, int] = {}
+    unit_of: dict[str, int] = {}
+    incomplete: dict[int, int] = {}
+    raw: dict[str, list[tuple[int, bytes]]] = {}
+    ready: list[UnitInput] = []
+    ready_calls = 0
+
+    def complete(i: int) -> None:
+        nonlocal ready_calls
+        unit = units[i]
+        histories = [(index.rollouts[rid].events, raw.pop(rid, [])) for rid in unit.rollout_ids]
+        ready.append(UnitInput(unit=unit, histories=histories))
+        ready_calls += unit.calls
+
+    for i, unit in enumerate(units):
+        waiting = [rid for rid in unit.rollout_ids if index.rollouts[rid].calls]
+        for rid in waiting:
+            remaining[rid], unit_of[rid], raw[rid] = index.rollouts[rid].calls, i, []
+        if waiting:
+            incomplete[i] = len(waiting)
+        else:
+            complete(i)
+    if remaining:
+        start = min(index.rollouts[rid].order for rid in remaining)
+        subject = MODEL_REQUEST.format(run=index.run_id, rollout="*")
+        async for batch in store.read_raw(subject, after_seq=max(0, start - 1)):
+            for msg in batch:
+                rid = msg.subject.split(".", 4)[3]
+                left = remaining.get(rid)
+                if left is None:  # a rollout outside the planned units (skipped, or another step)
+                    continue
+                raw[rid].append((_stream_sequence(msg.reply), msg.data))
+                if left > 1:
+                    remaining[rid] = left - 1
+                    continue
+                del remaining[rid]
+                i = unit_of[rid]
+                incomplete[i] -= 1
+                if not incomplete[i]:
+                    del incomplete[i]
+                    complete(i)
+            if ready_calls >= budget:
+                yield ready
+                ready, ready_calls = [], 0
+            if not remaining:
+                break
+    for i in sorted(incomplete):  # fewer calls than counted (purged meanwhile): what there is
+        complete(i)
+    if ready:
+        yield ready

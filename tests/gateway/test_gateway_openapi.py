@@ -17,7 +17,7 @@ def test_every_api_route_is_documented_with_its_body(gateway: GatewayHandle) -> 
         (route.path, method.lower())
         for route in gateway.app.routes
         if isinstance(route, APIRoute) and route.path.startswith("/api/")
-        for method in route.methods
+        for method in route.methods or ()
     }
     assert routes, "the gateway has no API routes?"
     missing = sorted(f"{method.upper()} {path}" for path, method in routes if method not in paths.get(path, {}))

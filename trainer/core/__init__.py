@@ -12,6 +12,7 @@ from trainer.core.batching import pack_bins, partition_balanced, plan_micro_batc
 from trainer.core.calls import (
     SKIP_REASONS,
     Call,
+    CallRecord,
     CollectedRollouts,
     MalformedCall,
     NotTrainable,
@@ -45,6 +46,7 @@ __all__ = [
     "AdapterConfigError",
     "AdvantageLevel",
     "Call",
+    "CallRecord",
     "CollectedRollouts",
     "Estimator",
     "MalformedCall",

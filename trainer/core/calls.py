@@ -5,6 +5,8 @@ Only the attempt that succeeded produced the trajectory the reward judges, so on
 kept: the attempt named by the rollout's final `succeeded` status event. Of that attempt's calls,
 only those with `status == "ok"` (failed or aborted calls sampled nothing the harness used) and
 `mode == "train"` (validation calls never become training samples) are kept, in stream order.
+A call is read from a `ModelRequestRecorded` or from a `CallRecord`, the same event decoded with
+only the fields read here (a replay decodes that, skipping the request and response bodies).
 The reward is the last `RewardReported` of that attempt (or one reported for the rollout as a
 whole, without an attempt id); `None` when there is none, and `AdapterConfig.missing_reward`
 decides later whether such a rollout is dropped or filled.
@@ -18,7 +20,9 @@ import msgspec
 
 from schemas.events import (
     AttemptStarted,
+    CallStatus,
     Event,
+    Mode,
     ModelRequestRecorded,
     RewardReported,
     RolloutCreated,
@@ -80,7 +84,32 @@ class NotTrainable(ValueError):
 SKIP_REASONS = ("no-created-event", "val-mode", "not-succeeded")
 
 
-def call_from_event(event: ModelRequestRecorded) -> Call:
+class CallRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A `model_request` event with only the fields the adapter reads (decoded from the same JSON).
+
+    A recorded call also carries the request and response bodies (the conversation's text), often
+    most of its bytes; decoding into this type skips them. Same names, types and defaults as
+    `ModelRequestRecorded`, so either gives the same `Call`.
+    """
+
+    run_id: str
+    rollout_id: str | None = None
+    attempt_id: str | None = None
+    call_id: str
+    mode: Mode = "train"
+    status: CallStatus = "ok"
+    choice_index: int = 0
+    weights_version: int | None = None
+    prompt_ids: list[int] = []
+    response_ids: list[int] = []
+    logprobs: list[float] = []
+
+
+RecordedCall = ModelRequestRecorded | CallRecord
+"""A recorded model call, whole or with the adapter's fields only."""
+
+
+def call_from_event(event: RecordedCall) -> Call:
     """The adapter's view of a recorded call (token lists are shared, not copied).
 
     Raises `MalformedCall` when the record lacks what training needs: prompt token ids, and one
@@ -96,7 +125,7 @@ def call_from_event(event: ModelRequestRecorded) -> Call:
     )
 
 
-def _succeeded_attempt(events: Sequence[Event], rollout_id: str | None) -> str | None:
+def _succeeded_attempt(events: Sequence[Event | CallRecord], rollout_id: str | None) -> str | None:
     """The attempt id of the final status event, which must say `succeeded`.
 
     A `succeeded` event without an attempt id falls back to the last `AttemptStarted`; a rollout
@@ -114,7 +143,7 @@ def _succeeded_attempt(events: Sequence[Event], rollout_id: str | None) -> str |
     return final.attempt_id if final.attempt_id is not None else last_started
 
 
-def rollout_calls(events: Iterable[Event]) -> RolloutCalls:
+def rollout_calls(events: Iterable[Event | CallRecord]) -> RolloutCalls:
     """The training calls and reward of one rollout, from its events in stream order.
 
     Raises `NotTrainable` for a rollout that yields no training data (no `RolloutCreated` seen,
@@ -137,7 +166,7 @@ def rollout_calls(events: Iterable[Event]) -> RolloutCalls:
     calls: list[Call] = []
     reward: float | None = None
     for event in ordered:
-        if isinstance(event, ModelRequestRecorded):
+        if isinstance(event, ModelRequestRecorded | CallRecord):
             if event.attempt_id == attempt and event.status == "ok" and event.mode == "train":
                 calls.append(call_from_event(event))
         elif isinstance(event, RewardReported) and event.attempt_id in (attempt, None):
