@@ -38,6 +38,8 @@ from schemas.ids import ROLLOUT_ALL, ROLLOUT_STATUS, RUN_ALL, STREAM_NAME, STREA
 
 WRONG_LAST_SEQUENCE = 10071
 FETCH_BATCH = 2048
+ACK_TIMEOUT_S = 30.0
+"""Longest wait for JetStream's ack of a pipelined append; past it the append raises (retrying is safe)."""
 
 
 class EventStoreError(RuntimeError):
@@ -112,6 +114,18 @@ class _Batch:
         self.messages.append(msg)
         if len(self.messages) >= self.wanted:
             self.done.set()
+
+
+def raise_if_cancelling() -> None:
+    """Re-raise a cancellation that a timeout swallowed.
+
+    On Python 3.11, `asyncio.wait_for` (used inside nats-py's fetch) can turn a cancellation that
+    races with its timeout into a TimeoutError; a loop that retries on timeouts would then never
+    stop. The task still counts the request (`cancelling()`), so it is raised again here.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _stream_sequence(reply: str) -> int:
@@ -247,9 +261,14 @@ class EventStore:
         results: list[Appended] = []
         for future in futures:
             try:
-                ack = await future
+                ack = await asyncio.wait_for(future, ACK_TIMEOUT_S)
             except nats.js.errors.APIError as exc:
                 raise self._translate(exc, "", None) from None
+            except TimeoutError:
+                raise EventStoreUnavailable(
+                    f"JetStream did not acknowledge an append within {ACK_TIMEOUT_S:.0f}s; it may or may not be "
+                    "stored: retrying is safe (the event id makes a repeat a duplicate)"
+                ) from None
             results.append(Appended(seq=ack.seq, duplicate=bool(ack.duplicate)))
         return results
 
@@ -401,6 +420,7 @@ class EventStore:
                 try:
                     unfinished = await psub.fetch(256, timeout=1.0)
                 except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises both on an idle fetch
+                    raise_if_cancelling()
                     continue
                 while unfinished:
                     yield _to_stored(unfinished[0])

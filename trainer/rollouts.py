@@ -23,7 +23,7 @@ import msgspec
 from schemas import CustomEvent, RolloutStatusChanged
 from schemas.events import TERMINAL_STATUSES
 from schemas.ids import ROLLOUT_STATUS
-from services.eventstore import EventStore
+from services.eventstore import EventStore, raise_if_cancelling
 from trainer.checkpoint import InFlightGroup
 from trainer.core import MalformedCall, NotTrainable, RolloutCalls, rollout_calls
 
@@ -95,6 +95,7 @@ class StatusWatch:
                 raise TimeoutError(f"{len(done)} of {len(groups)} groups ended; waited for {count}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
+            raise_if_cancelling()
 
     async def stop(self) -> None:
         """Stop following."""

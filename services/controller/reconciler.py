@@ -93,7 +93,7 @@ from services.controller.gateway import (
 )
 from services.controller.settings import ControllerSettings
 from services.controller.view import NOT_LAUNCHED, Attempt, Rollout, RunSpecError, fold, spec_from_event
-from services.eventstore import EventStore, EventStoreError, StoredEvent
+from services.eventstore import EventStore, EventStoreError, StoredEvent, raise_if_cancelling
 
 log = logging.getLogger("rollwire.controller")
 
@@ -234,6 +234,7 @@ class Controller:
                     continue
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), max(wait, 0.0))
+                raise_if_cancelling()
         finally:
             await self._shutdown()
 

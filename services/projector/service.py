@@ -35,7 +35,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas.ids import STREAM_NAME, STREAM_SUBJECTS
-from services.eventstore import EventStore, EventStoreUnavailable
+from services.eventstore import EventStore, EventStoreUnavailable, raise_if_cancelling
 from services.projector import pgstore
 from services.projector.backlog import Backlog
 from services.projector.incoming import Incoming, prepare
@@ -253,6 +253,7 @@ class Projector:
                 else:
                     msgs = await psub.fetch(self.settings.batch_size, timeout=self.settings.linger_s)
             except (TimeoutError, nats.errors.TimeoutError):
+                raise_if_cancelling()
                 idle = True
                 continue
             except nats.js.errors.NotFoundError:
@@ -325,6 +326,7 @@ class Projector:
             try:
                 first = await asyncio.wait_for(queue.get(), 1.0)
             except TimeoutError:
+                raise_if_cancelling()
                 await self._idle_check(expected)
                 continue
             return self._coalesce(queue, first)  # type: ignore[no-any-return]

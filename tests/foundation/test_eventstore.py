@@ -8,7 +8,7 @@ import time
 import pytest
 
 from schemas import CustomEvent, RewardReported, RolloutCreated, RolloutStatusChanged
-from services.eventstore import ConcurrencyConflict, EventStore, EventStoreUnavailable
+from services.eventstore import ConcurrencyConflict, EventStore, EventStoreUnavailable, raise_if_cancelling
 
 
 async def test_append_then_read_in_order(store: EventStore, run_id: str) -> None:
@@ -132,3 +132,24 @@ async def test_connect_fails_fast_when_no_server() -> None:
     with pytest.raises(EventStoreUnavailable, match="no NATS server answers"):
         await EventStore.connect("nats://127.0.0.1:1", timeout=0.5)
     assert time.monotonic() - started < 3
+
+
+async def test_a_cancellation_a_timeout_swallowed_still_stops_a_retry_loop() -> None:
+    async def swallowing_wait() -> None:  # what asyncio.wait_for can do on 3.11 when both race
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise TimeoutError from None
+
+    async def retry_loop() -> None:
+        while True:
+            try:
+                await swallowing_wait()
+            except TimeoutError:
+                raise_if_cancelling()
+
+    task = asyncio.create_task(retry_loop())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
