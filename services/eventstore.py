@@ -259,17 +259,24 @@ class EventStore:
                 )
             )
         results: list[Appended] = []
-        for future in futures:
-            try:
-                ack = await asyncio.wait_for(future, ACK_TIMEOUT_S)
-            except nats.js.errors.APIError as exc:
-                raise self._translate(exc, "", None) from None
-            except TimeoutError:
-                raise EventStoreUnavailable(
-                    f"JetStream did not acknowledge an append within {ACK_TIMEOUT_S:.0f}s; it may or may not be "
-                    "stored: retrying is safe (the event id makes a repeat a duplicate)"
-                ) from None
-            results.append(Appended(seq=ack.seq, duplicate=bool(ack.duplicate)))
+        loop = asyncio.get_running_loop()
+        try:
+            # One deadline for the batch, pushed back as acks arrive (a timer per ack would cost more
+            # than the ack): it fires only when JetStream stops acknowledging for ACK_TIMEOUT_S.
+            async with asyncio.timeout(ACK_TIMEOUT_S) as deadline:
+                for i, future in enumerate(futures):
+                    if i % 256 == 255:
+                        deadline.reschedule(loop.time() + ACK_TIMEOUT_S)
+                    try:
+                        ack = await future
+                    except nats.js.errors.APIError as exc:
+                        raise self._translate(exc, "", None) from None
+                    results.append(Appended(seq=ack.seq, duplicate=bool(ack.duplicate)))
+        except TimeoutError:
+            raise EventStoreUnavailable(
+                f"JetStream did not acknowledge an append within {ACK_TIMEOUT_S:.0f}s; it may or may not be "
+                "stored: retrying is safe (the event id makes a repeat a duplicate)"
+            ) from None
         return results
 
     @staticmethod
