@@ -69,8 +69,12 @@ async def _keyed(request: Request, scope: str, body: bytes, command: Command) ->
     if not key:
         status, payload = await command(None)
     else:
+        digest = fingerprint(body)
+        # Event ids derive from the key *and* the body: a repeat (same key, same body) is a duplicate
+        # for JetStream in any gateway process, while a key reused for another body (a trainer whose
+        # engine came back on another port) appends what it says instead of being dropped as a repeat.
         status, payload = await _gw(request).idempotency.run(
-            (scope, request.method, request.url.path, key), fingerprint(body), lambda: command(key)
+            (scope, request.method, request.url.path, key), digest, lambda: command(f"{key}\x1f{digest}")
         )
     return Response(payload, status_code=status, media_type="application/json")
 
@@ -691,7 +695,10 @@ async def start_run(request: Request) -> Response:
         if existing is not None and isinstance(existing.event, RunStarted):
             if existing.event.config != config:
                 raise ApiError(
-                    409, f"run {spec.run_id} was already started with a different spec", current=existing.event.config
+                    409,
+                    f"run {spec.run_id} was already started with a different spec; a run's spec never changes: "
+                    "resume it with the same settings, or start a new run id",
+                    current=existing.event.config,
                 )
             return 200, encode({"run_id": spec.run_id, "spec": existing.event.config, "seq": existing.seq})
         event = RunStarted(event_id=derive_id(spec.run_id, "run"), run_id=spec.run_id, name=spec.name, config=config)

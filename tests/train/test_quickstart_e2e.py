@@ -13,6 +13,7 @@ needs to receive a gradient.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -113,3 +114,13 @@ def test_two_quickstart_steps_update_every_parameter_and_serve_the_new_version(
     assert phases[-4:] == [("update", 0), ("rollout", 1), ("update", 1), ("rollout", 2)]
     config = json.loads((result.run_dir / "config.json").read_text())
     assert config["run"]["steps"] == 2
+
+    # Resumed with one more step: the trainer continues from its checkpoint, never redoes a step.
+    resumed = run_quickstart(
+        dataclasses.replace(options, steps=3, extra={**options.extra, "run": {"resume": True}}), say=lambda line: None
+    )
+    assert [row["step"] for row in resumed.rows] == [3]
+    assert resumed.rows[0]["weights_version"] == 3 and resumed.rows[0]["rollouts_failed"] == 0
+    assert [line.split(",")[0] for line in (result.run_dir / "metrics.csv").read_text().splitlines()[1:]] == [
+        "1", "2", "3",
+    ]  # fmt: skip

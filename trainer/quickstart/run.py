@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import statistics
 import subprocess
@@ -101,13 +102,23 @@ def quickstart_config(
 
 
 @contextlib.contextmanager
-def fork_server(module: str = DEFAULT_MODULE, pythonpath: Sequence[Path] = ()) -> Iterator[list[str]]:
+def fork_server(module: str = DEFAULT_MODULE, pythonpath: Sequence[Path] = (), *, key: str | None = None
+                ) -> Iterator[list[str]]:  # fmt: skip
     """Run an agent fork server for `module` for the duration; yields the agent command that uses it.
 
     `pythonpath` adds directories the module is imported from (for agents outside the package).
+    With `key`, the socket's path (part of the agent command, hence of the run's recorded spec)
+    follows from it, so a resumed run launches its agents with the very command it started with.
     """
-    directory = Path(tempfile.mkdtemp(prefix="rw-agents-"))
+    if key is None:
+        directory = Path(tempfile.mkdtemp(prefix="rw-agents-"))
+    else:  # a short path: a Unix socket's path is limited to about 100 bytes
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        directory = Path(tempfile.gettempdir()) / f"rw-agents-{os.getuid()}-{digest}"
+        directory.mkdir(mode=0o700, exist_ok=True)
     socket_path = directory / "agent.sock"
+    with contextlib.suppress(FileNotFoundError):
+        socket_path.unlink()  # left by a run that was killed
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), *filter(None, [env.get("PYTHONPATH")])])
@@ -205,7 +216,7 @@ def run_quickstart(options: QuickstartOptions, say: Callable[[str], None] = prin
     dataset.write_bytes(write_tasks_jsonl(make_tasks(DATASET_SIZE, seed=options.seed)))
     with contextlib.ExitStack() as stack:
         command = (
-            stack.enter_context(fork_server())
+            stack.enter_context(fork_server(key=f"{options.data_dir.resolve()}/{name}"))
             if options.fork_server
             else [sys.executable, "-m", "trainer.quickstart.agent"]
         )
