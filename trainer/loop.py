@@ -57,6 +57,10 @@ class TrainingError(RuntimeError):
     """The run cannot go on; the message says why and where to look."""
 
 
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def _stats(values: Sequence[float]) -> tuple[float | None, float | None]:
     if not values:
         return None, None
@@ -231,7 +235,9 @@ class Trainer:
             base_url=f"{self.urls.engine_base}/v1",
             served_model=served,
             weights_version=None,  # the engine stamps each response with the version it ran on
-            key=f"{self.run_id}-model-{self.config.model.served_name}",
+            # The engine's address is part of the key: a resumed run's engine may listen elsewhere,
+            # and the same key would be taken for a repeat of the old registration.
+            key=f"{self.run_id}-model-{self.config.model.served_name}-{_short_hash(self.urls.engine_base)}",
         )
         # No idempotency key: a resumed run must reopen a gate its crash may have left closed.
         await gateway.set_phase(self.run_id, "rollout", version, key=None)

@@ -69,12 +69,8 @@ async def _keyed(request: Request, scope: str, body: bytes, command: Command) ->
     if not key:
         status, payload = await command(None)
     else:
-        digest = fingerprint(body)
-        # Event ids derive from the key *and* the body: a repeat (same key, same body) is a duplicate
-        # for JetStream in any gateway process, while a key reused for another body (a trainer whose
-        # engine came back on another port) appends what it says instead of being dropped as a repeat.
         status, payload = await _gw(request).idempotency.run(
-            (scope, request.method, request.url.path, key), digest, lambda: command(f"{key}\x1f{digest}")
+            (scope, request.method, request.url.path, key), fingerprint(body), lambda: command(key)
         )
     return Response(payload, status_code=status, media_type="application/json")
 
