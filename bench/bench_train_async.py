@@ -31,8 +31,9 @@ from typing import Any
 from schemas import ModelRequestRecorded
 from services.eventstore import EventStore
 from trainer.clients import ServiceUrls
+from trainer.embedded import embedded_stack
 from trainer.loop import Trainer
-from trainer.quickstart.run import QuickstartOptions, embedded_stack, fork_server, quickstart_config
+from trainer.quickstart.run import QuickstartOptions, fork_server, quickstart_config
 from trainer.quickstart.task import make_tasks, write_tasks_jsonl
 from trainer.quickstart.warmstart import ensure_warm_model
 

@@ -117,11 +117,12 @@ class _Batch:
 
 
 def raise_if_cancelling() -> None:
-    """Re-raise a cancellation that a timeout swallowed.
+    """Re-raise a cancellation that a timeout inside nats-py swallowed.
 
-    On Python 3.11, `asyncio.wait_for` (used inside nats-py's fetch) can turn a cancellation that
+    On Python 3.11, `asyncio.wait_for` (which nats-py's fetch uses) can turn a cancellation that
     races with its timeout into a TimeoutError; a loop that retries on timeouts would then never
-    stop. The task still counts the request (`cancelling()`), so it is raised again here.
+    stop. The task still counts the request (`cancelling()`), so it is raised again here. Our own
+    waits use `asyncio.timeout`, which keeps the cancellation; this is for third-party ones.
     """
     task = asyncio.current_task()
     if task is not None and task.cancelling():

@@ -8,6 +8,7 @@ the dataset, a service that refuses) prints one `error: ...` line and exits 1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -37,12 +38,13 @@ def train(
     """Train a model with RL through its agent harness, as CONFIG.toml describes."""
     import msgspec
 
-    from services.stack import Stack, StackConfig, StackError
+    from services.stack import StackError
     from trainer.checkpoint import CheckpointError
     from trainer.clients import GatewayError
     from trainer.config import load_config
     from trainer.dataset import DatasetError
     from trainer.display import StepDisplay
+    from trainer.embedded import embedded_stack
     from trainer.loop import Trainer, TrainingError
 
     _quiet_transformers()
@@ -52,37 +54,19 @@ def train(
             loaded = msgspec.structs.replace(loaded, run=msgspec.structs.replace(loaded.run, steps=steps))
     except ConfigError as exc:
         raise _fail(str(exc), 2) from None
-    local: Stack | None = None
     try:
-        if loaded.stack.embedded:
-            local = Stack(
-                StackConfig(
-                    data_dir=Path(loaded.stack.data_dir),
-                    nats_port=0,
-                    pg_port=0,
-                    gateway_port=0,
-                    engine_model=Path(loaded.model.path),
+        with contextlib.ExitStack() as stack:
+            if loaded.stack.embedded:
+                urls = stack.enter_context(
+                    embedded_stack(Path(loaded.stack.data_dir), Path(loaded.model.path), say=print)
                 )
-            )
-            endpoints = local.start()
-            for line in endpoints.lines:
-                print(line)
-            urls = ServiceUrls(
-                gateway_url=endpoints.gateway_url or "",
-                nats_url=endpoints.nats_url,
-                engine_url=endpoints.engine_url or "",
-                admin_token=endpoints.admin_token,
-            )
-        else:
-            urls = _external_urls(loaded.stack)
-        with StepDisplay(loaded.run.steps) as display:
-            rows = asyncio.run(Trainer(loaded, urls, on_step=display.step).run())
+            else:
+                urls = _external_urls(loaded.stack)
+            with StepDisplay(loaded.run.steps) as display:
+                rows = asyncio.run(Trainer(loaded, urls, on_step=display.step).run())
         print(f"{len(rows)} steps done; metrics in {loaded.run_dir / 'metrics.csv'}")
     except (StackError, GatewayError, DatasetError, TrainingError, CheckpointError, ConfigError) as exc:
         raise _fail(str(exc)) from None
-    finally:
-        if local is not None:
-            local.stop()
 
 
 def _external_urls(stack: StackSection) -> ServiceUrls:

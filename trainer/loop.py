@@ -45,7 +45,15 @@ from trainer.backend import CpuBackend, UpdateMetrics
 from trainer.checkpoint import InFlightGroup, RunDir, TrainerState
 from trainer.clients import EngineClient, GatewayClient, NewRollout, ServiceUrls
 from trainer.config import TrainConfig, config_to_mapping
-from trainer.core import TRAIN_STEP_EVENT, RolloutCalls, StepBatch, build_step, drop_stale_calls
+from trainer.core import (
+    TRAIN_STEP_EVENT,
+    RolloutCalls,
+    StepBatch,
+    build_step,
+    drop_stale_calls,
+    rollout_reward,
+    sample_row,
+)
 from trainer.dataset import TaskOrder, load_jsonl
 from trainer.metrics import MetricsLog
 from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group
@@ -57,8 +65,8 @@ class TrainingError(RuntimeError):
     """The run cannot go on; the message says why and where to look."""
 
 
-def _short_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+def _digest(text: str, length: int = 12) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
 
 
 def _stats(values: Sequence[float]) -> tuple[float | None, float | None]:
@@ -237,7 +245,7 @@ class Trainer:
             weights_version=None,  # the engine stamps each response with the version it ran on
             # The engine's address is part of the key: a resumed run's engine may listen elsewhere,
             # and the same key would be taken for a repeat of the old registration.
-            key=f"{self.run_id}-model-{self.config.model.served_name}-{_short_hash(self.urls.engine_base)}",
+            key=f"{self.run_id}-model-{self.config.model.served_name}-{_digest(self.urls.engine_base)}",
         )
         # No idempotency key: a resumed run must reopen a gate its crash may have left closed.
         await gateway.set_phase(self.run_id, "rollout", version, key=None)
@@ -314,7 +322,7 @@ class Trainer:
             stale = 0
         batch = build_step(rollouts, config.adapter)
         await self._record_step(store, step, version, rollouts)
-        await asyncio.to_thread(self._write_samples, step, batch)
+        await asyncio.to_thread(self._write_samples, step, rollouts, batch)
         replayed_at = time.monotonic()
 
         update: UpdateMetrics | None = None
@@ -374,29 +382,21 @@ class Trainer:
                 rollout_id=rollout.rollout_id,
                 name=TRAIN_STEP_EVENT,
                 payload=payload,
-                event_id=hashlib.sha256(f"{self.run_id}/{rollout.rollout_id}/{step}".encode()).hexdigest()[:32],
+                event_id=_digest(f"{self.run_id}/{rollout.rollout_id}/{step}", 32),
             )
             for rollout in rollouts
         )
 
-    def _write_samples(self, step: int, batch: StepBatch) -> None:
-        """The step's samples as `rollwire replay --format json` names them, for audit and comparison."""
+    def _write_samples(self, step: int, rollouts: Sequence[RolloutCalls], batch: StepBatch) -> None:
+        """The step's samples as `rollwire replay --format json` reports them, for audit and comparison."""
+        rewards = {r.rollout_id: rollout_reward(r, self.config.adapter) for r in rollouts}
+        rows = (
+            sample_row(s, step=step, reward=rewards[s.rollout_id] or 0.0, advantage=s.advantage,
+                       token_weight=s.token_weight)
+            for s in batch.samples
+        )  # fmt: skip
         path = self.run_dir.samples(step)
         path.parent.mkdir(parents=True, exist_ok=True)
-        rows = (
-            {
-                "rollout_id": s.rollout_id,
-                "group_id": s.group_id,
-                "step": step,
-                "index": s.index,
-                "prompt_tokens": len(s.tokens) - s.response_tokens,
-                "response_tokens": s.response_tokens,
-                "calls": s.num_calls,
-                "advantage": s.advantage,
-                "token_weight": s.token_weight,
-            }
-            for s in batch.samples
-        )
         path.write_bytes(b"".join(msgspec.json.encode(row) + b"\n" for row in rows))
 
     def _checkpoint(self, state: TrainerState) -> None:

@@ -23,7 +23,7 @@ import msgspec
 from schemas import CustomEvent, RolloutStatusChanged
 from schemas.events import TERMINAL_STATUSES
 from schemas.ids import ROLLOUT_STATUS
-from services.eventstore import EventStore, raise_if_cancelling
+from services.eventstore import EventStore
 from trainer.checkpoint import InFlightGroup
 from trainer.core import MalformedCall, NotTrainable, RolloutCalls, rollout_calls
 
@@ -94,8 +94,8 @@ class StatusWatch:
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(f"{len(done)} of {len(groups)} groups ended; waited for {count}")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            raise_if_cancelling()
+                async with asyncio.timeout(remaining):  # not wait_for: on 3.11 it can lose a cancel
+                    await self._changed.wait()
 
     async def stop(self) -> None:
         """Stop following."""

@@ -93,7 +93,7 @@ from services.controller.gateway import (
 )
 from services.controller.settings import ControllerSettings
 from services.controller.view import NOT_LAUNCHED, Attempt, Rollout, RunSpecError, fold, spec_from_event
-from services.eventstore import EventStore, EventStoreError, StoredEvent, raise_if_cancelling
+from services.eventstore import EventStore, EventStoreError, StoredEvent
 
 log = logging.getLogger("rollwire.controller")
 
@@ -233,8 +233,8 @@ class Controller:
                 if self._dirty:
                     continue
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), max(wait, 0.0))
-                raise_if_cancelling()
+                    async with asyncio.timeout(max(wait, 0.0)):  # not wait_for: on 3.11 it can lose a cancel
+                        await self._changed.wait()
         finally:
             await self._shutdown()
 

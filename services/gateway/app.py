@@ -133,10 +133,13 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
     api.register(app)
     app.add_api_route("/api/phase", set_phase, methods=["POST"])
 
+    document: list[bytes] = []  # built on first request (all routes are added by then), then served as is
+
     async def openapi_json(request: Request) -> Response:
         """`GET /openapi.json`: this gateway's API (bodies as JSON Schema), built from its routes."""
-        document = openapi_document(request.app, api.BODIES | {set_phase: bodies.PhaseBody})
-        return Response(encode(document), media_type="application/json")
+        if not document:
+            document.append(encode(openapi_document(request.app, api.BODIES | {set_phase: bodies.PhaseBody})))
+        return Response(document[0], media_type="application/json")
 
     app.add_api_route("/openapi.json", openapi_json, methods=["GET"], include_in_schema=False)
     return app

@@ -324,9 +324,9 @@ class Projector:
                     raise exc
                 return None
             try:
-                first = await asyncio.wait_for(queue.get(), 1.0)
+                async with asyncio.timeout(1.0):  # not wait_for: on 3.11 it can lose a cancel
+                    first = await queue.get()
             except TimeoutError:
-                raise_if_cancelling()
                 await self._idle_check(expected)
                 continue
             return self._coalesce(queue, first)  # type: ignore[no-any-return]

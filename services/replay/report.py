@@ -20,25 +20,16 @@ from collections.abc import Iterable, Mapping, Sequence
 import msgspec
 
 from services.replay.schemes import Scheme
-from trainer.core import AdapterConfig, RolloutCalls, Sample, loss_weights, merge_rollouts, rollout_advantages
-
-
-class SampleRow(msgspec.Struct, kw_only=True):
-    """One training sample: its size, reward, advantage and the loss weight of each response token."""
-
-    rollout_id: str
-    group_id: str | None
-    step: int | None
-    index: int
-    prompt_tokens: int
-    """Tokens of the sample the model did not sample (the first prompt and every observation)."""
-    response_tokens: int
-    """Sampled tokens: the ones the loss is computed on."""
-    calls: int
-    reward: float
-    advantage: float
-    token_weight: float = 0.0
-    """The weight each of its response tokens gets in the step's loss."""
+from trainer.core import (
+    AdapterConfig,
+    RolloutCalls,
+    Sample,
+    SampleRow,
+    loss_weights,
+    merge_rollouts,
+    rollout_advantages,
+    sample_row,
+)
 
 
 class RolloutRow(msgspec.Struct, kw_only=True):
@@ -143,13 +134,8 @@ def unit_rows(
     versions: list[int] = []
     for m, per_sample in zip(merged, advantages, strict=True):
         rows = [
-            SampleRow(
-                rollout_id=s.rollout_id, group_id=s.group_id, step=step, index=s.index,
-                prompt_tokens=len(s.tokens) - s.response_tokens, response_tokens=s.response_tokens,
-                calls=s.num_calls, reward=m.reward, advantage=a,
-            )
-            for s, a in zip(m.samples, per_sample, strict=True)
-        ]  # fmt: skip
+            sample_row(s, step=step, reward=m.reward, advantage=a) for s, a in zip(m.samples, per_sample, strict=True)
+        ]
         sample_rows.append(rows)
         rollout_rows.append(
             RolloutRow(

@@ -41,8 +41,6 @@ from services.eventstore import EventStore, StoredEvent, _stream_sequence
 from trainer.core import TRAIN_STEP_EVENT, MalformedCall, NotTrainable, RolloutCalls, drop_stale_calls, rollout_calls
 from trainer.core.calls import CallRecord
 
-STEP_EVENT = TRAIN_STEP_EVENT
-
 CALL_BUDGET = 2048
 """Calls per batch of units handed to the adapter (whole units; one larger unit goes alone)."""
 
@@ -104,8 +102,8 @@ class Unit(msgspec.Struct, frozen=True, kw_only=True):
     group_id: str | None
     rollout_ids: list[str]
     calls: int
-    stale_limits: dict[str, tuple[int, int]] = {}
-    """Rollout id -> (weights version trained, max staleness) where the trainer dropped stale calls."""
+    stale_limit: tuple[int, int] | None = None
+    """(weights version trained, max staleness) when the trainer dropped stale calls in this step."""
 
 
 async def subject_counts(store: EventStore, subject_filter: str) -> dict[str, int]:
@@ -146,7 +144,7 @@ def _small_subjects(run_id: str) -> list[str]:
         f"{prefix}.rollout.*.status",
         f"{prefix}.rollout.*.attempt",
         f"{prefix}.rollout.*.reward",
-        f"{prefix}.rollout.*.event.{STEP_EVENT}",
+        f"{prefix}.rollout.*.event.{TRAIN_STEP_EVENT}",
     ]
 
 
@@ -255,7 +253,7 @@ def plan_units(index: RunIndex, step: int | None = None) -> list[Unit]:
     if step is not None:
         if not index.has_steps:
             raise ReplayError(
-                f"run {index.run_id!r} has no trainer step records ({STEP_EVENT} events or a step in the "
+                f"run {index.run_id!r} has no trainer step records ({TRAIN_STEP_EVENT} events or a step in the "
                 "rollouts' metadata); replay it without --step"
             )
         if step not in index.steps:
@@ -278,7 +276,7 @@ def plan_units(index: RunIndex, step: int | None = None) -> list[Unit]:
             group_id=entries[0].group_id,
             rollout_ids=[e.rollout_id for e in entries],
             calls=sum(e.calls for e in entries),
-            stale_limits={e.rollout_id: e.stale_limit for e in entries if e.stale_limit is not None},
+            stale_limit=entries[0].stale_limit,  # one step: one train_step record for all its rollouts
         )
         for entries in units.values()
     ]
@@ -319,8 +317,9 @@ def unit_rollouts(item: UnitInput) -> tuple[list[RolloutCalls], dict[str, str]]:
         except MalformedCall:
             skipped[rollout_id] = "malformed-call"
             continue
-        limit = item.unit.stale_limits.get(rollout_id)
-        rollouts.append(rollout if limit is None else drop_stale_calls([rollout], *limit)[0][0])
+        rollouts.append(rollout)
+    if item.unit.stale_limit is not None:
+        rollouts, _ = drop_stale_calls(rollouts, *item.unit.stale_limit)
     return rollouts, skipped
 
 

@@ -52,6 +52,10 @@ def _finite(value: float | None) -> float | None:
     return value if value is None or math.isfinite(value) else None
 
 
+MANY_SAMPLES = 3
+"""More training samples than this in a rollout: the harness rewrote the conversation (`many-samples`)."""
+
+
 def long_limits(median_calls: float, median_tokens: float) -> tuple[float, float]:
     """Calls and tokens above which a rollout is `long`: 3x the run's medians (none while the median is 0).
 
@@ -104,7 +108,7 @@ async def rollouts(
         where = (
             "run_id = $1 AND ($2::text IS NULL OR status = $2) AND ($3::text IS NULL OR rollout_id ILIKE $3 "
             "OR group_id ILIKE $3) AND (NOT $4 OR cardinality(flags) > 0 OR calls > $5::float8 OR "
-            "(prompt_tokens + response_tokens) > $6::float8 OR samples > 3)"
+            f"(prompt_tokens + response_tokens) > $6::float8 OR samples > {MANY_SAMPLES})"
         )
         args = (run_id, status, f"%{search}%" if search else None, flagged, calls_limit, tokens_limit)
         rows = await conn.fetch(
@@ -118,7 +122,7 @@ async def rollouts(
         flags = list(row["flags"])
         if row["calls"] > calls_limit or tokens > tokens_limit:
             flags.append("long")
-        if row["samples"] > 3:
+        if row["samples"] > MANY_SAMPLES:
             flags.append("many-samples")
         end = row["ended_at"] if row["ended_at"] is not None else now
         items.append(

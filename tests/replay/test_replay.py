@@ -26,7 +26,7 @@ from schemas import (
 from services.eventstore import EventStore
 from services.replay.replay import ReplayReport, replay_run
 from services.replay.schemes import parse_spec
-from trainer.core import AdapterConfig, AdapterConfigError, StepBatch, build_step, collect_rollouts
+from trainer.core import AdapterConfig, AdapterConfigError, StepBatch, build_step, collect_rollouts, drop_stale_calls
 
 Rollwire = Callable[..., CliResult]
 
@@ -107,6 +107,29 @@ async def test_replay_of_a_trainer_step_equals_what_the_trainer_built(
         assert scheme.config == AdapterConfig.from_mapping(config)  # the run's recorded adapter config is the default
         _assert_same(scheme, live)
         assert scheme.summary.steps == [n]
+
+
+async def test_replay_of_an_async_step_drops_the_stale_calls_the_trainer_dropped(
+    store: EventStore, nats_url: str, run_id: str
+) -> None:
+    events = agent_run(run_id, groups=4, per_group=3, steps=1, seed=11)
+    calls = 0
+    for i, event in enumerate(events):  # calls alternate between weights v1 (stale at v3) and v3
+        if isinstance(event, ModelRequestRecorded):
+            events[i] = msgspec.structs.replace(event, weights_version=1 if calls % 2 else 3)
+            calls += 1
+        elif isinstance(event, CustomEvent) and event.name == "train_step":
+            events[i] = msgspec.structs.replace(
+                event, payload={**event.payload, "weights_version": 3, "max_staleness": 1}
+            )
+    await store.append_many(events)
+    trained = collect_rollouts(events).rollouts
+    kept, dropped = drop_stale_calls(trained, 3, 1)
+    assert dropped > 0
+    live = build_step(kept, AdapterConfig())
+    (scheme,) = (await _replay(nats_url, run_id, step=0)).schemes
+    _assert_same(scheme, live)
+    assert scheme.summary.calls < build_step(trained, AdapterConfig()).stats.calls
 
 
 async def test_without_step_each_step_is_weighted_on_its_own(store: EventStore, nats_url: str, run_id: str) -> None:

@@ -25,6 +25,7 @@ from trainer.core.calls import (
 from trainer.core.config import AdapterConfig, AdapterConfigError, AdvantageLevel
 from trainer.core.dedup import dedup_calls
 from trainer.core.merge import MergeMode, MergeResult, Sample, merge_calls
+from trainer.core.rows import SampleRow, sample_row
 from trainer.core.staleness import TRAIN_STEP_EVENT, drop_stale_calls
 from trainer.core.step import (
     MergedRollout,
@@ -35,6 +36,7 @@ from trainer.core.step import (
     merge_rollout,
     merge_rollouts,
     rollout_advantages,
+    rollout_reward,
 )
 from trainer.core.weights import NORMS, Norm, loss_weights
 
@@ -57,6 +59,7 @@ __all__ = [
     "NotTrainable",
     "RolloutCalls",
     "Sample",
+    "SampleRow",
     "StepBatch",
     "StepStats",
     "build_step",
@@ -78,4 +81,6 @@ __all__ = [
     "plan_steps",
     "rollout_advantages",
     "rollout_calls",
+    "rollout_reward",
+    "sample_row",
 ]

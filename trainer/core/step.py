@@ -102,20 +102,24 @@ def merge_rollout(rollout: RolloutCalls, config: AdapterConfig, reward: float) -
     )
 
 
+def rollout_reward(rollout: RolloutCalls, config: AdapterConfig) -> float | None:
+    """The reward a rollout trains with: its own, else the configured fill (None: it is dropped)."""
+    return rollout.reward if rollout.reward is not None else config.fill_reward()
+
+
 def merge_rollouts(rollouts: Sequence[RolloutCalls], config: AdapterConfig) -> tuple[list[MergedRollout], int]:
     """Every rollout deduplicated and merged; rollouts without a reward dropped or filled.
 
     Returns the merged rollouts (input order) and how many were dropped for a missing reward.
     """
     seen: set[str] = set()
-    fill = config.fill_reward()
     merged: list[MergedRollout] = []
     dropped = 0
     for rollout in rollouts:
         if rollout.rollout_id in seen:
             raise ValueError(f"rollout {rollout.rollout_id} appears twice in the batch; pass each rollout once")
         seen.add(rollout.rollout_id)
-        reward = rollout.reward if rollout.reward is not None else fill
+        reward = rollout_reward(rollout, config)
         if reward is None:
             dropped += 1
             continue

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.clients import ServiceUrls
 from trainer.config import TrainConfig, config_from_mapping
 from trainer.display import StepDisplay
+from trainer.embedded import embedded_stack
 from trainer.loop import Trainer
 from trainer.metrics import MetricsLog, plot_curves
 from trainer.quickstart.forkserver import DEFAULT_MODULE, launcher_command
@@ -152,51 +152,12 @@ def fork_server(module: str = DEFAULT_MODULE, pythonpath: Sequence[Path] = (), *
             directory.rmdir()
 
 
-@contextlib.contextmanager
-def _engine_single_thread() -> Iterator[None]:
-    """Children started inside get one torch thread: the engine decodes one token at a time, where
-    threads only add synchronisation, and the other core stays free for agents and the trainer."""
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-
-
 def summarize(rows: list[dict[str, Any]]) -> tuple[float | None, float | None]:
     """The reward at the start (mean of the first two steps) and at the end (mean of the last three)."""
     rewards = [r["reward_mean"] for r in rows if isinstance(r.get("reward_mean"), int | float)]
     if not rewards:
         return None, None
     return statistics.fmean(rewards[:2]), statistics.fmean(rewards[-3:])
-
-
-@contextlib.contextmanager
-def embedded_stack(data_dir: Path, model_dir: Path, say: Callable[[str], None]) -> Iterator[ServiceUrls]:
-    """The embedded stack (free ports, the engine serving `model_dir`) for the duration; yields its URLs."""
-    from services.stack import Stack, StackConfig
-
-    with _engine_single_thread():
-        local = Stack(
-            StackConfig(data_dir=data_dir, nats_port=0, pg_port=0, gateway_port=0, engine_model=model_dir), say=say
-        )
-        endpoints = local.start()
-    try:
-        for line in endpoints.lines:
-            say(line)
-        assert endpoints.gateway_url and endpoints.engine_url
-        yield ServiceUrls(
-            gateway_url=endpoints.gateway_url,
-            nats_url=endpoints.nats_url,
-            engine_url=endpoints.engine_url,
-            admin_token=endpoints.admin_token,
-        )
-    finally:
-        local.stop()
 
 
 def run_quickstart(options: QuickstartOptions, say: Callable[[str], None] = print) -> QuickstartResult:
