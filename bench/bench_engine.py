@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from services.embedded import free_port
+from services.devstack.embedded import free_port
 from services.engine.tiny_model import build_tiny_model
 
 SHORT = [{"role": "user", "content": "Say hello."}]

@@ -47,8 +47,8 @@ from schemas import (
     RolloutStatusChanged,
     RunStarted,
 )
-from services.embedded import NatsServer, PostgresServer, free_port
-from services.eventstore import EventStore
+from services.devstack.embedded import NatsServer, PostgresServer, free_port
+from services.common.eventstore import EventStore
 from services.projector.__main__ import run
 from services.projector.migrate import migrate
 from services.projector.pgstore import NOTIFY_CHANNEL

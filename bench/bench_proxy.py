@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "tests" / "gateway"))
 
 from agl_env import agl_python, setup  # noqa: E402
 
-from services.embedded import NatsServer, free_port  # noqa: E402
+from services.devstack.embedded import NatsServer, free_port  # noqa: E402
 
 ADMIN = "bench-admin"
 RUN = "bench"

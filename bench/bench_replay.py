@@ -44,9 +44,9 @@ from schemas import (
     RolloutCreated,
     RolloutStatusChanged,
 )
-from services.embedded import NatsServer
-from services.eventstore import EventStore
-from services.replay.replay import default_workers
+from services.devstack.embedded import NatsServer
+from services.common.eventstore import EventStore
+from services.tools.replay import default_workers
 
 GROUP = 8
 IN_FLIGHT = 256
@@ -148,7 +148,7 @@ class PeakRss:
 
 async def child(mode: str, url: str, run_id: str, workers: int | None) -> dict[str, float]:
     """One measurement, in its own process so its memory is its own."""
-    from services.replay.replay import replay_run
+    from services.tools.replay import replay_run
     from trainer.core import AdapterConfig, build_step, collect_rollouts
 
     store = await EventStore.connect(url, ensure=False)
@@ -191,7 +191,7 @@ def measure(mode: str, url: str, run_id: str, workers: int | None = None) -> dic
 
 
 def idle_rss() -> float:
-    code = "import resource, services.replay.replay, services.eventstore; "
+    code = "import resource, services.tools.replay, services.common.eventstore; "
     code += "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
     return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
 

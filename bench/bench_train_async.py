@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import ModelRequestRecorded
-from services.eventstore import EventStore
+from services.common.eventstore import EventStore
 from trainer.clients import ServiceUrls
 from trainer.embedded import embedded_stack
 from trainer.loop import Trainer

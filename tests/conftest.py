@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from schemas import new_id
-from services.embedded import NatsServer, PostgresServer
-from services.eventstore import EventStore
+from services.devstack.embedded import NatsServer, PostgresServer
+from services.common.eventstore import EventStore
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,7 @@ def train(
     """Train a model with RL through its agent harness, as CONFIG.toml describes."""
     import msgspec
 
-    from services.stack import StackError
+    from services.devstack.stack import StackError
     from trainer.checkpoint import CheckpointError
     from trainer.clients import GatewayError
     from trainer.config import load_config
@@ -96,7 +96,7 @@ def quickstart(
     rollouts_per_task: int = typer.Option(4, help="Rollouts of each task (one group)."),
 ) -> None:
     """Run RL on a tiny model on this CPU, end to end: stack, agents, updates, a reward curve."""
-    from services.stack import StackError
+    from services.devstack.stack import StackError
     from trainer.clients import GatewayError
     from trainer.loop import TrainingError
     from trainer.quickstart.run import QuickstartOptions, run_quickstart

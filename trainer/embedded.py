@@ -32,7 +32,7 @@ def _engine_single_thread() -> Iterator[None]:
 @contextlib.contextmanager
 def embedded_stack(data_dir: Path, model_dir: Path, say: Callable[[str], None]) -> Iterator[ServiceUrls]:
     """The embedded stack (free ports, the engine serving `model_dir`) for the duration; yields its URLs."""
-    from services.stack import Stack, StackConfig
+    from services.devstack.stack import Stack, StackConfig
 
     with _engine_single_thread():
         local = Stack(

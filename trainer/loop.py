@@ -40,7 +40,7 @@ import msgspec
 
 from schemas.events import TERMINAL_STATUSES, CustomEvent
 from schemas.runs import RunSpec
-from services.eventstore import EventStore
+from services.common.eventstore import EventStore
 from trainer.backend import CpuBackend, UpdateMetrics
 from trainer.checkpoint import InFlightGroup, RunDir, TrainerState
 from trainer.clients import EngineClient, GatewayClient, NewRollout, ServiceUrls

@@ -23,7 +23,7 @@ import msgspec
 from schemas import CustomEvent, RolloutStatusChanged
 from schemas.events import TERMINAL_STATUSES
 from schemas.ids import ROLLOUT_STATUS
-from services.eventstore import EventStore
+from services.common.eventstore import EventStore
 from trainer.checkpoint import InFlightGroup
 from trainer.core import MalformedCall, NotTrainable, RolloutCalls, rollout_calls
 

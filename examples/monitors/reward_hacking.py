@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from schemas import ModelRequestRecorded
-from services.eventstore import StoredEvent
-from services.replay.monitor import Monitor, Severity, monitor_main
+from services.common.eventstore import StoredEvent
+from services.tools.monitor import Monitor, Severity, monitor_main
 
 NAME = "reward-hacking"
 PATTERN = "rl.*.rollout.*.model_request"

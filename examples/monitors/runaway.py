@@ -20,8 +20,8 @@ import msgspec
 
 from schemas import TERMINAL_STATUSES, ModelRequestRecorded, RolloutStatusChanged
 from schemas.ids import MODEL_REQUEST
-from services.eventstore import StoredEvent
-from services.replay.monitor import Monitor, monitor_main
+from services.common.eventstore import StoredEvent
+from services.tools.monitor import Monitor, monitor_main
 
 NAME = "runaway"
 PATTERN = "rl.*.rollout.*.model_request"

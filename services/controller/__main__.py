@@ -18,7 +18,7 @@ import time
 from services.controller.gateway import GatewayClient
 from services.controller.reconciler import Controller
 from services.controller.settings import SettingsError, build_settings, parse_args
-from services.eventstore import EventStore, EventStoreError
+from services.common.eventstore import EventStore, EventStoreError
 
 GATEWAY_WAIT_S = 60.0
 

@@ -93,7 +93,7 @@ from services.controller.gateway import (
 )
 from services.controller.settings import ControllerSettings
 from services.controller.view import NOT_LAUNCHED, Attempt, Rollout, RunSpecError, fold, spec_from_event
-from services.eventstore import EventStore, EventStoreError, StoredEvent
+from services.common.eventstore import EventStore, EventStoreError, StoredEvent
 
 log = logging.getLogger("rollwire.controller")
 

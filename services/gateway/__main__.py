@@ -17,7 +17,7 @@ import sys
 import msgspec
 import uvicorn
 
-from services.eventstore import EventStore, EventStoreError
+from services.common.eventstore import EventStore, EventStoreError
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings, SettingsError, settings_from_env
 

@@ -34,7 +34,7 @@ from schemas import (
 from schemas.ids import RUN_SUBJECT
 from schemas.runs import RunSpec
 from schemas.transitions import IllegalTransition
-from services.eventstore import ConcurrencyConflict, StoredEvent
+from services.common.eventstore import ConcurrencyConflict, StoredEvent
 from services.gateway import bodies
 from services.gateway.auth import Admin, AttemptScope, Principal
 from services.gateway.context import Gateway

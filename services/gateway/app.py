@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas import PhaseChanged
-from services.eventstore import EventStore, StoredEvent
+from services.common.eventstore import EventStore, StoredEvent
 from services.gateway import api, bodies
 from services.gateway.auth import Authenticator, TokenSigner
 from services.gateway.context import Gateway

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from schemas import Event
-from services.eventstore import Appended, EventStore, StoredEvent
+from services.common.eventstore import Appended, EventStore, StoredEvent
 from services.gateway.auth import Admin, AttemptScope, Authenticator, Principal
 from services.gateway.errors import forbidden, not_found, unauthorized
 from services.gateway.idempotency import IdempotencyCache

@@ -10,7 +10,7 @@ import nats.errors
 import nats.js.errors
 
 from schemas import IllegalTransition, InvalidId, MalformedEvent
-from services.eventstore import ConcurrencyConflict, EventStoreUnavailable
+from services.common.eventstore import ConcurrencyConflict, EventStoreUnavailable
 
 RETRY_AFTER_S = 2
 _encoder = msgspec.json.Encoder()

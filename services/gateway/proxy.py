@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from schemas import ModelRequestRecorded, new_id
-from services.eventstore import EventStoreUnavailable
+from services.common.eventstore import EventStoreUnavailable
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, forbidden, not_found, translate, unauthorized, unavailable

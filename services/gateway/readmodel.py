@@ -23,7 +23,7 @@ from schemas import (
     is_terminal,
 )
 from schemas.ids import RUN_SUBJECT, check_id
-from services.eventstore import EventStore, StoredEvent
+from services.common.eventstore import EventStore, StoredEvent
 
 # Subjects a rollout view is folded from (model requests and custom events do not change it).
 VIEW_SUFFIXES = ("created", "status", "attempt", "reward")

@@ -27,7 +27,7 @@ from schemas import (
     RunStarted,
     check_id,
 )
-from services.eventstore import EventStore, StoredEvent
+from services.common.eventstore import EventStore, StoredEvent
 from services.gateway.readmodel import RolloutView, apply
 
 ROLLOUT_PATTERNS = ("rl.*.rollout.*.created", "rl.*.rollout.*.status", "rl.*.rollout.*.attempt")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas import CustomEvent, ModelRequestRecorded, RewardReported, to_dict
-from services.eventstore import StoredEvent
+from services.common.eventstore import StoredEvent
 from services.gateway.readmodel import RolloutView
 
 AGL_DEFAULT_CONFIG: dict[str, Any] = {"timeout_seconds": 3600, "local": None, "k8s": None}

@@ -26,7 +26,7 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 
 from services.projector.reader import PostgresRolloutReader, ProjectionBehind, ReadModelUnavailable
-from services.viewer import mount_viewer
+from services.projector.viewer import mount_viewer
 
 RETRY_AFTER_S = 2
 _json = msgspec.json.Encoder()

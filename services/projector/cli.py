@@ -1,4 +1,4 @@
-"""`rollwire projector ...`: commands on the read models (mounted by `services.cli`).
+"""`rollwire projector ...`: commands on the read models (mounted by `services.devstack.cli`).
 
 rollwire projector rebuild              # drop every read model; project the stream again
 rollwire projector rebuild --run r42    # re-fold one run, in place, in one transaction
@@ -15,7 +15,7 @@ import asyncpg
 import typer
 
 from schemas.ids import STREAM_NAME
-from services.eventstore import EventStore
+from services.common.eventstore import EventStore
 from services.projector import pgstore
 from services.projector.migrate import MigrationError, migrate
 

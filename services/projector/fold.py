@@ -29,7 +29,7 @@ from schemas import (
     RolloutStatusChanged,
     RunStarted,
 )
-from services.eventstore import StoredEvent
+from services.common.eventstore import StoredEvent
 from services.gateway.readmodel import RolloutView, apply
 from services.projector import chains as chain_state
 from services.projector.flags import flag_names

@@ -23,7 +23,7 @@ import msgspec
 
 from schemas import ModelRequestRecorded, check_id, from_dict
 from schemas.ids import STREAM_NAME
-from services.eventstore import StoredEvent
+from services.common.eventstore import StoredEvent
 from services.gateway.readmodel import RolloutQuery, RolloutView, RunView
 from services.projector.migrate import migrate
 from services.projector.packing import unpack_float64, unpack_int32

@@ -16,7 +16,7 @@ import asyncpg
 
 from schemas import check_id
 from schemas.ids import RUN_ALL
-from services.eventstore import EventStore
+from services.common.eventstore import EventStore
 from services.projector import pgstore
 from services.projector.fold import fold_batch
 from services.projector.incoming import Incoming, prepare

@@ -35,7 +35,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas.ids import STREAM_NAME, STREAM_SUBJECTS
-from services.eventstore import EventStore, EventStoreUnavailable, raise_if_cancelling
+from services.common.eventstore import EventStore, EventStoreUnavailable, raise_if_cancelling
 from services.projector import pgstore
 from services.projector.backlog import Backlog
 from services.projector.incoming import Incoming, prepare

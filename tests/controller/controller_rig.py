@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from services.embedded import free_port
+from services.devstack.embedded import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 AGENTS = REPO / "examples" / "agents"

@@ -22,7 +22,7 @@ from services.controller.backends.base import ExecutionKey
 from services.controller.gateway import GatewayClient
 from services.controller.reconciler import Controller
 from services.controller.settings import ControllerSettings
-from services.eventstore import EventStore
+from services.common.eventstore import EventStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "k8s"))
 from fake_apiserver import FakeApiServer

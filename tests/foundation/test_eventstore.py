@@ -8,7 +8,7 @@ import time
 import pytest
 
 from schemas import CustomEvent, RewardReported, RolloutCreated, RolloutStatusChanged
-from services.eventstore import ConcurrencyConflict, EventStore, EventStoreUnavailable, raise_if_cancelling
+from services.common.eventstore import ConcurrencyConflict, EventStore, EventStoreUnavailable, raise_if_cancelling
 
 
 async def test_append_then_read_in_order(store: EventStore, run_id: str) -> None:

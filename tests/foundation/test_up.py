@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from schemas import RewardReported
-from services.embedded import free_port
-from services.eventstore import EventStore
+from services.devstack.embedded import free_port
+from services.common.eventstore import EventStore
 
-ROLLWIRE = [sys.executable, "-m", "services.cli"]
+ROLLWIRE = [sys.executable, "-m", "services.devstack.cli"]
 
 
 def start_up(data_dir: Path, *extra: str) -> tuple[subprocess.Popen[str], dict[str, str]]:

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from services.embedded import free_port
+from services.devstack.embedded import free_port
 from services.gateway import GatewaySettings
 
 ADMIN = "admin-token-for-tests"

@@ -18,7 +18,7 @@ from agl_env import agl_python
 from fake_vllm import FakeVLLM
 from gw_harness import ADMIN, GatewayHandle, Served, gateway_settings
 
-from services.embedded import NatsServer
+from services.devstack.embedded import NatsServer
 from services.gateway import create_app
 
 AGENT = '''

@@ -10,7 +10,7 @@ from fake_vllm import FakeVLLM
 from gw_harness import ADMIN, GatewayHandle
 
 from schemas import RolloutStatusChanged
-from services.eventstore import EventStore
+from services.common.eventstore import EventStore
 from services.gateway.auth import TokenSigner
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

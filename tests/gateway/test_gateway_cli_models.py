@@ -11,7 +11,7 @@ from fake_vllm import FakeVLLM
 from gw_harness import ADMIN, GatewayHandle
 from typer.testing import CliRunner
 
-from services.cli import app
+from services.devstack.cli import app
 
 CHAT = {"model": "cli-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -38,7 +38,7 @@ def test_register_then_proxy_reaches_the_endpoint(gateway: GatewayHandle, fake_v
 
 def test_a_wrong_token_is_one_line(gateway: GatewayHandle) -> None:
     env = {**os.environ, "ROLLWIRE_GATEWAY_URL": gateway.url, "ROLLWIRE_ADMIN_TOKEN": "wrong"}
-    command = [sys.executable, "-m", "services.cli", "models", "register", "x", "http://127.0.0.1:1/v1"]
+    command = [sys.executable, "-m", "services.devstack.cli", "models", "register", "x", "http://127.0.0.1:1/v1"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from services.embedded import free_port
+from services.devstack.embedded import free_port
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from services.embedded import free_port
+from services.devstack.embedded import free_port
 from services.gateway.upstream import UpstreamClient, UpstreamError, UpstreamTimeout
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"

@@ -11,7 +11,7 @@ import openai
 from fake_vllm import FakeVLLM
 from gw_harness import ADMIN, GatewayHandle, Served, gateway_settings
 
-from services.embedded import NatsServer
+from services.devstack.embedded import NatsServer
 from services.gateway import create_app
 
 CHAT: Any = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -67,7 +67,7 @@ async def test_update_waits_for_in_flight_calls_and_holds_new_ones(
 
 async def gateway_store_read(gateway: GatewayHandle, subject: str):  # type: ignore[no-untyped-def]
     """Read events through a store of this test's own loop."""
-    from services.eventstore import EventStore
+    from services.common.eventstore import EventStore
 
     store = await EventStore.connect(gateway.settings.nats_url)
     try:

@@ -26,7 +26,7 @@ from schemas import (
     RunStarted,
     decode,
 )
-from services.eventstore import EventStore, StoredEvent
+from services.common.eventstore import EventStore, StoredEvent
 from services.gateway.readmodel import RolloutView, apply
 from services.projector.flags import call_flags, flag_names
 from services.projector.reader import PostgresRolloutReader

@@ -13,7 +13,7 @@ import asyncpg
 import uvicorn
 from fastapi import FastAPI
 
-from services.embedded import free_port
+from services.devstack.embedded import free_port
 from services.projector.service import Projector, ProjectorSettings
 
 

@@ -7,7 +7,7 @@ import asyncpg
 import httpx
 from projector_support import ServerThread, running_projector
 
-from services.embedded import NatsServer, free_port
+from services.devstack.embedded import NatsServer, free_port
 from services.gateway import GatewaySettings, create_app
 from services.projector.api import install_read_side
 from services.projector.reader import PostgresRolloutReader

@@ -13,8 +13,8 @@ import asyncpg
 from projector_scenarios import ROLLOUTS, RUNS, StreamBuilder, load_events, message, random_ops
 from projector_support import running_projector, wait_applied
 
-from services.embedded import NatsServer
-from services.eventstore import EventStore
+from services.devstack.embedded import NatsServer
+from services.common.eventstore import EventStore
 from services.gateway.readmodel import RolloutQuery, StreamRolloutReader
 from services.projector.reader import PostgresRolloutReader
 

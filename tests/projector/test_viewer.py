@@ -20,10 +20,10 @@ from projector_support import ServerThread, running_projector, wait_applied
 from viewer_demo import RUN, demo_events, word_tokenizer_json
 
 from schemas import RewardReported, RolloutStatusChanged
-from services.embedded import NatsServer
-from services.eventstore import EventStore
+from services.devstack.embedded import NatsServer
+from services.common.eventstore import EventStore
 from services.projector.reader import PostgresRolloutReader
-from services.viewer import bearer_check, mount_viewer
+from services.projector.viewer import bearer_check, mount_viewer
 
 CHROMIUM = Path("/usr/bin/chromium")
 TOKEN = "viewer-test-token"

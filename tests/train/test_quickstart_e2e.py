@@ -22,9 +22,9 @@ import pytest
 from safetensors.torch import load_file
 
 from schemas import ModelRequestRecorded, PhaseChanged, RewardReported
-from services.embedded import NatsServer
-from services.eventstore import EventStore
-from services.replay.replay import replay_run
+from services.devstack.embedded import NatsServer
+from services.common.eventstore import EventStore
+from services.tools.replay import replay_run
 from trainer.quickstart.run import QuickstartOptions, run_quickstart
 from trainer.quickstart.warmstart import WarmStartConfig, ensure_warm_model
 

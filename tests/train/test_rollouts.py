@@ -12,7 +12,7 @@ from schemas import (
     RolloutCreated,
     RolloutStatusChanged,
 )
-from services.eventstore import EventStore
+from services.common.eventstore import EventStore
 from trainer.checkpoint import InFlightGroup
 from trainer.core import Call, RolloutCalls, drop_stale_calls
 from trainer.rollouts import StatusWatch, replay_group

@@ -16,7 +16,7 @@ is keyed by it, and every method is safe to repeat:
     cleanup(keep)    delete every execution whose rollout is not in `keep`; returns how many
     close()          release connections and threads; executions keep running
 
-What the agent receives (every backend, same names; see `services/agentkit.py`):
+What the agent receives (every backend, same names; see `services/agentkit/`):
 
     the `LaunchSpec.env` variables as given (OPENAI_BASE_URL, OPENAI_API_KEY, ROLLWIRE_TOKEN,
     ROLLWIRE_EVENTS_URL, ROLLWIRE_RUN_ID, ROLLWIRE_ROLLOUT_ID, ROLLWIRE_ATTEMPT_ID, ...), plus

@@ -1,6 +1,6 @@
 """The JSON Schema of `rollwire replay --format json`, generated from the report's Structs.
 
-`report.schema.json` beside this file is the committed copy; `python -m services.replay.schema`
+`report.schema.json` beside this file is the committed copy; `python -m services.tools.schema`
 rewrites it, and a test fails when it is stale.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from services.replay.replay import ReplayReport
+from services.tools.replay import ReplayReport
 
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
 

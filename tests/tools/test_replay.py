@@ -23,9 +23,9 @@ from schemas import (
     RolloutStatusChanged,
     RunStarted,
 )
-from services.eventstore import EventStore
-from services.replay.replay import ReplayReport, replay_run
-from services.replay.schemes import parse_spec
+from services.common.eventstore import EventStore
+from services.tools.replay import ReplayReport, replay_run
+from services.tools.schemes import parse_spec
 from trainer.core import AdapterConfig, AdapterConfigError, StepBatch, build_step, collect_rollouts, drop_stale_calls
 
 Rollwire = Callable[..., CliResult]

@@ -11,11 +11,11 @@ from pathlib import Path
 import typer
 
 from schemas import InvalidId, MalformedEvent
-from services.embedded import EmbeddedServerError
-from services.eventstore import EventStoreError
+from services.devstack.embedded import EmbeddedServerError
+from services.common.eventstore import EventStoreError
 from services.projector import cli as projector_cli
-from services.replay import cli as replay_cli
-from services.stack import DEFAULT_GATEWAY_PORT, DEFAULT_NATS_PORT, DEFAULT_PG_PORT, StackConfig, StackError
+from services.tools import cli as replay_cli
+from services.devstack.stack import DEFAULT_GATEWAY_PORT, DEFAULT_NATS_PORT, DEFAULT_PG_PORT, StackConfig, StackError
 from trainer import cli as trainer_cli
 
 app = typer.Typer(
@@ -48,7 +48,7 @@ def up(
     services: str = typer.Option("all", help="Comma-separated services to start, 'all' or 'none'."),
 ) -> None:
     """Run the whole stack in the foreground: nats, Postgres and every service. Ctrl-C stops it."""
-    from services.stack import run_foreground
+    from services.devstack.stack import run_foreground
 
     config = StackConfig(
         data_dir=data_dir, gateway_port=gateway_port, nats_port=nats_port, pg_port=pg_port, external=external
@@ -74,7 +74,7 @@ def models_register(
     admin_token: str = typer.Option(..., envvar="ROLLWIRE_ADMIN_TOKEN", help="The gateway's admin token."),
 ) -> None:
     """Route proxy calls for NAME to an OpenAI-compatible endpoint (a vLLM server, the embedded engine)."""
-    from services.stack import register_model
+    from services.devstack.stack import register_model
 
     register_model(gateway_url, admin_token, name, base_url, served_model=served_model, run_id=run_id)
     print(f"registered {name} -> {base_url}")

@@ -3,9 +3,9 @@
     store = await EventStore.connect(url)
     report = await replay_run(store, "r42", compare=["rollout-mean", "seq-mean-token-mean"])
 
-The run is read group by group (`services.replay.source`), every unit goes through the adapter
-under each scheme (`services.replay.report`), and with two or more schemes the rollouts' loss
-weights are compared (`services.replay.compare`).
+The run is read group by group (`services.tools.source`), every unit goes through the adapter
+under each scheme (`services.tools.report`), and with two or more schemes the rollouts' loss
+weights are compared (`services.tools.compare`).
 
 Decoding calls and merging them is CPU work, reading the stream mostly waiting and parsing. So a
 large run is replayed by worker processes: this process reads a chunk of whole groups as raw
@@ -26,11 +26,11 @@ from typing import Any
 
 import msgspec
 
-from services.eventstore import EventStore
-from services.replay.compare import Comparison, compare
-from services.replay.report import SchemeAccumulator, SchemeReport, UnitRows, unit_rows
-from services.replay.schemes import base_config, schemes
-from services.replay.source import CALL_BUDGET, RunIndex, UnitInput, index_run, plan_units, stream_chunks, unit_rollouts
+from services.common.eventstore import EventStore
+from services.tools.compare import Comparison, compare
+from services.tools.report import SchemeAccumulator, SchemeReport, UnitRows, unit_rows
+from services.tools.schemes import base_config, schemes
+from services.tools.source import CALL_BUDGET, RunIndex, UnitInput, index_run, plan_units, stream_chunks, unit_rollouts
 from trainer.core import AdapterConfig
 
 REPORT_VERSION = 1

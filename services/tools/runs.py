@@ -15,8 +15,8 @@ import nats.js.errors
 
 from schemas import RunStarted, decode
 from schemas.ids import RUN_ALL, RUN_SUBJECT, STREAM_SUBJECTS
-from services.eventstore import EventStore
-from services.replay.source import StreamMissing, subject_counts
+from services.common.eventstore import EventStore
+from services.tools.source import StreamMissing, subject_counts
 
 
 class RunSize(msgspec.Struct, kw_only=True):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.replay.report import SchemeReport
+from services.tools.report import SchemeReport
 
 TOLERANCE = 1e-12
 """Relative change below which a rollout's weight counts as unchanged (floating-point noise)."""

@@ -8,6 +8,6 @@ prompts and rewards an untrusted agent must not read), which the page asks for o
 in the browser (or takes from `/ui/#token=...`).
 """
 
-from services.viewer.app import bearer_check, mount_viewer
+from services.projector.viewer.app import bearer_check, mount_viewer
 
 __all__ = ["bearer_check", "mount_viewer"]

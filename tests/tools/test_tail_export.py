@@ -25,9 +25,9 @@ from schemas import (
     RolloutStatusChanged,
     decode,
 )
-from services.eventstore import StoredEvent
-from services.replay.export import read_export
-from services.replay.tail import BadTime, parse_since, pretty
+from services.common.eventstore import StoredEvent
+from services.tools.export import read_export
+from services.tools.tail import BadTime, parse_since, pretty
 
 Rollwire = Callable[..., CliResult]
 
@@ -37,7 +37,7 @@ class Tail:
 
     def __init__(self, nats_url: str, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "tail", *args],
+            [sys.executable, "-m", "services.devstack.cli", "tail", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "NATS_URL": nats_url, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip

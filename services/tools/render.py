@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from services.replay.compare import RolloutShift
-from services.replay.replay import ReplayReport
-from services.replay.report import RunSummary, SchemeReport
+from services.tools.compare import RolloutShift
+from services.tools.replay import ReplayReport
+from services.tools.report import RunSummary, SchemeReport
 
 FORMATS = ("table", "json", "csv")
 CSV_COLUMNS = (
@@ -31,7 +31,7 @@ TABLE_ROWS = 20
 
 
 def to_json(report: ReplayReport) -> bytes:
-    """The whole report as one JSON document (schema: services/replay/README.md)."""
+    """The whole report as one JSON document (schema: services/tools/README.md)."""
     return msgspec.json.encode(report) + b"\n"
 
 

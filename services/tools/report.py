@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
-from services.replay.schemes import Scheme
+from services.tools.schemes import Scheme
 from trainer.core import (
     AdapterConfig,
     RolloutCalls,

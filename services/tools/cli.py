@@ -1,4 +1,4 @@
-"""The `rollwire replay`, `tail`, `export` and `runs` commands (wired into `services.cli`).
+"""The `rollwire replay`, `tail`, `export` and `runs` commands (wired into `services.devstack.cli`).
 
 Each is a thin shell over this package. Errors a user can cause (no such run, a wrong scheme, no
 server) print one line, `error: ...`, and exit non-zero (2 for a wrong option value, 1 otherwise).
@@ -17,13 +17,13 @@ from typing import TypeVar
 import typer
 
 from schemas import InvalidId, MalformedEvent
-from services.eventstore import EventStore, EventStoreError
-from services.replay.export import EXPORT_FORMATS, ExportUnavailable, export_run
-from services.replay.plot import PlotUnavailable
-from services.replay.render import FORMATS
-from services.replay.source import ReplayError, RunNotFound, run_exists
-from services.replay.tail import TAIL_FORMATS, BadTime, line, parse_since
-from services.stack import DEFAULT_NATS_PORT
+from services.common.eventstore import EventStore, EventStoreError
+from services.tools.export import EXPORT_FORMATS, ExportUnavailable, export_run
+from services.tools.plot import PlotUnavailable
+from services.tools.render import FORMATS
+from services.tools.source import ReplayError, RunNotFound, run_exists
+from services.tools.tail import TAIL_FORMATS, BadTime, line, parse_since
+from services.devstack.stack import DEFAULT_NATS_PORT
 from trainer.core import AdapterConfigError, MalformedCall
 
 T = TypeVar("T")
@@ -104,8 +104,8 @@ def replay(
 
     A --compare scheme is one or more of merge=.., advantage=.., estimator=.., std|no-std, norm=.. joined by '+'.
     """
-    from services.replay.render import render
-    from services.replay.replay import replay_run
+    from services.tools.render import render
+    from services.tools.replay import replay_run
 
     with _one_line_errors():
         _choice("--format", fmt, FORMATS)
@@ -119,7 +119,7 @@ def replay(
     )
     _write(render(report, fmt), out)
     if plot is not None:
-        from services.replay.plot import plot as draw
+        from services.tools.plot import plot as draw
 
         with _one_line_errors():
             draw(report, plot)
@@ -182,7 +182,7 @@ def export(
 
 def runs(nats_url: str = NATS_URL) -> None:
     """List the runs on the stream with their rollouts, events and bytes."""
-    from services.replay.runs import list_runs, runs_table
+    from services.tools.runs import list_runs, runs_table
 
     found = _run(nats_url, list_runs)
     sys.stdout.write(runs_table(found))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.replay.replay import ReplayReport
+from services.tools.replay import ReplayReport
 
 
 class PlotUnavailable(RuntimeError):

@@ -9,11 +9,11 @@ import pytest
 from agentrun import agent_run
 from replay_support import CliResult, publish
 
-from services.replay.schema import SCHEMA_PATH, schema_text
+from services.tools.schema import SCHEMA_PATH, schema_text
 
 
 def test_committed_schema_is_current() -> None:
-    assert SCHEMA_PATH.read_text() == schema_text(), "run `python -m services.replay.schema` and commit the file"
+    assert SCHEMA_PATH.read_text() == schema_text(), "run `python -m services.tools.schema` and commit the file"
 
 
 def test_a_report_validates_against_the_schema(rollwire: Callable[..., CliResult], nats_url: str, run_id: str) -> None:

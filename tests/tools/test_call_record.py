@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from schemas import ModelRequestRecorded, encode
-from services.replay.source import decode_call
+from services.tools.source import decode_call
 from trainer.core import call_from_event
 from trainer.core.calls import CallRecord
 

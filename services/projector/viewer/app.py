@@ -13,7 +13,7 @@ from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
 from services.projector.reader import PostgresRolloutReader, ReadModelUnavailable
-from services.viewer import queries
+from services.projector.viewer import queries
 
 STATIC = Path(__file__).parent / "static"
 Authorize = Callable[[Request], object]

@@ -21,8 +21,8 @@ from schemas import (
     RolloutCreated,
     RolloutStatusChanged,
 )
-from services.eventstore import EventStore
-from services.replay.monitor import Monitor
+from services.common.eventstore import EventStore
+from services.tools.monitor import Monitor
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "monitors"
 

@@ -37,7 +37,7 @@ import msgspec
 from schemas import MalformedEvent
 from schemas.events import AnyEvent, CustomEvent, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, RUN_ALL, check_id
-from services.eventstore import EventStore, StoredEvent, _stream_sequence
+from services.common.eventstore import EventStore, StoredEvent, _stream_sequence
 from trainer.core import TRAIN_STEP_EVENT, MalformedCall, NotTrainable, RolloutCalls, drop_stale_calls, rollout_calls
 from trainer.core.calls import CallRecord
 

@@ -31,7 +31,7 @@ from typing import IO
 
 import httpx
 
-from services.embedded import EmbeddedServerError, NatsServer, PostgresServer, free_port, port_in_use
+from services.devstack.embedded import EmbeddedServerError, NatsServer, PostgresServer, free_port, port_in_use
 
 DEFAULT_NATS_PORT = 14222
 DEFAULT_PG_PORT = 15432

@@ -21,7 +21,7 @@ from typing import IO, Any
 import msgspec
 
 from schemas import EVENT_TYPES, AnyEvent, ModelRegistered, decode, encode, from_dict, to_dict
-from services.eventstore import EventStore, StoredEvent
+from services.common.eventstore import EventStore, StoredEvent
 
 EXPORT_FORMATS = ("jsonl", "parquet")
 ROW_GROUP = 4096

@@ -34,7 +34,7 @@ import msgspec
 import nats.js.errors
 
 from schemas import AnyEvent, CustomEvent, Event, ModelRequestRecorded, check_id
-from services.eventstore import Appended, EventStore, EventStoreError, StartFrom, StoredEvent
+from services.common.eventstore import Appended, EventStore, EventStoreError, StartFrom, StoredEvent
 
 FLAG_EVENT = "flag"
 Severity = Literal["info", "warning", "critical"]

@@ -26,7 +26,7 @@ from schemas import (
     RunStarted,
     encode,
 )
-from services.eventstore import StoredEvent
+from services.common.eventstore import StoredEvent
 
 TAIL_FORMATS = ("pretty", "json")
 ID_CHARS = 14
