@@ -17,13 +17,14 @@ The loop calls `load` inside the phase gate, so no call runs while any replica c
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 from pathlib import Path
 from typing import Protocol
 
 from services.common.vllm import VllmReplicas, VllmServeSettings, start_replicas
 from trainer.backend import ADAPTERS_DIR
-from trainer.clients import EngineClient, ServiceUrls
+from trainer.clients import EngineClient, GatewayClient, ServiceUrls
 from trainer.config import TrainConfig
 from trainer.lora import adapter_names
 
@@ -102,6 +103,26 @@ class VllmEngine:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+async def register_replicas(gateway: GatewayClient, engine: ServingEngine, run_id: str, served_name: str) -> None:
+    """Register every replica with the gateway for the run: one model entry each, matched by the served name.
+
+    The proxy picks, among the entries whose name or served model is what the agent asked for,
+    one replica per rollout (a hash of its id), so a rollout keeps its replica's prefix cache.
+    """
+    endpoints = await engine.endpoints()
+    for index, (base_url, served) in enumerate(endpoints):
+        await gateway.register_model(
+            run_id,
+            name=served_name if len(endpoints) == 1 else f"{served_name}-r{index}",
+            base_url=base_url,
+            served_model=served,
+            weights_version=None,  # the engine, or else the proxy's phase, stamps each call's version
+            # The engine's address is part of the key: a resumed run's engine may listen elsewhere,
+            # and the same key would be taken for a repeat of the old registration.
+            key=f"{run_id}-model-{served_name}-{index}-{hashlib.sha256(base_url.encode()).hexdigest()[:12]}",
+        )
 
 
 async def connect_engine(config: TrainConfig, urls: ServiceUrls) -> ServingEngine:

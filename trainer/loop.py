@@ -55,7 +55,7 @@ from trainer.core import (
     sample_row,
 )
 from trainer.dataset import TaskOrder, load_jsonl
-from trainer.engines import ServingEngine, connect_engine
+from trainer.engines import ServingEngine, connect_engine, register_replicas
 from trainer.metrics import MetricsLog
 from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group
 
@@ -237,21 +237,7 @@ class Trainer:
     async def _serve(self, engine: ServingEngine, gateway: GatewayClient, version: int) -> None:
         """Make every engine replica serve the run's current weights and route the run's calls to them."""
         await engine.load(self.run_dir.weights(version).resolve(), version)
-        name = self.config.model.served_name
-        endpoints = await engine.endpoints()
-        for index, (base_url, served) in enumerate(endpoints):
-            # Replicas register under their own names; the proxy matches the served name and keeps
-            # each rollout on one replica (its prefix cache).
-            await gateway.register_model(
-                self.run_id,
-                name=name if len(endpoints) == 1 else f"{name}-r{index}",
-                base_url=base_url,
-                served_model=served,
-                weights_version=None,  # the engine, or else the proxy's phase, stamps each call's version
-                # The engine's address is part of the key: a resumed run's engine may listen elsewhere,
-                # and the same key would be taken for a repeat of the old registration.
-                key=f"{self.run_id}-model-{name}-{index}-{_digest(base_url)}",
-            )
+        await register_replicas(gateway, engine, self.run_id, self.config.model.served_name)
         # No idempotency key: a resumed run must reopen a gate its crash may have left closed.
         await gateway.set_phase(self.run_id, "rollout", version, key=None)
 

@@ -140,7 +140,10 @@ class VllmReplicas:
             raise ReplicaError(f"vLLM replica {url}: POST {path} failed: {exc}") from None
         if response.status_code >= 400:
             raise ReplicaError(f"vLLM replica {url}: POST {path}: {response.status_code} {_error_text(response)}")
-        return response.json() if response.content else None
+        try:
+            return response.json() if response.content else None
+        except ValueError:  # the LoRA routes answer in plain text
+            return response.text
 
     async def wait_ready(self, timeout_s: float = 900.0) -> None:
         """Wait until every replica answers `GET /health` (model loaded)."""
