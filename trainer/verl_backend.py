@@ -21,7 +21,6 @@ in peft's format (`trainer.lora`), plus the merged model for engines without ada
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -264,7 +263,3 @@ class VerlBackend:
                     for k, v in full_state(self.engine, adapter=name).items()}  # fmt: skip
         return full_state(self.engine)
 
-
-def follower_rank() -> bool:
-    """Whether this process is a torchrun rank other than 0 (it follows rank 0's backend calls)."""
-    return int(os.environ.get("RANK", "0")) != 0

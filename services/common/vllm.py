@@ -89,7 +89,7 @@ def find_executable(executable: str) -> str:
         shutil.which(executable) if os.sep not in executable else (executable if Path(executable).is_file() else None)
     )
     if not found:
-        raise FileNotFoundError(
+        raise ReplicaError(
             f"vLLM executable {executable!r} not found; install vLLM in its own environment "
             "(python -m venv ~/vllm-env && ~/vllm-env/bin/pip install vllm) and set engine.executable "
             "to ~/vllm-env/bin/vllm"
