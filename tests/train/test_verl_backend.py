@@ -51,7 +51,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_verl_matches_the_cpu_backend(tmp_path: Path, norm: str, lora_rank: int, verl_backend_factory) -> None:  # type: ignore[no-untyped-def]
     model = small_model(tmp_path)
     algorithm = AlgorithmSection(lr=1e-2, micro_batch_tokens=64, loss=LossSection(kl_coef=0.05))
-    settings = BackendSection(threads=1, lora_rank=lora_rank, lora_alpha=8.0)
+    settings = BackendSection(threads=1, lora_rank=lora_rank, lora_alpha=8)
     samples = renormalized(multi_turn_samples(0), norm)
     cpu = CpuBackend(model, algorithm, seed=0, settings=settings)
     verl = verl_backend_factory(model, algorithm, seed=0, settings=settings)
@@ -92,7 +92,7 @@ def test_one_adapter_per_role(tmp_path: Path, backend: str, verl_backend_factory
     """Each role's calls train its own adapter on one base model; the other adapter gets none of its gradient."""
     model = small_model(tmp_path)
     algorithm = AlgorithmSection(lr=1e-2, micro_batch_tokens=64)
-    settings = BackendSection(threads=1, lora_rank=4, lora_alpha=8.0,
+    settings = BackendSection(threads=1, lora_rank=4, lora_alpha=8,
                               lora_adapters={"planner": "planner", "coder": "coder"})  # fmt: skip
     make = CpuBackend if backend == "cpu" else verl_backend_factory
     samples = multi_turn_samples(0)
