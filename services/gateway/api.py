@@ -439,13 +439,15 @@ async def start_attempt(request: Request, rollout_id: str) -> Response:
 def _attempt_json(gw: Gateway, view: RolloutView, attempt_id: str, sequence: int, seq: int) -> dict[str, Any]:
     base = gw.settings.base_url
     rid = view.rollout_id
+    proxy = f"{base}/proxy/rollout/{rid}/attempt/{attempt_id}/mode/{view.mode}"
     return {
         "rollout_id": rid,
         "run_id": view.run_id,
         "attempt_id": attempt_id,
         "sequence": sequence,
         "token": gw.auth.signer.issue("agent", view.run_id, rid, attempt_id),
-        "proxy_base_url": f"{base}/proxy/rollout/{rid}/attempt/{attempt_id}/mode/{view.mode}/openai/v1",
+        "proxy_base_url": f"{proxy}/openai/v1",
+        "anthropic_base_url": f"{proxy}/anthropic",
         "events_url": f"{base}/api/rollouts/{rid}/attempt/{attempt_id}/events",
         "seq": seq,
     }

@@ -7,7 +7,12 @@ streamed, the prompt ids come in the first chunk and `token_ids` as per-chunk de
 
 Every served choice is appended to `served` (prompt ids, token ids, logprobs, finish reason), so a
 test can check what the gateway recorded against what was actually sampled. Knobs: `delay_s`,
-`token_delay_s` (between streamed chunks), `fail_status`, `hang_s`, `weights_version`.
+`token_delay_s` (between streamed chunks), `fail_status`, `hang_s`, `weights_version`, `reasoning`
+(text sent as vLLM's `reasoning_content` before the answer, as a reasoning parser does).
+
+With tools, the first call of a turn calls the first tool (arguments `{"x": N}`) and the call after
+its result (last message role `tool`) answers in text and stops (`finish_reason: stop`; otherwise
+answers run to `max_tokens`), so an agent loop completes one tool round trip and ends its turn.
 
     python tests/gateway/fake_vllm.py --port 9000        # serve until interrupted (the benchmark does this)
 """
@@ -76,6 +81,7 @@ class FakeVLLM:
         self.token_delay_s = 0.0
         self.fail_status: int | None = None
         self.hang_s = 0.0
+        self.reasoning: str | None = None
         self.record = True
         self.served: list[dict[str, Any]] = []
         self.requests: list[dict[str, Any]] = []
@@ -87,6 +93,7 @@ class FakeVLLM:
         """Forget served calls and restore the default knobs."""
         self.delay_s = self.token_delay_s = self.hang_s = 0.0
         self.fail_status = None
+        self.reasoning = None
         self.served.clear()
         self.requests.clear()
         self.aborted = self.started = 0
@@ -149,7 +156,10 @@ class FakeVLLM:
         prompt = prompt_ids(request.get("messages") or [])
         count = int(request.get("max_tokens") or request.get("max_completion_tokens") or 8)
         tools = request.get("tools") or []
-        use_tool = bool(tools) and request.get("tool_choice") != "none"
+        messages = request.get("messages") or [{}]
+        # A scripted agent turn: call the first tool, then answer in text once its result is in.
+        answered = isinstance(messages[-1], dict) and messages[-1].get("role") == "tool"
+        use_tool = bool(tools) and request.get("tool_choice") != "none" and not answered
         choices = []
         for index in range(int(request.get("n") or 1)):
             tokens, logprobs = sample(prompt, index, count)
@@ -158,7 +168,7 @@ class FakeVLLM:
                 "tokens": tokens,
                 "logprobs": logprobs,
                 "pieces": detokenize(tokens),
-                "finish_reason": "length",
+                "finish_reason": "stop" if answered else "length",
             }
             if use_tool:
                 name = tools[0].get("function", {}).get("name", "tool")
@@ -188,6 +198,8 @@ class FakeVLLM:
         for c in choices:
             text = None if "tool_call" in c else "".join(c["pieces"])
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.reasoning:
+                message["reasoning_content"] = self.reasoning
             if "tool_call" in c:
                 message["tool_calls"] = [c["tool_call"]]
             choice: dict[str, Any] = {
@@ -269,6 +281,10 @@ class FakeVLLM:
                     ),
                 }
             )
+            if self.reasoning:
+                thought = [{"index": c["index"], "delta": {"reasoning_content": self.reasoning}, "finish_reason": None}
+                           for c in choices]  # fmt: skip
+                await send({"type": "http.response.body", "more_body": True, "body": chunk(thought)})
             steps = max(len(c["tokens"]) for c in choices)
             for step in range(steps):
                 if self.token_delay_s:
