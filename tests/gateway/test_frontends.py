@@ -65,7 +65,11 @@ def test_responses_plain_and_streaming(gateway: GatewayHandle, fake_vllm: FakeVL
     assert plain.status == "incomplete" and plain.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
     assert len(plain.output_text.split()) == 5
     assert plain.usage is not None and plain.usage.output_tokens == 5
-    events = list(oai.responses.create(model="fake", input=[{"role": "user", "content": QUESTION}], max_output_tokens=6, stream=True))
+    events = list(
+        oai.responses.create(
+            model="fake", input=[{"role": "user", "content": QUESTION}], max_output_tokens=6, stream=True
+        )
+    )
     kinds = [e.type for e in events]
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     final = events[-1].response  # type: ignore[union-attr]
@@ -99,7 +103,10 @@ async def test_responses_tool_round_trip_merges_like_chat(
         )
         call = next(item for item in first.output if item.type == "function_call")
         assert call.name == "search" and call.arguments.startswith('{"x":')
-        items += [call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}]
+        items += [
+            call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": RESULT},
+        ]
         second = oai.responses.create(
             model="fake", instructions=SYSTEM, input=items, tools=RESPONSES_TOOLS, max_output_tokens=4, stream=True
         )
@@ -133,7 +140,7 @@ def test_previous_response_id_continues_from_the_recorded_call(
     assert calls[1]["prompt_ids"][: len(calls[0]["prompt_ids"])] == calls[0]["prompt_ids"]
     with pytest.raises(openai.NotFoundError, match="previous response"):
         oai.responses.create(model="fake", previous_response_id="resp_nope", input="x")
-    other_rollout, other = gateway.running(run_id, fake_vllm.url)
+    _other_rollout, other = gateway.running(run_id, fake_vllm.url)
     with pytest.raises(openai.NotFoundError, match="previous response"):  # another attempt's call is not ours
         _clients(other)[0].responses.create(model="fake", previous_response_id=first.id, input="x")
 
@@ -201,7 +208,9 @@ async def test_anthropic_tool_round_trip_merges_like_chat(
 
     def round_trip() -> str:
         messages: Any = [{"role": "user", "content": QUESTION}]
-        first = claude.messages.create(model="fake", max_tokens=4, system=SYSTEM, messages=messages, tools=ANTHROPIC_TOOLS)
+        first = claude.messages.create(
+            model="fake", max_tokens=4, system=SYSTEM, messages=messages, tools=ANTHROPIC_TOOLS
+        )
         assert first.stop_reason == "tool_use"
         use = next(b for b in first.content if b.type == "tool_use")
         assert use.name == "search" and isinstance(use.input, dict)
@@ -240,7 +249,9 @@ def test_anthropic_extras_and_errors(gateway: GatewayHandle, fake_vllm: FakeVLLM
     _rollout, attempt = gateway.running(run_id, fake_vllm.url)
     _, claude = _clients(attempt)
     base = attempt["anthropic_base_url"]
-    counted = claude.messages.count_tokens(model="fake", system=SYSTEM, messages=[{"role": "user", "content": QUESTION}])
+    counted = claude.messages.count_tokens(
+        model="fake", system=SYSTEM, messages=[{"role": "user", "content": QUESTION}]
+    )
     claude.messages.create(model="fake", max_tokens=1, system=SYSTEM, messages=[{"role": "user", "content": QUESTION}])
     assert counted.input_tokens == len(fake_vllm.served[-1]["prompt_ids"]) > 0
     assert httpx.head(base).status_code == 200
@@ -267,12 +278,18 @@ def test_openai_errors_name_the_reason(gateway: GatewayHandle, fake_vllm: FakeVL
     with pytest.raises(openai.AuthenticationError, match="token"):
         openai.OpenAI(base_url=attempt["proxy_base_url"], api_key="wrong").responses.create(model="fake", input="hi")
     other = gateway.create(run_id)[0]
-    url = attempt["proxy_base_url"].replace(attempt["attempt_id"], "nope").replace(_rollout["rollout_id"], other["rollout_id"])
+    url = (
+        attempt["proxy_base_url"]
+        .replace(attempt["attempt_id"], "nope")
+        .replace(_rollout["rollout_id"], other["rollout_id"])
+    )
     admin = openai.OpenAI(base_url=url, api_key=gateway.settings.admin_token)
     with pytest.raises(openai.NotFoundError, match="has no attempt nope") as missing:
         admin.responses.create(model="fake", input="hi")
     assert missing.value.body["type"] == "not_found_error"  # type: ignore[index]
-    unserved = httpx.post(attempt["proxy_base_url"] + "/embeddings", headers={"authorization": f"Bearer {attempt['token']}"})
+    unserved = httpx.post(
+        attempt["proxy_base_url"] + "/embeddings", headers={"authorization": f"Bearer {attempt['token']}"}
+    )
     assert unserved.status_code == 404 and "responses" in unserved.json()["error"]["message"]
     gemini = attempt["proxy_base_url"].replace("/openai/v1", "/gemini/v1beta/models")
     assert "anthropic" in httpx.get(gemini).json()["error"]["message"]
