@@ -16,6 +16,8 @@ import openai
 import pytest
 from fake_vllm import FakeVLLM
 from gw_harness import GatewayHandle
+from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
+from langchain_openai import ChatOpenAI
 from test_gateway_proxy import _calls, _check_against_served
 
 from services.common.eventstore import EventStore
@@ -293,3 +295,22 @@ def test_openai_errors_name_the_reason(gateway: GatewayHandle, fake_vllm: FakeVL
     assert unserved.status_code == 404 and "responses" in unserved.json()["error"]["message"]
     gemini = attempt["proxy_base_url"].replace("/openai/v1", "/gemini/v1beta/models")
     assert "anthropic" in httpx.get(gemini).json()["error"]["message"]
+
+
+def test_langchain_chat_openai_on_the_responses_api(gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str) -> None:
+    rollout, attempt = gateway.running(run_id, fake_vllm.url)
+    llm = ChatOpenAI(
+        model="fake", base_url=attempt["proxy_base_url"], api_key=attempt["token"], use_responses_api=True,
+        max_tokens=4,
+    )  # fmt: skip
+    with_tools = llm.bind_tools(RESPONSES_TOOLS)
+    first = with_tools.invoke([("system", SYSTEM), ("user", QUESTION)])
+    assert first.tool_calls and first.tool_calls[0]["name"] == "search"
+    history = [SystemMessage(SYSTEM), HumanMessage(QUESTION), first]
+    history.append(ToolMessage(RESULT, tool_call_id=first.tool_calls[0]["id"]))
+    second = "".join(str(chunk.text) for chunk in with_tools.stream(history))
+    assert second
+    calls = _calls(gateway, rollout["rollout_id"])
+    _check_against_served(calls, fake_vllm.served)
+    assert [c["api"] for c in calls] == ["responses", "responses"]
+    assert [m["role"] for m in calls[1]["request"]["messages"]] == ["system", "user", "assistant", "tool"]
