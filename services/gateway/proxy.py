@@ -111,7 +111,7 @@ class Proxy:
 
     async def _refuse(self, exc: Exception, scope: Scope, send: Send, started: bool) -> None:
         if isinstance(exc, TranslationError):
-            exc = ApiError(exc.status, exc.message, field=exc.field)
+            exc = ApiError(exc.status, f"{exc.message} (at {exc.field})", field=exc.field)
         error = translate(exc)
         if started:  # a stream already began: nothing more can be said over HTTP
             if error is None:

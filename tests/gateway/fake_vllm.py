@@ -8,7 +8,9 @@ streamed, the prompt ids come in the first chunk and `token_ids` as per-chunk de
 Every served choice is appended to `served` (prompt ids, token ids, logprobs, finish reason), so a
 test can check what the gateway recorded against what was actually sampled. Knobs: `delay_s`,
 `token_delay_s` (between streamed chunks), `fail_status`, `hang_s`, `weights_version`, `reasoning`
-(text sent as vLLM's `reasoning_content` before the answer, as a reasoning parser does).
+(text sent as vLLM's `reasoning_content` before the answer, as a reasoning parser does),
+`tool_script` (tool name -> JSON arguments: call that tool when the request offers it),
+`answer_tokens` (answers end, `finish_reason: stop`, after this many tokens when max_tokens allows more).
 
 With tools, the first call of a turn calls the first tool (arguments `{"x": N}`) and the call after
 its result (last message role `tool`) answers in text and stops (`finish_reason: stop`; otherwise
@@ -82,6 +84,8 @@ class FakeVLLM:
         self.fail_status: int | None = None
         self.hang_s = 0.0
         self.reasoning: str | None = None
+        self.tool_script: dict[str, str] = {}
+        self.answer_tokens: int | None = None
         self.record = True
         self.served: list[dict[str, Any]] = []
         self.requests: list[dict[str, Any]] = []
@@ -94,6 +98,8 @@ class FakeVLLM:
         self.delay_s = self.token_delay_s = self.hang_s = 0.0
         self.fail_status = None
         self.reasoning = None
+        self.tool_script = {}
+        self.answer_tokens = None
         self.served.clear()
         self.requests.clear()
         self.aborted = self.started = 0
@@ -154,7 +160,8 @@ class FakeVLLM:
 
     def _choices(self, request: dict[str, Any]) -> tuple[list[int], list[dict[str, Any]]]:
         prompt = prompt_ids(request.get("messages") or [])
-        count = int(request.get("max_tokens") or request.get("max_completion_tokens") or 8)
+        limit = int(request.get("max_tokens") or request.get("max_completion_tokens") or 8)
+        count = min(limit, self.answer_tokens or limit)
         tools = request.get("tools") or []
         messages = request.get("messages") or [{}]
         # A scripted agent turn: call the first tool, then answer in text once its result is in.
@@ -168,14 +175,14 @@ class FakeVLLM:
                 "tokens": tokens,
                 "logprobs": logprobs,
                 "pieces": detokenize(tokens),
-                "finish_reason": "stop" if answered else "length",
+                "finish_reason": "stop" if answered or count < limit else "length",
             }
             if use_tool:
-                name = tools[0].get("function", {}).get("name", "tool")
+                name, arguments = self._tool_call(tools, tokens[0])
                 choice["tool_call"] = {
                     "id": f"call_{index}_{tokens[0]}",
                     "type": "function",
-                    "function": {"name": name, "arguments": f'{{"x": {tokens[0] % 100}}}'},
+                    "function": {"name": name, "arguments": arguments},
                 }
                 choice["finish_reason"] = "tool_calls"
             choices.append(choice)
@@ -191,6 +198,14 @@ class FakeVLLM:
                         }
                     )
         return prompt, choices
+
+    def _tool_call(self, tools: list[Any], token: int) -> tuple[str, str]:
+        """The scripted call (the first tool named in `tool_script`), else the first tool with `{"x": N}`."""
+        names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
+        for name, arguments in self.tool_script.items():
+            if name in names:
+                return name, arguments
+        return names[0] or "tool", f'{{"x": {token % 100}}}'
 
     async def _complete(self, request: dict[str, Any], send: Any) -> None:
         prompt, choices = self._choices(request)
