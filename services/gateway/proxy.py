@@ -172,8 +172,9 @@ class Proxy:
         return models
 
     def choose(self, view: RolloutView, requested: Any) -> ModelEntry:
-        """The endpoint for a call: those named by `requested` if any, else the run's; one per rollout."""
+        """The endpoint for a call: those `requested` names (or its alias), else the run's; one per rollout."""
         models = self.models(view)
+        requested = self.gw.state.model_alias(view.run_id, requested)
         matching = [m for m in models if requested in (m.name, m.served_model)]
         pool = sorted(matching or models, key=lambda m: m.name)
         # A rollout sticks to one endpoint (its prefix cache), spread by a hash of its id.

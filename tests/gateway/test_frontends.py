@@ -314,3 +314,14 @@ def test_langchain_chat_openai_on_the_responses_api(gateway: GatewayHandle, fake
     _check_against_served(calls, fake_vllm.served)
     assert [c["api"] for c in calls] == ["responses", "responses"]
     assert [m["role"] for m in calls[1]["request"]["messages"]] == ["system", "user", "assistant", "tool"]
+
+
+def test_a_run_maps_a_harness_model_name_by_alias(gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str) -> None:
+    spec = {"run_id": run_id, "model_aliases": {"claude-sonnet-4-5": "judge"}}
+    assert gateway.admin.post("/api/runs", json=spec).status_code == 201
+    gateway.register_model(run_id, f"{fake_vllm.url}/v1", name="judge", served_model="judge-model")
+    rollout, attempt = gateway.running(run_id, fake_vllm.url, served_model="policy-model")
+    _, claude = _clients(attempt)
+    for name in ("claude-sonnet-4-5", "fake", "judge"):
+        claude.messages.create(model=name, max_tokens=1, messages=[{"role": "user", "content": "hi"}])
+    assert [r["model"] for r in fake_vllm.requests] == ["judge-model", "policy-model", "judge-model"]
