@@ -232,7 +232,9 @@ class GatewayState:
         """The registered model name a requested name stands for in this run (itself if no alias)."""
         spec = self.runs.get(run_id)
         aliases = spec[0].get("model_aliases") if spec else None
-        return aliases.get(requested, requested) if isinstance(aliases, dict) and isinstance(requested, str) else requested
+        if isinstance(aliases, dict) and isinstance(requested, str):
+            return aliases.get(requested, requested)
+        return requested
 
     def reward_from(self, run_id: str) -> str:
         """Whose rewards count in this run: `agent` (default) or `evaluator`."""

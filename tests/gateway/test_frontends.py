@@ -320,7 +320,7 @@ def test_a_run_maps_a_harness_model_name_by_alias(gateway: GatewayHandle, fake_v
     spec = {"run_id": run_id, "model_aliases": {"claude-sonnet-4-5": "judge"}}
     assert gateway.admin.post("/api/runs", json=spec).status_code == 201
     gateway.register_model(run_id, f"{fake_vllm.url}/v1", name="judge", served_model="judge-model")
-    rollout, attempt = gateway.running(run_id, fake_vllm.url, served_model="policy-model")
+    _rollout, attempt = gateway.running(run_id, fake_vllm.url, served_model="policy-model")
     _, claude = _clients(attempt)
     for name in ("claude-sonnet-4-5", "fake", "judge"):
         claude.messages.create(model=name, max_tokens=1, messages=[{"role": "user", "content": "hi"}])
