@@ -22,7 +22,7 @@ from msgspec import UNSET, Raw, UnsetType
 from nats.aio.msg import Msg
 
 from schemas import EVENT_TYPES, AnyEvent, InvalidId, ModelRegistered, ModelRequestRecorded, to_dict
-from schemas.events import CallStatus, Mode
+from schemas.events import CallApi, CallStatus, Mode
 from services.projector.flags import call_flags
 from services.projector.packing import PromptCache, pack_float64_json, pack_int32_json, unpack_int32
 from services.projector.tokens import Detokenizer
@@ -61,6 +61,7 @@ class WireCall(msgspec.Struct, kw_only=True, tag_field="type", tag="model_reques
     usage: dict[str, int] | UnsetType = UNSET
     latency_s: float | UnsetType = UNSET
     error: str | UnsetType | None = UNSET
+    api: CallApi | UnsetType = UNSET
 
     def envelope(self) -> ModelRequestRecorded:
         """The event without its raw fields (validates ids exactly as `schemas.decode` does)."""

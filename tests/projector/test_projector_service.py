@@ -17,8 +17,8 @@ from projector_scenarios import StreamBuilder, load_events
 from projector_support import running_projector, wait_applied
 
 from schemas import CustomEvent, Event, ModelRequestRecorded, RolloutCreated
-from services.devstack.embedded import NatsServer, PostgresServer
 from services.common.eventstore import EventStore
+from services.devstack.embedded import NatsServer, PostgresServer
 from services.gateway.readmodel import RolloutQuery
 from services.projector.cli import _rebuild
 from services.projector.http import serve
