@@ -32,6 +32,7 @@ from services.common.eventstore import EventStoreUnavailable
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, forbidden, not_found, translate, unauthorized, unavailable
+from services.gateway.limits import check_call
 from services.gateway.openai_format import (
     ChoiceRecord,
     StreamFold,
@@ -219,7 +220,10 @@ class Proxy:
             raise ApiError(422, f"the request body is not a JSON object: {exc}", field="body") from None
         if not isinstance(request.get("messages"), list):
             raise ApiError(422, 'chat completions need a list of "messages"', field="messages")
+        limits, budget = gw.run_settings.of(view.run_id, gw.state.runs.get(view.run_id))
+        check_call(request, limits)
         model = self._choose(view, request.get("model"))
+        reserved = await gw.budgets.admit(view, attempt_id, budget)
         await gw.gate.enter(view.run_id)
         try:
             upstream_body, wants = prepare_request(request, model.upstream_model)
@@ -239,6 +243,8 @@ class Proxy:
                 await self._complete(call, payload, receive, send)
         finally:
             gw.gate.leave(view.run_id)
+            if reserved:
+                gw.budgets.release(view, attempt_id)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.gw.settings.max_body_bytes
@@ -324,6 +330,7 @@ class Proxy:
             await store.append(events[0])
         else:
             await store.append_many(events)
+        self.gw.budgets.record(events)
 
     async def _record_failure(self, call: Call, error: str, weights: str | None = None) -> None:
         with contextlib.suppress(EventStoreUnavailable):
