@@ -38,6 +38,7 @@ RolloutStatus = Literal["queuing", "preparing", "running", "requeuing", "succeed
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 Mode = Literal["train", "val"]
 CallStatus = Literal["ok", "failed", "aborted"]
+CallApi = Literal["chat", "responses", "messages"]
 Phase = Literal["rollout", "update"]
 RewardSource = Literal["agent", "evaluator", "admin"]
 
@@ -144,6 +145,8 @@ class ModelRequestRecorded(Event, frozen=True, kw_only=True, tag="model_request"
     `prompt_ids` are the tokens the engine consumed, `response_ids` the tokens it sampled and
     `logprobs[i]` the behaviour log-probability of `response_ids[i]`. Only calls with
     `status == "ok"` are training data; failed and aborted calls are kept for inspection.
+    `api` is the API the harness called (`chat`, `responses`, `messages`); `request` and
+    `response` are always in chat-completions form (what the engine was asked and answered).
     """
 
     call_id: str
@@ -161,6 +164,7 @@ class ModelRequestRecorded(Event, frozen=True, kw_only=True, tag="model_request"
     usage: dict[str, Count] = {}
     latency_s: float = 0.0
     error: str | None = None
+    api: CallApi = "chat"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -17,19 +17,16 @@ import msgspec
 from schemas.runs import AttemptBudget, CallLimits
 from services.gateway.errors import ApiError
 
-_encode = msgspec.json.Encoder().encode
-
 
 class ProxyRefusal(ApiError):
-    """A refusal the proxy answers in OpenAI's error shape: `{"error": {message, type, param, code}}`."""
+    """A refusal of a proxied call: the proxy answers it in the caller's API's error shape, with
+    `type` = `kind` and the offending `param` (and a `code`, when given) inside the error object."""
 
     def __init__(self, status: int, message: str, *, kind: str, param: str | None = None, code: str | None = None):
-        super().__init__(status, message)
-        self.kind, self.param, self.code = kind, param, code
-
-    def body(self) -> bytes:
-        """The OpenAI-shaped JSON body."""
-        return _encode({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+        extra: dict[str, Any] = {"kind": kind, "param": param}
+        if code is not None:
+            extra["code"] = code
+        super().__init__(status, message, **extra)
 
 
 class RunSettings:
