@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_proxy import Result, Stack, Target, load  # noqa: E402
+from bench_proxy import Result, Stack, Target, load
 
 ENDPOINTS = {
     "chat": "/openai/v1/chat/completions",
@@ -93,7 +93,8 @@ async def measure(stack: Stack, quick: bool) -> None:
         errors = plain[name].errors + streamed[name].errors
         cpu_cells = f"{cpu:12.0f} {cpu - chat_cpu:+9.0f}" if name != "direct" else f"{'-':>12s} {'-':>9s}"
         print(
-            f"{name:10s} {p50:8.2f} {p50 - chat_p50:+9.2f} {cpu_cells} {ttft:12.2f} {ttft - chat_ttft:+9.2f} {errors:7d}"
+            f"{name:10s} {p50:8.2f} {p50 - chat_p50:+9.2f} {cpu_cells} "
+            f"{ttft:12.2f} {ttft - chat_ttft:+9.2f} {errors:7d}"
         )
 
 
