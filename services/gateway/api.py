@@ -110,8 +110,14 @@ async def _create(gw: Gateway, items: list[bodies.NewRollout], key: str | None) 
     prepared: list[tuple[RolloutCreated, RolloutStatusChanged] | RolloutView] = []
     for index, item in enumerate(items):
         run_id = _id(f"rollouts[{index}].run_id", item.run_id or gw.settings.default_run)
-        if item.rollout_id is not None:
-            rollout_id = _id(f"rollouts[{index}].rollout_id", item.rollout_id)
+        # A key names its rollouts forever (not only within JetStream's duplicate window or this
+        # process's cache): a create whose rollout already exists answers it and appends nothing.
+        rollout_id = (
+            _id(f"rollouts[{index}].rollout_id", item.rollout_id)
+            if item.rollout_id is not None
+            else (derive_id(key, "rollout", str(index)) if key else None)
+        )
+        if rollout_id is not None:
             existing_run = await gw.state.locate(rollout_id)
             if existing_run is not None:
                 if existing_run != run_id:
@@ -125,7 +131,7 @@ async def _create(gw: Gateway, items: list[bodies.NewRollout], key: str | None) 
                     prepared.append(existing)
                     continue
         else:
-            rollout_id = derive_id(key, "rollout", str(index)) if key else new_id()
+            rollout_id = new_id()
         mode = item.mode or ("val" if item.is_train is False else "train")
         spec = gw.state.runs.get(run_id)
         max_attempts = item.max_attempts or (int(spec[0].get("max_attempts", 1)) if spec else 1)

@@ -16,6 +16,22 @@ With tools, the first call of a turn calls the first tool (arguments `{"x": N}`)
 its result (last message role `tool`) answers in text and stops (`finish_reason: stop`; otherwise
 answers run to `max_tokens`), so an agent loop completes one tool round trip and ends its turn.
 
+It also implements the control routes a trainer reloads weights through, with the shapes of
+vLLM v0.34.0's source, and records each call in `control` (path with query, body, time):
+
+- `vllm/entrypoints/rl/online/api_router.py`: `POST /pause?mode=abort|wait|keep` -> `{"status":
+  "paused"}` (while paused in `abort`/`wait` mode new generation requests get 503),
+  `POST /resume` -> `{"status": "resumed"}`, `GET /is_paused`, `POST /update_weight_version`
+  `{"new_version": str}` -> `{"success": true, "new_version": ...}`;
+- `vllm/entrypoints/serve/dev/rpc/api_router.py`: `POST /collective_rpc {"method", "args",
+  "kwargs", "timeout"}` -> `{"results": [...]}` (400 without `method`); `reload_weights` takes
+  `weights_path` (`vllm/v1/worker/gpu_worker.py`); `fail_reload` makes it answer 500;
+- `vllm/entrypoints/serve/dev/cache/api_router.py`: `POST /reset_prefix_cache` -> `{"success": bool}`;
+- `vllm/entrypoints/serve/lora/api_router.py` and `protocol.py`: `POST /v1/load_lora_adapter
+  {"lora_name", "lora_path", "load_inplace"}` (400 if loaded and not in place), `POST
+  /v1/unload_lora_adapter {"lora_name"}` (404 if not loaded); `loras` holds the loaded adapters;
+- `GET /health` -> 200.
+
     python tests/gateway/fake_vllm.py --port 9000        # serve until interrupted (the benchmark does this)
 """
 
@@ -34,6 +50,10 @@ import msgspec
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
 VOCAB = 32_000
+CONTROL_ROUTES = frozenset(
+    {"/pause", "/resume", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version",
+     "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+)  # fmt: skip
 
 
 def tokenize(text: str) -> list[int]:
@@ -92,6 +112,13 @@ class FakeVLLM:
         self.aborted = 0
         self.started = 0
         self.lock = threading.Lock()
+        self.control: list[dict[str, Any]] = []
+        self.paused = False
+        self.loaded_weights: str | None = None
+        self.weight_version: str | None = None
+        self.loras: dict[str, str] = {}
+        self.fail_reload = False
+        self.request_times: list[float] = []
 
     def reset(self) -> None:
         """Forget served calls and restore the default knobs."""
@@ -103,6 +130,11 @@ class FakeVLLM:
         self.served.clear()
         self.requests.clear()
         self.aborted = self.started = 0
+        self.control.clear()
+        self.paused = self.fail_reload = False
+        self.loaded_weights = self.weight_version = None
+        self.loras.clear()
+        self.request_times.clear()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -119,17 +151,30 @@ class FakeVLLM:
                 send, 200, {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake"}]}
             )
             return
-        if not path.endswith("/chat/completions"):
-            await self._json(send, 404, {"error": {"message": f"no route {path}"}})
-            return
         body = b""
         while True:
             message = await receive()
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        if path in CONTROL_ROUTES or (scope["method"] == "GET" and path in ("/health", "/is_paused")):
+            query = scope.get("query_string", b"").decode()
+            status, answer = self._control(path, query, _decode(body) if body else {})
+            if isinstance(answer, str):  # vLLM answers the LoRA routes with a plain-text Response
+                await send({"type": "http.response.start", "status": status, "headers": self._headers(b"text/plain")})
+                await send({"type": "http.response.body", "body": answer.encode()})
+                return
+            await self._json(send, status, answer)
+            return
+        if not path.endswith("/chat/completions"):
+            await self._json(send, 404, {"error": {"message": f"no route {path}"}})
+            return
+        if self.paused:
+            await self._json(send, 503, {"error": {"message": "generation is paused", "code": 503}})
+            return
         request = _decode(body)
         self.started += 1
+        self.request_times.append(time.monotonic())
         if self.record:
             self.requests.append(request)
         if self.hang_s:
@@ -147,6 +192,47 @@ class FakeVLLM:
             await self._stream(request, receive, send)
         else:
             await self._complete(request, send)
+
+    def _control(self, path: str, query: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """One control route (see the module docstring); returns (status, JSON body)."""
+        self.control.append({"path": f"{path}?{query}" if query else path, "body": body, "time": time.monotonic()})
+        match path:
+            case "/health":
+                return 200, {}
+            case "/is_paused":
+                return 200, {"is_paused": self.paused}
+            case "/pause":
+                self.paused = "mode=keep" not in query
+                return 200, {"status": "paused"}
+            case "/resume":
+                self.paused = False
+                return 200, {"status": "resumed"}
+            case "/collective_rpc":
+                if "method" not in body:
+                    return 400, {"detail": "Missing 'method' in request body"}
+                if body["method"] == "reload_weights":
+                    if self.fail_reload:
+                        return 500, {"error": {"message": "weights could not be loaded", "code": 500}}
+                    self.loaded_weights = body.get("kwargs", {}).get("weights_path")
+                return 200, {"results": [None]}
+            case "/reset_prefix_cache":
+                return 200, {"success": True}
+            case "/update_weight_version":
+                self.weight_version = str(body["new_version"])
+                return 200, {"success": True, "new_version": self.weight_version}
+            case "/v1/load_lora_adapter":
+                name = body["lora_name"]
+                if name in self.loras and not body.get("load_inplace"):
+                    return 400, {"error": {"message": f"The lora adapter '{name}' has already been loaded.",
+                                           "code": 400}}  # fmt: skip
+                self.loras[name] = body["lora_path"]
+                return 200, f"Success: LoRA adapter '{name}' added successfully."
+            case "/v1/unload_lora_adapter":
+                name = body["lora_name"]
+                if self.loras.pop(name, None) is None:
+                    return 404, {"error": {"message": f"The lora adapter '{name}' cannot be found.", "code": 404}}
+                return 200, f"Success: LoRA adapter '{name}' removed successfully."
+        return 404, {"error": {"message": f"no route {path}"}}
 
     def _headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
         headers = [(b"content-type", content_type)]
