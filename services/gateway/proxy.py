@@ -31,7 +31,7 @@ from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, forbidden, not_found, translate, unauthorized, unavailable
 from services.gateway.frontends import chat, messages, responses
-from services.gateway.frontends.base import Api, error_body
+from services.gateway.frontends.base import Api, Translator, error_body
 from services.gateway.frontends.canonical import Conversation, TranslationError, Turn, history
 from services.gateway.openai_format import prepare_request
 from services.gateway.pipeline import Call, Pipeline
@@ -220,7 +220,7 @@ class Proxy:
         route: Route,
         conv: Conversation,
         api: str,
-        translator_for: Any,
+        translator_for: Callable[[str, str], Translator],
         receive: Receive,
         send: Send,
     ) -> None:
@@ -358,5 +358,4 @@ ROUTES: dict[tuple[str, str, str], Handler] = {
     ("anthropic", "POST", "v1/messages/count_tokens"): _count_tokens,
     ("anthropic", "GET", "v1/models"): _anthropic_models,
     ("anthropic", "HEAD", ""): _head,
-    ("anthropic", "GET", ""): _head,
 }
