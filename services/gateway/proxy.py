@@ -40,7 +40,6 @@ from services.gateway.state import ModelEntry
 from services.gateway.upstream import UpstreamError
 
 PREFIX = "/proxy/rollout/"
-APIS = ("openai", "anthropic")
 SERVED = (
     "this proxy serves OpenAI's API under .../openai/v1/ (POST chat/completions, POST responses, GET models) "
     "and Anthropic's Messages API under .../anthropic/ (POST v1/messages, POST v1/messages/count_tokens, "
