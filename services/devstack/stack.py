@@ -269,7 +269,11 @@ class Stack:
         return [known[name] for name in self.config.services if name in known]
 
     def _tokenizer_args(self) -> list[str]:
-        """`--tokenizer DIR` of the engine's model, so the projection (and the viewer) has call text."""
+        """The engine model's tokenizer, scoped to that model, so the projection (and the viewer) has call text.
+
+        Scoped by the name the engine answers with (its directory's name) and the registered name:
+        calls of any other model are not decoded with it.
+        """
         if "engine" not in self.config.services:
             return []
         model = self.config.engine_model
@@ -277,7 +281,8 @@ class Stack:
             from services.engine.tiny_model import tiny_model_dir  # torch: only with the engine
 
             model = tiny_model_dir()
-        return ["--tokenizer", str(model)]
+        names = dict.fromkeys((Path(model).resolve().name, DEFAULT_MODEL_NAME))
+        return [arg for name in names for arg in ("--tokenizer", f"{name}={model}")]
 
     def _register_engine(self, endpoints: Endpoints) -> None:
         """Register the embedded engine as the default model, so any run's proxy calls reach it."""

@@ -445,13 +445,15 @@ async def start_attempt(request: Request, rollout_id: str) -> Response:
 def _attempt_json(gw: Gateway, view: RolloutView, attempt_id: str, sequence: int, seq: int) -> dict[str, Any]:
     base = gw.settings.base_url
     rid = view.rollout_id
+    proxy = f"{base}/proxy/rollout/{rid}/attempt/{attempt_id}/mode/{view.mode}"
     return {
         "rollout_id": rid,
         "run_id": view.run_id,
         "attempt_id": attempt_id,
         "sequence": sequence,
         "token": gw.auth.signer.issue("agent", view.run_id, rid, attempt_id),
-        "proxy_base_url": f"{base}/proxy/rollout/{rid}/attempt/{attempt_id}/mode/{view.mode}/openai/v1",
+        "proxy_base_url": f"{proxy}/openai/v1",
+        "anthropic_base_url": f"{proxy}/anthropic",
         "events_url": f"{base}/api/rollouts/{rid}/attempt/{attempt_id}/events",
         "seq": seq,
     }
@@ -665,6 +667,20 @@ def _agl_model_name(model: str, endpoint: str) -> str:
     return f"{slug}-{derive_id(model, endpoint, length=10)}"
 
 
+async def list_models(request: Request) -> Response:
+    """`GET /api/models?run_id=` (admin): the registered endpoints (their `api_key` left out)."""
+    gw = _gw(request)
+    gw.admin(request)
+    run_id = request.query_params.get("run_id")
+    models = [
+        {"name": m.name, "run_id": run, "base_url": m.base_url, "served_model": m.upstream_model,
+         "weights_version": m.weights_version, "has_api_key": m.api_key is not None, "seq": m.seq}
+        for (run, _), m in sorted(gw.state.models.items())
+        if run_id is None or run == run_id
+    ]  # fmt: skip
+    return json_response({"models": models})
+
+
 async def delete_models(request: Request) -> Response:
     """`DELETE /api/models?name=&run_id=` (admin); without `name`, every model (Agent Lightning's shape)."""
     gw = _gw(request)
@@ -789,5 +805,6 @@ def register(app: FastAPI) -> None:
     add("/api/rollouts/{rollout_id}/events", list_events, methods=["GET"])
     add("/api/models", register_models, methods=["POST"])
     add("/api/models", delete_models, methods=["DELETE"])
+    add("/api/models", list_models, methods=["GET"])
     add("/api/runs", start_run, methods=["POST"])
     add("/api/runs/{run_id}", get_run, methods=["GET"])

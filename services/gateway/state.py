@@ -231,6 +231,14 @@ class GatewayState:
             return own
         return [m for (run, _), m in self.models.items() if run == default_run]
 
+    def model_alias(self, run_id: str, requested: Any) -> Any:
+        """The registered model name a requested name stands for in this run (itself if no alias)."""
+        spec = self.runs.get(run_id)
+        aliases = spec[0].get("model_aliases") if spec else None
+        if isinstance(aliases, dict) and isinstance(requested, str):
+            return aliases.get(requested, requested)
+        return requested
+
     def reward_from(self, run_id: str) -> str:
         """Whose rewards count in this run: `agent` (default) or `evaluator`."""
         spec = self.runs.get(run_id)
