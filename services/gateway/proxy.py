@@ -29,7 +29,7 @@ from schemas.ids import MODEL_REQUEST
 from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_json
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, forbidden, not_found, translate, unauthorized, unavailable
+from services.gateway.errors import ApiError, forbidden, internal, not_found, translate, unauthorized, unavailable
 from services.gateway.frontends import chat, messages, responses
 from services.gateway.frontends.base import Api, Translator, error_body
 from services.gateway.frontends.canonical import Conversation, TranslationError, Turn, history
@@ -117,11 +117,9 @@ class Proxy:
                 raise exc
             return
         if error is None:
-            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+            error = internal(exc)  # logged there with a reference; the body says nothing internal
         body = error_body(_api_of(scope["path"]), error.status, error.message, **error.extra)
         await send_json(send, error.status, body, error.headers)
-        if error.status == 500:
-            raise exc
 
     # ---- admission -----------------------------------------------------------------------------
 
