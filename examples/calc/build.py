@@ -100,8 +100,8 @@ def make_problem(r: random.Random, index: int) -> dict[str, Any]:
 
 def transcript(task: dict[str, Any]) -> dict[str, Any]:
     """The gold conversation: one calculator call with the gold expression, then the answer line."""
-    call = {"id": "call_0", "type": "function",
-            "function": {"name": "calculator", "arguments": json.dumps({"expression": task["expression"]})}}  # fmt: skip
+    arguments = json.dumps({"expression": task["expression"]})
+    call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
     messages = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": task["question"]},
