@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,12 @@ def example_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def example_stack(tmp_path_factory: pytest.TempPathFactory, example_model: Path) -> Iterator[ServiceUrls]:
-    """One embedded stack (nats, Postgres, engine, gateway, projector, controller) for all example runs."""
-    with embedded_stack(tmp_path_factory.mktemp("example-stack"), example_model, say=lambda line: None) as urls:
-        yield urls
+def example_stack(example_model: Path) -> Iterator[ServiceUrls]:
+    """One embedded stack (nats, Postgres, engine, gateway, projector, controller) for all example runs.
+
+    Its data lives outside pytest's temp root: Postgres runs as another user when tests run as
+    root, and a concurrent pytest session resets that root's permissions to owner-only.
+    """
+    with tempfile.TemporaryDirectory(prefix="rw-examples-") as data:
+        with embedded_stack(Path(data), example_model, say=lambda line: None) as urls:
+            yield urls
