@@ -30,14 +30,14 @@ def read_result(path: Path = Path(RESULT_FILE)) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _bounded(value: Any, limit: int = 2000) -> Any:
+def bounded(value: Any, limit: int = 2000) -> Any:
     """The agent's result with long strings cut, so an event stays small whatever the agent wrote."""
     if isinstance(value, str):
         return value[:limit]
     if isinstance(value, dict):
-        return {str(k)[:100]: _bounded(v, limit) for k, v in list(value.items())[:50]}
+        return {str(k)[:100]: bounded(v, limit) for k, v in list(value.items())[:50]}
     if isinstance(value, list):
-        return [_bounded(v, limit) for v in value[:50]]
+        return [bounded(v, limit) for v in value[:50]]
     return value
 
 
@@ -49,5 +49,5 @@ def evaluator_main(evaluate: Evaluate) -> None:
     reward, metrics = evaluate(task, result)
     print(f"reward={reward} metrics={metrics}")
     attempt.emit("metrics", metrics)
-    attempt.emit("evaluation", {"reward": reward, "result": _bounded(result)})
+    attempt.emit("evaluation", {"reward": reward, "result": bounded(result)})
     attempt.report_reward(reward, name="evaluator")

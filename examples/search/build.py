@@ -77,7 +77,8 @@ def transcript(item: dict[str, Any], searcher: Searcher) -> dict[str, Any]:
         arguments = json.dumps({"query": title})
         call = {"id": f"call_{n}", "type": "function", "function": {"name": "search", "arguments": arguments}}
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        messages.append({"role": "tool", "tool_call_id": f"call_{n}", "content": searcher.run_tool("search", arguments)})
+        result = searcher.run_tool("search", arguments)
+        messages.append({"role": "tool", "tool_call_id": f"call_{n}", "content": result})
     messages.append({"role": "assistant", "content": f"<answer>{item['golden_answers'][0]}</answer>"})
     return {"messages": messages, "tools": [TOOL]}
 

@@ -48,7 +48,8 @@ def test_a_users_jsonl_corpus_and_questions(tmp_path: Path) -> None:
         + json.dumps({"id": "2", "title": "Tanzania", "text": "The capital of Tanzania is Dodoma."}) + "\n"
     )  # fmt: skip
     questions = tmp_path / "q.jsonl"
-    questions.write_text(json.dumps({"question": "Capital of the country of Kilimanjaro?", "golden_answers": ["Dodoma"]}))
+    question = {"question": "Capital of the country of Kilimanjaro?", "golden_answers": ["Dodoma"]}
+    questions.write_text(json.dumps(question))
     report = build(tmp_path / "out", corpus=corpus, questions_file=questions)
     assert report == {"tasks": 1, "docs": 2, "seconds": report["seconds"]}
     assert Searcher(tmp_path / "out" / "index").search("capital Tanzania")[0]["title"] == "Tanzania"
