@@ -169,7 +169,8 @@ def load_full_state(engine: Any, tensors: dict[str, torch.Tensor], *, adapter: s
 
     if adapter is not None:
         tensors = {re.sub(r"\.(lora_[AB])\.weight$", rf".\1.{adapter}.weight", k): v for k, v in tensors.items()}
-    set_model_state_dict(engine.module, dict[str, Any](tensors), options=StateDictOptions(full_state_dict=True, strict=False))
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(engine.module, dict[str, Any](tensors), options=options)
 
 
 def optimizer_state(engine: Any) -> dict[str, Any]:

@@ -7,7 +7,14 @@ streamed, the prompt ids come in the first chunk and `token_ids` as per-chunk de
 
 Every served choice is appended to `served` (prompt ids, token ids, logprobs, finish reason), so a
 test can check what the gateway recorded against what was actually sampled. Knobs: `delay_s`,
-`token_delay_s` (between streamed chunks), `fail_status`, `hang_s`, `weights_version`.
+`token_delay_s` (between streamed chunks), `fail_status`, `hang_s`, `weights_version`, `reasoning`
+(text sent as vLLM's `reasoning_content` before the answer, as a reasoning parser does),
+`tool_script` (tool name -> JSON arguments: call that tool when the request offers it),
+`answer_tokens` (answers end, `finish_reason: stop`, after this many tokens when max_tokens allows more).
+
+With tools, the first call of a turn calls the first tool (arguments `{"x": N}`) and the call after
+its result (last message role `tool`) answers in text and stops (`finish_reason: stop`; otherwise
+answers run to `max_tokens`), so an agent loop completes one tool round trip and ends its turn.
 
 It also implements the control routes a trainer reloads weights through, with the shapes of
 vLLM v0.34.0's source, and records each call in `control` (path with query, body, time):
@@ -100,6 +107,9 @@ class FakeVLLM:
         self.token_delay_s = 0.0
         self.fail_status: int | None = None
         self.hang_s = 0.0
+        self.reasoning: str | None = None
+        self.tool_script: dict[str, str] = {}
+        self.answer_tokens: int | None = None
         self.record = True
         self.served: list[dict[str, Any]] = []
         self.requests: list[dict[str, Any]] = []
@@ -118,6 +128,9 @@ class FakeVLLM:
         """Forget served calls and restore the default knobs."""
         self.delay_s = self.token_delay_s = self.hang_s = 0.0
         self.fail_status = None
+        self.reasoning = None
+        self.tool_script = {}
+        self.answer_tokens = None
         self.served.clear()
         self.requests.clear()
         self.aborted = self.started = 0
@@ -237,9 +250,13 @@ class FakeVLLM:
 
     def _choices(self, request: dict[str, Any]) -> tuple[list[int], list[dict[str, Any]]]:
         prompt = prompt_ids(request.get("messages") or [])
-        count = int(request.get("max_tokens") or request.get("max_completion_tokens") or 8)
+        limit = int(request.get("max_tokens") or request.get("max_completion_tokens") or 8)
+        count = min(limit, self.answer_tokens or limit)
         tools = request.get("tools") or []
-        use_tool = bool(tools) and request.get("tool_choice") != "none"
+        messages = request.get("messages") or [{}]
+        # A scripted agent turn: call the first tool, then answer in text once its result is in.
+        answered = isinstance(messages[-1], dict) and messages[-1].get("role") == "tool"
+        use_tool = bool(tools) and request.get("tool_choice") != "none" and not answered
         choices = []
         for index in range(int(request.get("n") or 1)):
             tokens, logprobs = sample(prompt, index, count)
@@ -248,14 +265,14 @@ class FakeVLLM:
                 "tokens": tokens,
                 "logprobs": logprobs,
                 "pieces": detokenize(tokens),
-                "finish_reason": "length",
+                "finish_reason": "stop" if answered or count < limit else "length",
             }
             if use_tool:
-                name = tools[0].get("function", {}).get("name", "tool")
+                name, arguments = self._tool_call(tools, tokens[0])
                 choice["tool_call"] = {
                     "id": f"call_{index}_{tokens[0]}",
                     "type": "function",
-                    "function": {"name": name, "arguments": f'{{"x": {tokens[0] % 100}}}'},
+                    "function": {"name": name, "arguments": arguments},
                 }
                 choice["finish_reason"] = "tool_calls"
             choices.append(choice)
@@ -272,12 +289,22 @@ class FakeVLLM:
                     )
         return prompt, choices
 
+    def _tool_call(self, tools: list[Any], token: int) -> tuple[str, str]:
+        """The scripted call (the first tool named in `tool_script`), else the first tool with `{"x": N}`."""
+        names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
+        for name, arguments in self.tool_script.items():
+            if name in names:
+                return name, arguments
+        return names[0] or "tool", f'{{"x": {token % 100}}}'
+
     async def _complete(self, request: dict[str, Any], send: Any) -> None:
         prompt, choices = self._choices(request)
         out_choices = []
         for c in choices:
             text = None if "tool_call" in c else "".join(c["pieces"])
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.reasoning:
+                message["reasoning_content"] = self.reasoning
             if "tool_call" in c:
                 message["tool_calls"] = [c["tool_call"]]
             choice: dict[str, Any] = {
@@ -359,6 +386,10 @@ class FakeVLLM:
                     ),
                 }
             )
+            if self.reasoning:
+                thought = [{"index": c["index"], "delta": {"reasoning_content": self.reasoning}, "finish_reason": None}
+                           for c in choices]  # fmt: skip
+                await send({"type": "http.response.body", "more_body": True, "body": chunk(thought)})
             steps = max(len(c["tokens"]) for c in choices)
             for step in range(steps):
                 if self.token_delay_s:
