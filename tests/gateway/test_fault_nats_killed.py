@@ -68,11 +68,11 @@ async def test_nats_killed_mid_load_loses_no_acked_call(fresh_nats: NatsServer, 
         async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
             admin = {"authorization": f"Bearer {ADMIN}"}
             run = "fault-nats"
-            r = await client.post("/api/models", json={"name": "fake", "base_url": f"{fake_vllm.url}/v1", "run_id": run},
-                                  headers=admin)  # fmt: skip
+            model = {"name": "fake", "base_url": f"{fake_vllm.url}/v1", "run_id": run}
+            r = await client.post("/api/models", json=model, headers=admin)
             assert r.status_code == 201, r.text
-            created = await client.post("/api/rollouts", headers=admin,
-                                        json={"rollouts": [{"run_id": run, "input": i} for i in range(AGENTS)]})  # fmt: skip
+            batch = {"rollouts": [{"run_id": run, "input": i} for i in range(AGENTS)]}
+            created = await client.post("/api/rollouts", headers=admin, json=batch)
             attempts = []
             for rollout in created.json()["rollouts"]:
                 a = await client.post(f"/api/rollouts/{rollout['rollout_id']}/attempts", json={}, headers=admin)
