@@ -31,7 +31,7 @@ from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, forbidden, internal, not_found, translate, unauthorized, unavailable
 from services.gateway.frontends import chat, messages, responses
-from services.gateway.frontends.base import Api, error_body
+from services.gateway.frontends.base import Api, Translator, error_body
 from services.gateway.frontends.canonical import Conversation, TranslationError, Turn, history
 from services.gateway.openai_format import prepare_request
 from services.gateway.pipeline import Call, Pipeline
@@ -40,7 +40,6 @@ from services.gateway.state import ModelEntry
 from services.gateway.upstream import UpstreamError
 
 PREFIX = "/proxy/rollout/"
-APIS = ("openai", "anthropic")
 SERVED = (
     "this proxy serves OpenAI's API under .../openai/v1/ (POST chat/completions, POST responses, GET models) "
     "and Anthropic's Messages API under .../anthropic/ (POST v1/messages, POST v1/messages/count_tokens, "
@@ -218,7 +217,7 @@ class Proxy:
         route: Route,
         conv: Conversation,
         api: str,
-        translator_for: Any,
+        translator_for: Callable[[str, str], Translator],
         receive: Receive,
         send: Send,
     ) -> None:
@@ -356,5 +355,4 @@ ROUTES: dict[tuple[str, str, str], Handler] = {
     ("anthropic", "POST", "v1/messages/count_tokens"): _count_tokens,
     ("anthropic", "GET", "v1/models"): _anthropic_models,
     ("anthropic", "HEAD", ""): _head,
-    ("anthropic", "GET", ""): _head,
 }
