@@ -17,6 +17,7 @@ import uuid
 from typing import Any, Literal, Union
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from schemas.ids import (
     CUSTOM_EVENT,
@@ -30,8 +31,10 @@ from schemas.ids import (
     RUN_SUBJECT,
     check_id,
 )
+from schemas.refs import CallRef, PackedTokens
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: a `model_request` may carry `prompt_ref` (only the new ids and request parts) and `packed` arrays."""
 
 RolloutStatus = Literal["queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
@@ -135,6 +138,11 @@ class ModelRequestRecorded(Event, frozen=True, kw_only=True, tag="model_request"
     `prompt_ids` are the tokens the engine consumed, `response_ids` the tokens it sampled and
     `logprobs[i]` the behaviour log-probability of `response_ids[i]`. Only calls with
     `status == "ok"` are training data; failed and aborted calls are kept for inspection.
+
+    Version 2: with `prompt_ref`, `prompt_ids` holds only the ids after the referenced call's
+    first `prompt_ref.tokens` tokens and `request` only what is new (`schemas.refs.Resolver`
+    puts them back); with `packed`, the id and logprob arrays are in it instead (decoding
+    unpacks them, see `schemas.refs.upcast`).
     """
 
     call_id: str
@@ -152,6 +160,8 @@ class ModelRequestRecorded(Event, frozen=True, kw_only=True, tag="model_request"
     usage: dict[str, int] = {}
     latency_s: float = 0.0
     error: str | None = None
+    prompt_ref: CallRef | UnsetType | None = UNSET
+    packed: PackedTokens | UnsetType | None = UNSET
 
     @property
     def subject(self) -> str:

@@ -33,8 +33,9 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 
-from schemas import AnyEvent, Event, RolloutStatusChanged, check_id, decode, encode
+from schemas import AnyEvent, Event, ModelRequestRecorded, RolloutStatusChanged, check_id, decode, encode
 from schemas.ids import ROLLOUT_ALL, ROLLOUT_STATUS, RUN_ALL, STREAM_NAME, STREAM_SUBJECTS
+from schemas.refs import Resolver, UnresolvedReference
 
 WRONG_LAST_SEQUENCE = 10071
 FETCH_BATCH = 2048
@@ -350,9 +351,44 @@ class EventStore:
                 await self.js.delete_consumer(self.stream, name)
 
     async def read_rollout(self, run_id: str, rollout_id: str) -> list[StoredEvent]:
-        """Every event of one rollout, in order (ends immediately when the stream is idle)."""
+        """Every event of one rollout, in order, calls with their full prompts (ends when the stream is idle)."""
         subject = ROLLOUT_ALL.format(run=check_id("run_id", run_id), rollout=check_id("rollout_id", rollout_id))
-        return [stored async for stored in self.read(subject)]
+        refs = Resolver()
+        out = []
+        async for stored in self.read(subject):
+            event = stored.event
+            if type(event) is ModelRequestRecorded and event.prompt_ref:
+                stored = StoredEvent(seq=stored.seq, subject=stored.subject, event=await self._resolve(refs, event))
+            elif type(event) is ModelRequestRecorded:
+                refs.resolve(event)
+            out.append(stored)
+        return out
+
+    async def resolved(self, event: ModelRequestRecorded, refs: Resolver | None = None) -> ModelRequestRecorded:
+        """A call with its full prompt ids and request: what a monitor calls on a version-2 event.
+
+        References are followed by direct gets of their stream sequences; pass one `Resolver` to
+        many calls (in stream order) so each earlier call is read once.
+        """
+        return await self._resolve(refs or Resolver(), event)
+
+    async def _resolve(self, refs: Resolver, event: ModelRequestRecorded) -> ModelRequestRecorded:
+        try:
+            return refs.resolve(event)
+        except UnresolvedReference:
+            pass
+        missing: list[ModelRequestRecorded] = []
+        ref = event.prompt_ref
+        while ref and ref.event_id not in refs.seen:
+            raw = await self.js.get_msg(self.stream, ref.seq)
+            earlier = decode(raw.data or b"")
+            if type(earlier) is not ModelRequestRecorded or earlier.event_id != ref.event_id:
+                raise UnresolvedReference(f"stream sequence {ref.seq} is not the referenced call {ref.event_id}")
+            missing.append(earlier)
+            ref = earlier.prompt_ref
+        for earlier in reversed(missing):
+            refs.resolve(earlier)
+        return refs.resolve(event)
 
     def read_run(self, run_id: str, *, after_seq: int = 0) -> AsyncIterator[StoredEvent]:
         """Every event of one run, in order, as an async iterator (a run can be large)."""

@@ -28,6 +28,7 @@ from services.gateway.openapi import openapi_document
 from services.gateway.phase import PhaseGate
 from services.gateway.proxy import PREFIX, Proxy
 from services.gateway.readmodel import RolloutReader, StreamRolloutReader
+from services.gateway.recording import CallChains
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
 from services.gateway.upstream import UpstreamClient
@@ -83,6 +84,7 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
             idempotency=IdempotencyCache(settings.idempotency_cache_size),
             gate=gate,
             upstream=upstream,
+            chains=CallChains(settings.chain_cache_bytes, compact=settings.record_format == "compact"),
         )
         await state.start()
         app.state.gateway = gateway

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -13,6 +13,7 @@ from services.gateway.errors import forbidden, not_found, unauthorized
 from services.gateway.idempotency import IdempotencyCache
 from services.gateway.phase import PhaseGate
 from services.gateway.readmodel import RolloutReader, RolloutView
+from services.gateway.recording import CallChains
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
 from services.gateway.upstream import UpstreamClient
@@ -30,6 +31,7 @@ class Gateway:
     idempotency: IdempotencyCache
     gate: PhaseGate
     upstream: UpstreamClient
+    chains: CallChains = field(default_factory=CallChains)
 
     def principal(self, request: Request) -> Principal:
         """The caller, or 401 when no valid token is presented."""

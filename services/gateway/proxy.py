@@ -319,11 +319,13 @@ class Proxy:
         ]
 
     async def _record(self, events: list[ModelRequestRecorded]) -> None:
-        store = self.gw.store
-        if len(events) == 1:
-            await store.append(events[0])
+        store, chains = self.gw.store, self.gw.chains
+        stored = chains.compact(events)
+        if len(stored) == 1:
+            appended = [await store.append(stored[0])]
         else:
-            await store.append_many(events)
+            appended = await store.append_many(stored)
+        chains.remember(events, appended)
 
     async def _record_failure(self, call: Call, error: str, weights: str | None = None) -> None:
         with contextlib.suppress(EventStoreUnavailable):
