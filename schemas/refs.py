@@ -14,8 +14,9 @@ only point at `ok` calls of the same rollout attempt, recorded earlier on the sa
 `prompt_ref.seq` is the referenced message's stream sequence, so a monitor can fetch it directly
 (JetStream's direct get by sequence), and `prompt_ref.event_id` is its event id.
 
-Id and logprob arrays may be `packed`: base64 of little-endian int32 ids and of little-endian
-float32 (`logprob_width` 4, used only when exact) or float64 logprobs. A packed event carries
+Id and logprob arrays may be `packed`: base64 of little-endian unsigned 24-bit ids (`id_width` 3,
+when every id fits) or int32 ids (4), and of little-endian float32 (`logprob_width` 4, used only
+when exact) or float64 logprobs. A packed event carries
 empty JSON lists in `prompt_ids` / `response_ids` / `logprobs`.
 
 `upcast` turns any `model_request` as decoded (version 1, or version 2 packed) into the in-memory
@@ -33,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, TypeVar
 
 import msgspec
+import numpy as np
 from msgspec import UNSET, UnsetType
 
 _SWAP = sys.byteorder != "little"
@@ -54,12 +56,17 @@ class CallRef(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=
 
 
 class PackedTokens(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
-    """Id and logprob arrays as base64 of little-endian binary (int32 ids; float32 or float64 logprobs)."""
+    """Id and logprob arrays as base64 of little-endian binary.
+
+    Ids: unsigned 24-bit (`id_width` 3, when every id fits) or int32 (4). Logprobs: float32
+    (`logprob_width` 4, when every value survives it exactly) or float64 (8).
+    """
 
     prompt: str = ""
     response: str = ""
     logprobs: str = ""
     logprob_width: int = 8
+    id_width: int = 4
 
 
 P = TypeVar("P", bound="_Packable")
@@ -73,21 +80,46 @@ class UnresolvedReference(LookupError):
 # ---- packing ------------------------------------------------------------------------------------
 
 
-def pack_ids(values: Sequence[int]) -> str:
-    """Ids as base64 of little-endian int32 (OverflowError outside the int32 range)."""
-    packed = array("i", values)
-    if _SWAP:
-        packed.byteswap()
-    return base64.b64encode(packed.tobytes()).decode("ascii")
+def pack_ids(values: Sequence[int], width: int = 4) -> str:
+    """Ids as base64 of little-endian int32 (`width` 4), or of unsigned 24-bit integers (`width` 3).
+
+    Raises OverflowError for an id outside the width's range.
+    """
+    packed = np.asarray(values, dtype="<i4") if len(values) else np.zeros(0, dtype="<i4")
+    if width == 3:
+        if len(packed) and (int(packed.min()) < 0 or int(packed.max()) >= 1 << 24):
+            raise OverflowError("an id does not fit in 24 bits")
+        data = packed.view(np.uint8).reshape(-1, 4)[:, :3].tobytes()
+    else:
+        data = packed.tobytes()
+    return base64.b64encode(data).decode("ascii")
 
 
-def unpack_ids(text: str) -> list[int]:
+def unpack_ids(text: str, width: int = 4) -> list[int]:
     """The ids packed by `pack_ids`."""
-    packed = array("i")
-    packed.frombytes(base64.b64decode(text))
-    if _SWAP:
-        packed.byteswap()
-    return packed.tolist()
+    data = base64.b64decode(text)
+    if width == 3:
+        raw = np.frombuffer(data, dtype=np.uint8).reshape(-1, 3).astype("<i4")
+        return (raw[:, 0] | (raw[:, 1] << 8) | (raw[:, 2] << 16)).tolist()  # type: ignore[no-any-return]
+    return np.frombuffer(data, dtype="<i4").tolist()  # type: ignore[no-any-return]
+
+
+def ids_int32(text: str, width: int = 4) -> bytes:
+    """Packed ids as little-endian int32 bytes, whatever their width on the wire."""
+    data = base64.b64decode(text)
+    if width != 3:
+        return data
+    out = np.zeros((len(data) // 3, 4), dtype=np.uint8)
+    out[:, :3] = np.frombuffer(data, dtype=np.uint8).reshape(-1, 3)
+    return out.tobytes()
+
+
+def id_width(*arrays: Sequence[int]) -> int:
+    """3 when every id fits in 24 bits (every vocabulary in use does), else 4."""
+    for values in arrays:
+        if values and (min(values) < 0 or max(values) >= 1 << 24):
+            return 4
+    return 3
 
 
 def pack_floats(values: Sequence[float]) -> tuple[str, int]:
@@ -112,7 +144,14 @@ def unpack_floats(text: str, width: int) -> list[float]:
 def pack(ids: Sequence[int], response: Sequence[int], logprobs: Sequence[float]) -> PackedTokens:
     """The packed form of one call's prompt ids (or their new suffix), response ids and logprobs."""
     text, width = pack_floats(logprobs)
-    return PackedTokens(prompt=pack_ids(ids), response=pack_ids(response), logprobs=text, logprob_width=width)
+    ids_width = id_width(ids, response)
+    return PackedTokens(
+        prompt=pack_ids(ids, ids_width),
+        response=pack_ids(response, ids_width),
+        logprobs=text,
+        logprob_width=width,
+        id_width=ids_width,
+    )
 
 
 class _Packable(Protocol):
@@ -138,8 +177,8 @@ def upcast(event: P) -> P:
     return msgspec.structs.replace(  # type: ignore[type-var]
         event,  # type: ignore[arg-type]
         packed=UNSET,
-        prompt_ids=unpack_ids(packed.prompt) if packed.prompt else event.prompt_ids,
-        response_ids=unpack_ids(packed.response) if packed.response else event.response_ids,
+        prompt_ids=unpack_ids(packed.prompt, packed.id_width) if packed.prompt else event.prompt_ids,
+        response_ids=unpack_ids(packed.response, packed.id_width) if packed.response else event.response_ids,
         logprobs=unpack_floats(packed.logprobs, packed.logprob_width) if packed.logprobs else event.logprobs,
     )
 

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 
 from schemas import EVENT_TYPES, AnyEvent, InvalidId, ModelRegistered, ModelRequestRecorded, to_dict
 from schemas.events import CallStatus, Mode
-from schemas.refs import CallRef, PackedTokens, unpack_floats
+from schemas.refs import CallRef, PackedTokens, ids_int32, unpack_floats
 from services.projector.flags import call_flags
 from services.projector.packing import PromptCache, pack_float64, pack_float64_json, pack_int32_json, unpack_int32
 from services.projector.refs import RefCache, RefError
@@ -136,8 +136,8 @@ def _arrays(
     """The call's full prompt ids, response ids (int32) and logprobs (float64), packed."""
     packed = wire.packed
     if packed is not None:
-        prompt = base64.b64decode(packed.prompt)
-        response = base64.b64decode(packed.response)
+        prompt = ids_int32(packed.prompt, packed.id_width)
+        response = ids_int32(packed.response, packed.id_width)
         if packed.logprob_width == 4:
             logprobs = pack_float64(unpack_floats(packed.logprobs, 4))
         else:

@@ -10,14 +10,13 @@ reference never depends on the cache.
 
 from __future__ import annotations
 
-import base64
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import msgspec
 from nats.aio.msg import Msg
 
-from schemas.refs import CallRef, PackedTokens
+from schemas.refs import CallRef, PackedTokens, ids_int32
 from services.common.eventstore import EventStore
 from services.projector.packing import pack_int32_json
 
@@ -77,8 +76,8 @@ class RefCache:
         call = _decode_refs(data)
         packed = call.packed
         if packed is not None:
-            new = base64.b64decode(packed.prompt)
-            response = base64.b64decode(packed.response)
+            new = ids_int32(packed.prompt, packed.id_width)
+            response = ids_int32(packed.response, packed.id_width)
         else:
             new = pack_int32_json(bytes(call.prompt_ids))
             response = pack_int32_json(bytes(call.response_ids))

@@ -11,7 +11,7 @@ import msgspec
 from agentrun import agent_run
 
 from schemas import Event, ModelRequestRecorded, Resolver, decode, encode
-from schemas.refs import pack_floats, unpack_floats
+from schemas.refs import id_width, ids_int32, pack_floats, pack_ids, unpack_floats, unpack_ids
 from services.common.eventstore import Appended, EventStore
 from services.gateway.recording import CallChains, compact_request
 from services.tools.replay import ReplayReport, replay_run
@@ -126,3 +126,12 @@ def test_logprobs_pack_as_float32_only_when_exact() -> None:
     assert width == 4 and len(base64.b64decode(text)) == 12 and unpack_floats(text, width) == exact
     text, width = pack_floats([-0.1])
     assert width == 8 and unpack_floats(text, width) == [-0.1]
+
+
+def test_ids_pack_in_24_bits_when_they_fit_else_32() -> None:
+    small = [0, 5, (1 << 24) - 1]
+    assert id_width(small) == 3 and unpack_ids(pack_ids(small, 3), 3) == small
+    assert len(base64.b64decode(pack_ids(small, 3))) == 9
+    assert ids_int32(pack_ids(small, 3), 3) == ids_int32(pack_ids(small, 4), 4)
+    large = [1 << 24, -1]
+    assert id_width(small, large) == 4 and unpack_ids(pack_ids(large, 4), 4) == large
