@@ -39,6 +39,8 @@ from schemas.refs import Resolver, UnresolvedReference
 
 WRONG_LAST_SEQUENCE = 10071
 FETCH_BATCH = 2048
+HEADER_ALLOWANCE = 512
+"""Bytes of a message's headers and framing kept free under the server's max_payload."""
 ACK_TIMEOUT_S = 30.0
 """Longest wait for JetStream's ack of a pipelined append; past it the append raises (retrying is safe)."""
 
@@ -49,6 +51,17 @@ class EventStoreError(RuntimeError):
 
 class EventStoreUnavailable(EventStoreError):
     """No NATS server with JetStream answers at the configured URL."""
+
+
+class EventTooLarge(EventStoreError):
+    """An event larger than the server accepts (NATS `max_payload`): retrying cannot help."""
+
+    def __init__(self, subject: str, size: int, limit: int) -> None:
+        super().__init__(
+            f"{subject}: the event is {size} bytes, over the event store's limit of {limit} bytes (NATS max_payload)"
+        )
+        self.size = size
+        self.limit = limit
 
 
 class ConcurrencyConflict(EventStoreError):
@@ -236,10 +249,11 @@ class EventStore:
     async def append(self, event: Event, expected_last_subject_seq: int | None = None) -> Appended:
         """Append one event; returns its stream sequence, or the original's when it is a duplicate."""
         subject = event.subject
+        data = self._checked(subject, encode(event))
         try:
             ack = await self.js.publish(
                 subject,
-                encode(event),
+                data,
                 headers=self._headers(event, expected_last_subject_seq),
                 stream=self.stream,
             )
@@ -253,12 +267,11 @@ class EventStore:
 
     async def append_many(self, events: Iterable[Event]) -> list[Appended]:
         """Append many events pipelined (publish all, then await every ack), in order."""
+        encoded = [(event, self._checked(event.subject, encode(event))) for event in events]
         futures = []
-        for event in events:
+        for event, data in encoded:
             futures.append(
-                await self.js.publish_async(
-                    event.subject, encode(event), headers=self._headers(event, None), stream=self.stream
-                )
+                await self.js.publish_async(event.subject, data, headers=self._headers(event, None), stream=self.stream)
             )
         results: list[Appended] = []
         loop = asyncio.get_running_loop()
@@ -280,6 +293,17 @@ class EventStore:
                 "stored: retrying is safe (the event id makes a repeat a duplicate)"
             ) from None
         return results
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server accepts (its `max_payload`; 1 MB when it says nothing)."""
+        return int(self.nc.max_payload or 1 << 20)
+
+    def _checked(self, subject: str, data: bytes) -> bytes:
+        # headers (message id, expected sequence) count against max_payload too
+        if len(data) + HEADER_ALLOWANCE > self.max_payload:
+            raise EventTooLarge(subject, len(data), self.max_payload - HEADER_ALLOWANCE)
+        return data
 
     @staticmethod
     def _translate(exc: nats.js.errors.APIError, subject: str, expected: int | None) -> EventStoreError:

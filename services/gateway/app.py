@@ -25,6 +25,7 @@ from services.gateway.errors import ApiError, translate, unavailable
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import IdempotencyCache
 from services.gateway.openapi import openapi_document
+from services.gateway.payload import announce
 from services.gateway.phase import PhaseGate
 from services.gateway.proxy import PREFIX, Proxy
 from services.gateway.readmodel import RolloutReader, StreamRolloutReader
@@ -86,6 +87,7 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
             upstream=upstream,
             chains=CallChains(settings.chain_cache_bytes, compact=settings.record_format == "compact"),
         )
+        announce(store.max_payload)
         await state.start()
         app.state.gateway = gateway
         app.state.proxy = Proxy(gateway)

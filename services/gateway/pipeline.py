@@ -19,13 +19,15 @@ from typing import Any
 import msgspec
 
 from schemas import ModelRequestRecorded
-from services.common.eventstore import EventStoreUnavailable
+from services.common.eventstore import EventStoreUnavailable, EventTooLarge
 from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send_json
 from services.gateway.context import Gateway
 from services.gateway.errors import unavailable
 from services.gateway.frontends.base import Translator, error_body
 from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion
+from services.gateway.payload import refusal
 from services.gateway.readmodel import RolloutView
+from services.gateway.recording import cut
 from services.gateway.state import ModelEntry
 from services.gateway.upstream import UpstreamError, UpstreamResponse
 
@@ -77,6 +79,12 @@ class Pipeline:
 
     async def run(self, call: Call, receive: Receive, send: Send) -> None:
         """Serve one call behind the run's phase gate."""
+        view = call.view
+        new = self.gw.chains.new_request_bytes((view.run_id, view.rollout_id, call.attempt_id), call.recorded_request)
+        why = refusal(self.gw.store.max_payload, new, call.recorded_request)
+        if why is not None:  # before the gate and the engine: nothing is generated for a call we cannot keep
+            await self._fail(call, send, 413, why, "invalid_request_error")
+            return
         gate = self.gw.gate
         await gate.enter(call.view.run_id)
         try:
@@ -135,6 +143,15 @@ class Pipeline:
     async def record(self, call: Call, outcome: Outcome) -> None:
         """Append the call's events (raises `EventStoreUnavailable`)."""
         events = self.events(call, outcome)
+        try:
+            await self._append(events)
+        except EventTooLarge as exc:
+            if outcome.status == "ok":
+                raise
+            reason = str(exc)
+            await self._append([cut(event, reason) for event in events])
+
+    async def _append(self, events: list[ModelRequestRecorded]) -> None:
         store, chains = self.gw.store, self.gw.chains
         stored = chains.compact(events)
         if len(stored) == 1:
@@ -142,6 +159,14 @@ class Pipeline:
         else:
             appended = await store.append_many(stored)
         chains.remember(events, appended)
+
+    async def _too_large(self, call: Call, outcome: Outcome, exc: EventTooLarge) -> str:
+        """Record a generated call whose event does not fit as failed; the message for the client."""
+        message = f"this call's answer cannot be recorded ({exc}); send a smaller max_tokens or a shorter prompt"
+        await self._record_quietly(
+            call, Outcome(status="failed", error=message, usage=outcome.usage, weights=outcome.weights)
+        )
+        return message
 
     async def _record_quietly(self, call: Call, outcome: Outcome) -> None:
         with contextlib.suppress(EventStoreUnavailable):
@@ -229,6 +254,10 @@ class Pipeline:
             await self.record(call, outcome)
         except EventStoreUnavailable:
             raise unavailable("the call could not be recorded (NATS unavailable); retry it") from None
+        except EventTooLarge as exc:
+            message = await self._too_large(call, outcome, exc)
+            await send_json(send, 413, error_body(call.translator.api, 413, message, "invalid_request_error"))
+            return
         await send_json(send, 200, call.translator.complete(answer, upstream.content, records))
 
     async def _pass_error(self, call: Call, upstream: Upstream, send: Send) -> None:
@@ -317,6 +346,10 @@ class Pipeline:
         except EventStoreUnavailable:
             message = "the call could not be recorded (NATS unavailable); retry it"
             await send({"type": "http.response.body", "body": translator.stream_error(503, message)})
+            return False
+        except EventTooLarge as exc:
+            message = await self._too_large(call, seen, exc)
+            await send({"type": "http.response.body", "body": translator.stream_error(413, message)})
             return False
         held.append(translator.end(fold))
         await send({"type": "http.response.body", "body": b"".join(held)})

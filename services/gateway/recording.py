@@ -27,6 +27,7 @@ from msgspec import UNSET, UnsetType
 from schemas import CallRef, ModelRequestRecorded
 from schemas.refs import pack
 from services.common.eventstore import Appended
+from services.gateway.payload import cut_request
 
 MIN_SHARED = 16
 """Fewest shared leading tokens worth a reference (below it the call is recorded in full)."""
@@ -153,6 +154,14 @@ class CallChains:
                 _, old = self.attempts.popitem(last=False)
                 self.size -= sum(r.size for r in old)
 
+    def new_request_bytes(self, key: AttemptKey, request: dict[str, Any]) -> int:
+        """Bytes of the request copy a call would record: what the attempt's latest calls do not hold."""
+        best = len(_encode(request))
+        for recorded in self.attempts.get(key, [])[-2:] if self.references else []:
+            stored, _same, _prefix = compact_request(request, recorded.request)
+            best = min(best, len(_encode(stored)))
+        return best
+
     def forget(self, run_id: str, rollout_id: str, attempt_id: str | None) -> None:
         """Drop an attempt's calls (it ended: nothing will reference them)."""
         old = self.attempts.pop((run_id, rollout_id, attempt_id), None)
@@ -175,4 +184,16 @@ def _packed(
         return msgspec.structs.replace(event, prompt_ids=prompt, request=request, prompt_ref=ref)
     return msgspec.structs.replace(
         event, prompt_ids=[], response_ids=[], logprobs=[], request=request, prompt_ref=ref, packed=packed
+    )
+
+
+def cut(event: ModelRequestRecorded, reason: str) -> ModelRequestRecorded:
+    """A failed call's event without the bulk that made it too large to store (its request copy, its ids)."""
+    return msgspec.structs.replace(
+        event,
+        request=cut_request(event.request, reason),
+        response={},
+        prompt_ids=[],
+        response_ids=[],
+        logprobs=[],
     )
