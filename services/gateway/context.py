@@ -9,8 +9,10 @@ from fastapi import Request
 from schemas import Event
 from services.common.eventstore import Appended, EventStore, StoredEvent
 from services.gateway.auth import Admin, AttemptScope, Authenticator, Principal
+from services.gateway.budgets import Budgets
 from services.gateway.errors import forbidden, not_found, unauthorized
 from services.gateway.idempotency import IdempotencyCache
+from services.gateway.limits import RunSettings
 from services.gateway.phase import PhaseGate
 from services.gateway.readmodel import RolloutReader, RolloutView
 from services.gateway.recording import CallChains
@@ -31,6 +33,8 @@ class Gateway:
     idempotency: IdempotencyCache
     gate: PhaseGate
     upstream: UpstreamClient
+    budgets: Budgets
+    run_settings: RunSettings = field(default_factory=RunSettings)
     chains: CallChains = field(default_factory=CallChains)
 
     def principal(self, request: Request) -> Principal:

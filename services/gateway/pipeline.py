@@ -24,6 +24,7 @@ from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send
 from services.gateway.context import Gateway
 from services.gateway.errors import unavailable
 from services.gateway.frontends.base import Translator, error_body
+from services.gateway.limits import check_call
 from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion
 from services.gateway.payload import refusal
 from services.gateway.readmodel import RolloutView
@@ -78,14 +79,18 @@ class Pipeline:
         self.gw = gateway
 
     async def run(self, call: Call, receive: Receive, send: Send) -> None:
-        """Serve one call behind the run's phase gate."""
+        """Serve one call within the run's limits, the event store's and the attempt's budget, behind the phase gate."""
+        gw = self.gw
         view = call.view
-        new = self.gw.chains.new_request_bytes((view.run_id, view.rollout_id, call.attempt_id), call.recorded_request)
-        why = refusal(self.gw.store.max_payload, new, call.recorded_request)
+        limits, budget = gw.run_settings.of(view.run_id, gw.state.runs.get(view.run_id))
+        check_call(call.recorded_request, limits)
+        new = gw.chains.new_request_bytes((view.run_id, view.rollout_id, call.attempt_id), call.recorded_request)
+        why = refusal(gw.store.max_payload, new, call.recorded_request)
         if why is not None:  # before the gate and the engine: nothing is generated for a call we cannot keep
             await self._fail(call, send, 413, why, "invalid_request_error")
             return
-        gate = self.gw.gate
+        reserved = await gw.budgets.admit(view, call.attempt_id, budget)
+        gate = gw.gate
         await gate.enter(call.view.run_id)
         try:
             call.started = time.perf_counter()
@@ -95,6 +100,8 @@ class Pipeline:
                 await self._complete(call, receive, send)
         finally:
             gate.leave(call.view.run_id)
+            if reserved:
+                gw.budgets.release(call.view, call.attempt_id)
 
     # ---- recording -----------------------------------------------------------------------------
 
@@ -159,6 +166,7 @@ class Pipeline:
         else:
             appended = await store.append_many(stored)
         chains.remember(events, appended)
+        self.gw.budgets.record(events)
 
     async def _too_large(self, call: Call, outcome: Outcome, exc: EventTooLarge) -> str:
         """Record a generated call whose event does not fit as failed; the message for the client."""

@@ -111,7 +111,7 @@ class Proxy:
 
     async def _refuse(self, exc: Exception, scope: Scope, send: Send, started: bool) -> None:
         if isinstance(exc, TranslationError):
-            exc = ApiError(exc.status, exc.message, field=exc.field)
+            exc = ApiError(exc.status, f"{exc.message} (at {exc.field})", field=exc.field)
         error = translate(exc)
         if started:  # a stream already began: nothing more can be said over HTTP
             if error is None:
@@ -172,8 +172,9 @@ class Proxy:
         return models
 
     def choose(self, view: RolloutView, requested: Any) -> ModelEntry:
-        """The endpoint for a call: those named by `requested` if any, else the run's; one per rollout."""
+        """The endpoint for a call: those `requested` names (or its alias), else the run's; one per rollout."""
         models = self.models(view)
+        requested = self.gw.state.model_alias(view.run_id, requested)
         matching = [m for m in models if requested in (m.name, m.served_model)]
         pool = sorted(matching or models, key=lambda m: m.name)
         # A rollout sticks to one endpoint (its prefix cache), spread by a hash of its id.
