@@ -232,8 +232,8 @@ def main() -> None:
         try:
             for run_id, rollouts in (("big", args.rollouts), ("small", small)):
                 n, secs = asyncio.run(write_run(server.url, run_id, rollouts, args.calls, args.context, args.format))
-                print(f"wrote run {run_id} ({args.format}): {rollouts} rollouts, {rollouts * args.calls} calls, {n} events "
-                      f"in {secs:.0f}s")  # fmt: skip
+                print(f"wrote run {run_id} ({args.format}): {rollouts} rollouts, {rollouts * args.calls} calls, "
+                      f"{n} events in {secs:.0f}s")  # fmt: skip
             workers = default_workers() if args.workers is None else args.workers
             print(f"{os.cpu_count()} CPU cores; replay workers: {workers}")
             for run_id in ("big", "small"):

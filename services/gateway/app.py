@@ -30,6 +30,7 @@ from services.gateway.payload import announce
 from services.gateway.phase import PhaseGate
 from services.gateway.proxy import PREFIX, Proxy
 from services.gateway.readmodel import RolloutReader, StreamRolloutReader
+from services.gateway.reaper import CallReaper
 from services.gateway.recording import CallChains
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
@@ -88,14 +89,18 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
             upstream=upstream,
             budgets=Budgets(store, settings.budget_cache_bytes),
             chains=CallChains(settings.chain_cache_bytes, compact=settings.record_format == "compact"),
+            reaper=CallReaper(store, interval_s=settings.reaper_interval_s),
         )
         announce(store.max_payload)
         await state.start()
+        assert gateway.reaper is not None
+        await gateway.reaper.start()
         app.state.gateway = gateway
         app.state.proxy = Proxy(gateway)
         try:
             yield
         finally:
+            await gateway.reaper.stop()
             await state.stop()
             await upstream.close()
             if store.nc.is_connected:

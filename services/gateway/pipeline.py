@@ -93,6 +93,10 @@ class Pipeline:
         gate = gw.gate
         await gate.enter(call.view.run_id)
         try:
+            if gw.reaper is not None:
+                gw.reaper.started(
+                    view.run_id, view.rollout_id, call.attempt_id, call.call_id, call.mode, call.model.name
+                )
             call.started = time.perf_counter()
             if call.stream:
                 await self._stream(call, receive, send)

@@ -45,6 +45,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     record_format: str = "compact"
     """`compact` (schema version 2: references and packed arrays) or `full` (version 1: every call's full lists)."""
     chain_cache_bytes: int = 256 * 1024 * 1024
+    reaper_interval_s: float = 5.0
+    """Heartbeat period; a dead gateway's calls are recorded as aborted within about four of them."""
 
     @property
     def base_url(self) -> str:
@@ -81,7 +83,7 @@ def settings_from_env(env: dict[str, str] | None = None, *, announce: bool = Tru
     ROLLWIRE_GATEWAY_HOST, ROLLWIRE_GATEWAY_PORT, ROLLWIRE_MAX_BODY_BYTES,
     ROLLWIRE_UPSTREAM_TIMEOUT_S, ROLLWIRE_PHASE_HOLD_TIMEOUT_S, ROLLWIRE_DEFAULT_RUN, ROLLWIRE_STREAM,
     ROLLWIRE_CACHE_BYTES, ROLLWIRE_IDEMPOTENCY_CACHE_BYTES, ROLLWIRE_RECORD_FORMAT (compact | full),
-    ROLLWIRE_CHAIN_CACHE_BYTES.
+    ROLLWIRE_CHAIN_CACHE_BYTES, ROLLWIRE_REAPER_INTERVAL_S.
     """
     env = dict(os.environ if env is None else env)
     admin = env.get("ROLLWIRE_ADMIN_TOKEN", "")
@@ -114,4 +116,5 @@ def settings_from_env(env: dict[str, str] | None = None, *, announce: bool = Tru
         idempotency_cache_bytes=int(_number(env, "ROLLWIRE_IDEMPOTENCY_CACHE_BYTES", 64 * 1024 * 1024, int)),
         record_format=_record_format(env.get("ROLLWIRE_RECORD_FORMAT") or "compact"),
         chain_cache_bytes=int(_number(env, "ROLLWIRE_CHAIN_CACHE_BYTES", 256 * 1024 * 1024, int)),
+        reaper_interval_s=_number(env, "ROLLWIRE_REAPER_INTERVAL_S", 5.0),
     )
