@@ -97,11 +97,7 @@ def pack_ids(values: Sequence[int], width: int = 4) -> str:
 
 def unpack_ids(text: str, width: int = 4) -> list[int]:
     """The ids packed by `pack_ids`."""
-    data = base64.b64decode(text)
-    if width == 3:
-        raw = np.frombuffer(data, dtype=np.uint8).reshape(-1, 3).astype("<i4")
-        return (raw[:, 0] | (raw[:, 1] << 8) | (raw[:, 2] << 16)).tolist()  # type: ignore[no-any-return]
-    return np.frombuffer(data, dtype="<i4").tolist()  # type: ignore[no-any-return]
+    return np.frombuffer(ids_int32(text, width), dtype="<i4").tolist()  # type: ignore[no-any-return]
 
 
 def ids_int32(text: str, width: int = 4) -> bytes:
