@@ -95,6 +95,7 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
         await state.start()
         assert gateway.reaper is not None
         await gateway.reaper.start()
+        await gateway.idempotency.share(store.js)
         app.state.gateway = gateway
         app.state.proxy = Proxy(gateway)
         try:
