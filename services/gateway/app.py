@@ -28,6 +28,7 @@ from services.gateway.idempotency import IdempotencyCache
 from services.gateway.openapi import openapi_document
 from services.gateway.payload import announce
 from services.gateway.phase import PhaseGate
+from services.gateway.phasesync import PhaseSync
 from services.gateway.proxy import PREFIX, Proxy
 from services.gateway.readmodel import RolloutReader, StreamRolloutReader
 from services.gateway.reaper import CallReaper
@@ -95,12 +96,15 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
         await state.start()
         assert gateway.reaper is not None
         await gateway.reaper.start()
+        gateway.phases = PhaseSync(store, gate, gateway.reaper.instance, gateway.reaper.alive)
+        await gateway.phases.start(settings.drain_timeout_s)
         await gateway.idempotency.share(store.js)
         app.state.gateway = gateway
         app.state.proxy = Proxy(gateway)
         try:
             yield
         finally:
+            await gateway.phases.stop()
             await gateway.reaper.stop()
             await state.stop()
             await upstream.close()
@@ -167,6 +171,14 @@ def _follow_phase(gate: PhaseGate, stored: StoredEvent) -> None:
             gate.release(event.run_id)
 
 
+async def _drain_everywhere(gw: Gateway, run_id: str) -> set[str]:
+    """Close the run's gate on every gateway replica and wait for their calls; the ones still busy."""
+    timeout = gw.settings.drain_timeout_s
+    if gw.phases is not None:
+        return await gw.phases.close_all(run_id, timeout)
+    return set() if await gw.gate.drain(run_id, timeout) else {"this gateway"}
+
+
 async def set_phase(request: Request) -> Response:
     """`POST /api/phase` (admin): `update` holds new calls and drains in-flight ones; `rollout` releases."""
     gw: Gateway = request.app.state.gateway
@@ -187,21 +199,27 @@ async def set_phase(request: Request) -> Response:
         )
         if phase.phase == "update":
             gw.gate.close(run_id)
-            if not await gw.gate.drain(run_id, gw.settings.drain_timeout_s):
+            busy = await _drain_everywhere(gw, run_id)
+            if busy:
                 raise ApiError(
                     504,
                     f"calls of run {run_id} were still in flight after "
                     f"{gw.settings.drain_timeout_s:g}s; new calls stay held",
                     in_flight=gw.gate.in_flight(run_id),
+                    gateways=sorted(busy),
                 )
             try:
                 ack = await gw.append_registry(event)
             except Exception:
                 gw.gate.release(run_id)
+                if gw.phases is not None:
+                    await gw.phases.open_all(run_id)
                 raise
         else:
             ack = await gw.append_registry(event)
             gw.gate.release(run_id)
+            if gw.phases is not None:
+                await gw.phases.open_all(run_id)
         return 200, encode(
             {
                 "run_id": run_id,
