@@ -32,6 +32,7 @@ from typing import Any, Literal, get_args
 
 import msgspec
 
+from schemas.runs import RewardFrom
 from trainer.core import AdapterConfig, AdapterConfigError
 
 Mode = Literal["sync", "async"]
@@ -72,7 +73,11 @@ class DataSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`[agent]`: the harness command the controller runs once per rollout attempt.
 
-    A leading `python` in `command` stands for the Python running the trainer (its virtualenv).
+    A leading `python` in `command` (and `evaluator_command`) stands for the Python running the
+    trainer (its virtualenv). `{config_dir}` in `command`, `evaluator_command` and `env` values is
+    the config file's directory, so a config can name the scripts next to it. `evaluator_command`
+    runs after the agent exited 0, in its workspace, with an evaluator token; with
+    `reward_from = "evaluator"` only the evaluator's reward counts (the gateway refuses the agent's).
     """
 
     command: list[str]
@@ -80,6 +85,8 @@ class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     timeout_s: float = 600.0
     concurrency: int = 32
     max_attempts: int = 1
+    evaluator_command: list[str] | None = None
+    reward_from: RewardFrom = "agent"
 
 
 class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -289,6 +296,16 @@ def _check(config: TrainConfig) -> None:
     need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
     need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
     need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
+    need(
+        config.agent.evaluator_command is None or bool(config.agent.evaluator_command),
+        "agent.evaluator_command",
+        "must name the program to run, as a list of strings, or be left out",
+    )
+    need(
+        config.agent.reward_from == "agent" or bool(config.agent.evaluator_command),
+        "agent.reward_from",
+        "is 'evaluator' but agent.evaluator_command is not set",
+    )
     backend = config.backend
     need(
         backend.kind != "verl" or importlib.util.find_spec("verl") is not None,
@@ -356,6 +373,27 @@ def _resolve(base: Path, value: str) -> str:
     return str(path if path.is_absolute() else (base / path))
 
 
+CONFIG_DIR = "{config_dir}"
+
+
+def _agent_commands(agent: AgentSection, base_dir: Path | None) -> AgentSection:
+    """`python` as this interpreter and `{config_dir}` as the config's directory in the agent's settings."""
+    where = str(base_dir.resolve()) if base_dir is not None else "."
+
+    def command(argv: list[str] | None) -> list[str] | None:
+        if argv is None:
+            return None
+        argv = [part.replace(CONFIG_DIR, where) for part in argv]
+        return [sys.executable, *argv[1:]] if argv[0] == "python" else argv
+
+    return msgspec.structs.replace(
+        agent,
+        command=command(agent.command) or [],
+        evaluator_command=command(agent.evaluator_command),
+        env={key: value.replace(CONFIG_DIR, where) for key, value in agent.env.items()},
+    )
+
+
 def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None) -> TrainConfig:
     """A checked `TrainConfig` from plain data (a parsed TOML document); paths resolved against `base_dir`."""
     try:
@@ -363,9 +401,7 @@ def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None
     except msgspec.ValidationError as exc:
         raise _decode_error(exc) from None
     _check(config)
-    if config.agent.command[0] == "python":
-        command = [sys.executable, *config.agent.command[1:]]
-        config = msgspec.structs.replace(config, agent=msgspec.structs.replace(config.agent, command=command))
+    config = msgspec.structs.replace(config, agent=_agent_commands(config.agent, base_dir))
     if base_dir is not None:
         config = msgspec.structs.replace(
             config,

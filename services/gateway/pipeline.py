@@ -24,7 +24,7 @@ from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send
 from services.gateway.context import Gateway
 from services.gateway.errors import unavailable
 from services.gateway.frontends.base import Translator, error_body
-from services.gateway.limits import check_call
+from services.gateway.limits import check_call, clamp_max_tokens
 from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion
 from services.gateway.payload import refusal
 from services.gateway.readmodel import RolloutView
@@ -84,6 +84,7 @@ class Pipeline:
         view = call.view
         limits, budget = gw.run_settings.of(view.run_id, gw.state.runs.get(view.run_id))
         check_call(call.recorded_request, limits)
+        call.payload, call.recorded_request = clamp_max_tokens(call.payload, call.recorded_request, limits)
         new = gw.chains.new_request_bytes((view.run_id, view.rollout_id, call.attempt_id), call.recorded_request)
         why = refusal(gw.store.max_payload, new, call.recorded_request)
         if why is not None:  # before the gate and the engine: nothing is generated for a call we cannot keep
