@@ -21,7 +21,8 @@ class CallLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """What one model call through the proxy may ask for; a call over a limit is refused with a 400.
 
     Each choice of a call is recorded with the call's whole request, so `n` multiplies what a call
-    writes; `max_tokens` bounds what one answer may cost; tools and messages bound the request.
+    writes; `max_tokens` bounds what one answer may cost (a larger request is lowered to it, not
+    refused); tools and messages bound the request.
     """
 
     max_n: Positive = 8

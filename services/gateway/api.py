@@ -761,10 +761,21 @@ async def get_run(request: Request, run_id: str) -> Response:
 
 
 async def healthz(request: Request) -> Response:
-    """`GET /healthz`: 200 when NATS is connected, else 503 (`degraded`), so probes and orchestrators act on it."""
+    """`GET /healthz`: 200 when NATS is connected and (with the Postgres reader) reads are answered,
+    else 503 (`degraded`), so probes and orchestrators act on it within a second."""
     gw = _gw(request)
     connected = gw.store.nc.is_connected
-    return json_response({"status": "ok" if connected else "degraded", "nats": connected}, 200 if connected else 503)
+    body: dict[str, Any] = {"nats": connected}
+    ping = getattr(gw.reader, "ping", None)  # the Postgres reader: can reads be answered?
+    healthy = connected
+    if ping is not None:
+        try:
+            await ping(1.0)
+            body["reads"] = True
+        except Exception:
+            body["reads"] = healthy = False
+    body["status"] = "ok" if healthy else "degraded"
+    return json_response(body, 200 if healthy else 503)
 
 
 BODIES: dict[Callable[..., Any], Any] = {

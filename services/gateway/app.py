@@ -22,7 +22,7 @@ from services.gateway import api, bodies
 from services.gateway.auth import Authenticator, TokenSigner
 from services.gateway.budgets import Budgets
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, translate, unavailable
+from services.gateway.errors import CLIENT_ERRORS, ApiError, internal, translate, unavailable
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import IdempotencyCache
 from services.gateway.openapi import openapi_document
@@ -108,7 +108,7 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
     async def _errors(request: Request, exc: Exception) -> Response:
         error = translate(exc)
         if error is None:
-            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+            error = internal(exc)
         return Response(error.body(), status_code=error.status, media_type="application/json", headers=error.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -130,7 +130,9 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
             media_type="application/json",
         )
 
-    for exc_type in (ApiError,):
+    # Handled by type (not only as `Exception`, whose handler Starlette runs and then re-raises
+    # into the server's log): a client's error is an answer, not a traceback.
+    for exc_type in CLIENT_ERRORS:
         app.add_exception_handler(exc_type, _errors)  # type: ignore[arg-type]
     api.register(app)
     app.add_api_route("/api/phase", set_phase, methods=["POST"])

@@ -24,7 +24,7 @@ from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send
 from services.gateway.context import Gateway
 from services.gateway.errors import unavailable
 from services.gateway.frontends.base import Translator, error_body
-from services.gateway.limits import check_call
+from services.gateway.limits import check_call, clamp_max_tokens
 from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion
 from services.gateway.readmodel import RolloutView
 from services.gateway.state import ModelEntry
@@ -81,6 +81,7 @@ class Pipeline:
         gw = self.gw
         limits, budget = gw.run_settings.of(call.view.run_id, gw.state.runs.get(call.view.run_id))
         check_call(call.recorded_request, limits)
+        call.payload, call.recorded_request = clamp_max_tokens(call.payload, call.recorded_request, limits)
         reserved = await gw.budgets.admit(call.view, call.attempt_id, budget)
         gate = gw.gate
         await gate.enter(call.view.run_id)

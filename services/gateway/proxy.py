@@ -29,9 +29,9 @@ from schemas.ids import MODEL_REQUEST
 from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_json
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, forbidden, not_found, translate, unauthorized, unavailable
+from services.gateway.errors import ApiError, forbidden, internal, not_found, translate, unauthorized, unavailable
 from services.gateway.frontends import chat, messages, responses
-from services.gateway.frontends.base import Api, error_body
+from services.gateway.frontends.base import Api, Translator, error_body
 from services.gateway.frontends.canonical import Conversation, TranslationError, Turn, history
 from services.gateway.openai_format import prepare_request
 from services.gateway.pipeline import Call, Pipeline
@@ -40,7 +40,6 @@ from services.gateway.state import ModelEntry
 from services.gateway.upstream import UpstreamError
 
 PREFIX = "/proxy/rollout/"
-APIS = ("openai", "anthropic")
 SERVED = (
     "this proxy serves OpenAI's API under .../openai/v1/ (POST chat/completions, POST responses, GET models) "
     "and Anthropic's Messages API under .../anthropic/ (POST v1/messages, POST v1/messages/count_tokens, "
@@ -118,11 +117,9 @@ class Proxy:
                 raise exc
             return
         if error is None:
-            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+            error = internal(exc)  # logged there with a reference; the body says nothing internal
         body = error_body(_api_of(scope["path"]), error.status, error.message, **error.extra)
         await send_json(send, error.status, body, error.headers)
-        if error.status == 500:
-            raise exc
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -220,7 +217,7 @@ class Proxy:
         route: Route,
         conv: Conversation,
         api: str,
-        translator_for: Any,
+        translator_for: Callable[[str, str], Translator],
         receive: Receive,
         send: Send,
     ) -> None:
@@ -358,5 +355,4 @@ ROUTES: dict[tuple[str, str, str], Handler] = {
     ("anthropic", "POST", "v1/messages/count_tokens"): _count_tokens,
     ("anthropic", "GET", "v1/models"): _anthropic_models,
     ("anthropic", "HEAD", ""): _head,
-    ("anthropic", "GET", ""): _head,
 }
