@@ -31,7 +31,8 @@ from schemas.ids import (
     check_id,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: `model_request` gained `agent`, `endpoint`, `started_at` and the sampling parameters."""
 
 RolloutStatus = Literal["queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
@@ -152,6 +153,16 @@ class ModelRequestRecorded(Event, frozen=True, kw_only=True, tag="model_request"
     usage: dict[str, int] = {}
     latency_s: float = 0.0
     error: str | None = None
+    agent: str | None = None
+    """The agent (role, sub-agent) that made the call: the proxy path's `agent/{name}` or `X-Rollwire-Agent`."""
+    endpoint: str | None = None
+    """The registered model name the proxy routed the call to (`model` is what the endpoint answered)."""
+    started_at: float | None = None
+    """Unix time the call was admitted (after the phase gate); `time` is when it was recorded."""
+    temperature: float | None = None
+    """Sampling parameters the engine sampled with (None: the engine's default, 1.0 / 1.0 / off)."""
+    top_p: float | None = None
+    top_k: int | None = None
 
     @property
     def subject(self) -> str:

@@ -1,7 +1,9 @@
 """The OpenAI-compatible proxy: one agent's model calls, forwarded and recorded token by token.
 
-    POST /proxy/rollout/{rid}/attempt/{aid}/mode/{train|val}/openai/v1/chat/completions
-    GET  /proxy/rollout/{rid}/attempt/{aid}/mode/{train|val}/openai/v1/models
+    POST /proxy/rollout/{rid}/attempt/{aid}/mode/{train|val}[/agent/{name}]/openai/v1/chat/completions
+    GET  /proxy/rollout/{rid}/attempt/{aid}/mode/{train|val}[/agent/{name}]/openai/v1/models
+
+The agent name (path segment or `X-Rollwire-Agent` header, `agents.py`) is recorded on each call.
 
 This is the hot path, so it is a plain ASGI handler (no routing or validation framework in the
 way), admission is checked against the in-memory state (`state.py`), the upstream is one pooled
@@ -29,6 +31,7 @@ import msgspec
 
 from schemas import ModelRequestRecorded, new_id
 from services.common.eventstore import EventStoreUnavailable
+from services.gateway.agents import AGENT_HEADER, agent_name, routed_model, split_agent
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, forbidden, not_found, translate, unauthorized, unavailable
@@ -40,6 +43,7 @@ from services.gateway.openai_format import (
     int_usage,
     prepare_request,
     read_completion,
+    sampling_params,
     strip_chunk,
     strip_completion,
 )
@@ -78,6 +82,8 @@ class Call(msgspec.Struct, kw_only=True):
     body: dict[str, Any]
     wants: Wants
     started: float
+    agent: str | None = None
+    started_at: float = 0.0
 
 
 async def _send_json(send: Send, status: int, payload: bytes, headers: dict[str, str] | None = None) -> None:
@@ -126,7 +132,8 @@ class Proxy:
                 raise
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
-        parts = scope["path"][len(PREFIX) :].split("/")
+        path_agent, parts = split_agent(scope["path"][len(PREFIX) :].split("/"))
+        agent = agent_name(path_agent, _header(scope, AGENT_HEADER))
         # rid / attempt / aid / mode / m / openai / v1 / rest...
         if len(parts) < 8 or parts[1] != "attempt" or parts[3] != "mode" or parts[5:7] != ["openai", "v1"]:
             raise not_found("unknown proxy path; use /proxy/rollout/{rid}/attempt/{aid}/mode/{train|val}/openai/v1/")
@@ -136,10 +143,10 @@ class Proxy:
         method = scope["method"]
         if rest == "chat/completions" and method == "POST":
             view = await self._admit(scope, rollout_id, attempt_id, mode)
-            await self._chat(scope, receive, send, view, attempt_id, mode)
+            await self._chat(scope, receive, send, view, attempt_id, mode, agent)
         elif rest == "models" and method == "GET":
             view = await self._admit(scope, rollout_id, attempt_id, mode)
-            await self._models(send, view, rollout_id)
+            await self._models(send, view, rollout_id, agent)
         else:
             raise not_found(f"the proxy serves POST chat/completions and GET models, not {method} {rest}")
 
@@ -180,12 +187,19 @@ class Proxy:
             raise unavailable("the event store (NATS) is unavailable, so the call cannot be recorded; retry later")
         return view
 
-    def _choose(self, view: RolloutView, requested: Any) -> ModelEntry:
+    def _choose(self, view: RolloutView, requested: Any, agent: str | None = None) -> ModelEntry:
         models = self.gw.state.models_for(view.run_id, self.gw.settings.default_run)
         if not models:
             raise unavailable(
                 f"no model endpoint is registered for run {view.run_id}; register one with POST /api/models"
             )
+        spec = self.gw.state.runs.get(view.run_id)
+        route = routed_model(spec[0] if spec else None, agent)
+        if route is not None:  # the run routes this agent to its model, whatever the request says
+            routed = [m for m in models if m.name == route]
+            if not routed:
+                raise unavailable(f"run {view.run_id} routes agent {agent} to model {route}, which is not registered")
+            requested = route
         matching = [m for m in models if requested in (m.name, m.served_model)]
         pool = sorted(matching or models, key=lambda m: m.name)
         # A rollout sticks to one endpoint (its prefix cache), spread by a hash of its id.
@@ -194,8 +208,8 @@ class Proxy:
 
     # ---- models --------------------------------------------------------------------------------
 
-    async def _models(self, send: Send, view: RolloutView, rollout_id: str) -> None:
-        model = self._choose(view, None)
+    async def _models(self, send: Send, view: RolloutView, rollout_id: str, agent: str | None) -> None:
+        model = self._choose(view, None, agent)
         headers = {"authorization": f"Bearer {model.api_key}"} if model.api_key else {}
         try:
             response = await self.gw.upstream.request("GET", f"{model.base_url}/models", b"", headers)
@@ -209,8 +223,9 @@ class Proxy:
     # ---- chat completions ----------------------------------------------------------------------
 
     async def _chat(
-        self, scope: Scope, receive: Receive, send: Send, view: RolloutView, attempt_id: str, mode: str
-    ) -> None:
+        self, scope: Scope, receive: Receive, send: Send, view: RolloutView, attempt_id: str, mode: str,
+        agent: str | None = None,
+    ) -> None:  # fmt: skip
         gw = self.gw
         body = await self._read_body(scope, receive)
         try:
@@ -219,7 +234,7 @@ class Proxy:
             raise ApiError(422, f"the request body is not a JSON object: {exc}", field="body") from None
         if not isinstance(request.get("messages"), list):
             raise ApiError(422, 'chat completions need a list of "messages"', field="messages")
-        model = self._choose(view, request.get("model"))
+        model = self._choose(view, request.get("model"), agent)
         await gw.gate.enter(view.run_id)
         try:
             upstream_body, wants = prepare_request(request, model.upstream_model)
@@ -231,6 +246,8 @@ class Proxy:
                 body=request,
                 wants=wants,
                 started=time.perf_counter(),
+                agent=agent,
+                started_at=time.time(),
             )
             payload = _encode(upstream_body)
             if request.get("stream"):
@@ -302,6 +319,10 @@ class Proxy:
             "usage": int_usage(usage),
             "latency_s": latency,
             "error": error,
+            "agent": call.agent,
+            "endpoint": call.model.name,
+            "started_at": call.started_at,
+            **sampling_params(call.body),
         }
         if not records:
             return [ModelRequestRecorded(event_id=f"{call_id}-0", **common)]
