@@ -95,9 +95,9 @@ class CpuBackend:
         self.pad_id = int(pad) if isinstance(pad, int) else 0
 
     def _micro_batch(self, samples: Sequence[Sample]) -> tuple[torch.Tensor, LossMetrics]:
-        batch = collate(samples, pad_id=self.pad_id)
+        batch = collate(samples, pad_id=self.pad_id, default_temperature=self.algorithm.loss_temperature)
         logits = forward_logits(self.model, batch.input_ids, batch.attention_mask)  # [B, T, V]
-        temperature = self.algorithm.loss_temperature
+        temperature = batch.temperature  # [B, 1, 1]: each sample's own sampling temperature
         logprobs = token_logprobs(logits, batch.input_ids, temperature=temperature)  # [B, T-1]
         ref = None
         if self.reference is not None:

@@ -105,8 +105,9 @@ class AlgorithmSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     `updates_per_step` optimizer steps are taken on each batch (the first is on-policy, later ones
     are clipped); `micro_batch_tokens` bounds one forward pass (gradients accumulate exactly);
-    `loss_temperature` must match how the engine reports logprobs (raw, i.e. 1.0, for the
-    embedded engine and vLLM's default).
+    each sample's logprobs are recomputed at the temperature recorded on its calls (the engine reports
+    the logprobs of the distribution it sampled from); `loss_temperature` is the fallback for calls
+    recorded without one (set it to the engine's default temperature; 1.0 for the embedded engine).
     """
 
     lr: float = 1e-3
