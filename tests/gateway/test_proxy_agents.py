@@ -52,10 +52,14 @@ def test_bad_or_conflicting_agent_names_are_422(gateway: GatewayHandle, fake_vll
     auth = {"Authorization": f"Bearer {attempt['token']}"}
     body = {"model": "fake", "messages": MESSAGES, "max_tokens": 2}
     bad = httpx.post(f"{base}/agent/a*b/openai/v1/chat/completions", json=body, headers=auth)
-    assert bad.status_code == 422 and bad.json()["field"] == "agent" and "'*'" in bad.json()["error"]
+    error = bad.json()["error"]  # in OpenAI's shape, as every proxy refusal
+    assert bad.status_code == 422 and error["field"] == "agent" and "'*'" in error["message"]
     both = httpx.post(f"{base}/agent/writer/openai/v1/chat/completions", json=body,
                       headers={**auth, "X-Rollwire-Agent": "checker"})  # fmt: skip
-    assert both.status_code == 422 and "writer" in both.json()["error"] and "checker" in both.json()["error"]
+    message = both.json()["error"]["message"]
+    assert both.status_code == 422 and "writer" in message and "checker" in message
     spaced = httpx.post(f"{base}/openai/v1/chat/completions", json=body, headers={**auth, "X-Rollwire-Agent": "a b"})
     assert spaced.status_code == 422
+    anthropic = httpx.post(f"{base}/agent/a*b/anthropic/v1/messages", json=body, headers=auth)
+    assert anthropic.status_code == 422 and anthropic.json()["type"] == "error"  # Anthropic's shape
     assert fake_vllm.requests == []  # nothing was forwarded
