@@ -47,6 +47,7 @@ from trainer.clients import EngineClient, GatewayClient, NewRollout, ServiceUrls
 from trainer.config import TrainConfig, config_to_mapping
 from trainer.core import (
     TRAIN_STEP_EVENT,
+    AdapterConfig,
     RolloutCalls,
     StepBatch,
     build_step,
@@ -56,6 +57,7 @@ from trainer.core import (
 )
 from trainer.dataset import TaskOrder, load_jsonl
 from trainer.metrics import MetricsLog
+from trainer.policies import failure_row, trained_adapter
 from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group
 
 Row = dict[str, Any]
@@ -84,6 +86,7 @@ def step_row(
     trained_version: int,
     update: UpdateMetrics | None,
     times: dict[str, float],
+    adapter: AdapterConfig | None = None,
 ) -> Row:
     """The metrics of one step, as one row of the CSV (see `trainer.metrics.COLUMNS`)."""
     stats = batch.stats
@@ -132,6 +135,7 @@ def step_row(
             for key, value in found.items():
                 agent.setdefault(key, []).append(value)
     row |= {f"agent_{key}": statistics.fmean(values) for key, values in sorted(agent.items())}
+    row |= failure_row(rollouts, [r for g in replayed for r in g.skipped.values()], batch, adapter or AdapterConfig())
     row |= {f"time_{name}_s": round(seconds, 4) for name, seconds in times.items()}
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
@@ -157,6 +161,7 @@ class Trainer:
         self.order = TaskOrder(len(self.tasks), config.run.seed, config.data.shuffle)
         self.metrics: MetricsLog | None = None
         self.backend: CpuBackend | None = None
+        self.adapter = trained_adapter(config.adapter, [config.model.served_name])
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -291,7 +296,7 @@ class Trainer:
                     rollout_id=rollout_id,
                     group_id=group.group_id,
                     input=self.tasks[self.order.index(group.task_index)],
-                    metadata={"task_index": group.task_index, "step": step},
+                    metadata={"task_index": group.task_index, "step": step, "group_size": len(group.rollout_ids)},
                 )
                 for group in fresh
                 for rollout_id in group.rollout_ids
@@ -307,7 +312,7 @@ class Trainer:
         in_flight = [g for g in in_flight if g not in ended]
         waited = time.monotonic()
 
-        replayed = [await replay_group(store, self.run_id, group) for group in ended]
+        replayed = [await replay_group(store, self.run_id, group, self.adapter.selection()) for group in ended]
         rollouts = [r for g in replayed for r in g.rollouts]
         if replayed and not rollouts:
             reasons = sorted({reason for g in replayed for reason in g.skipped.values()})
@@ -320,7 +325,7 @@ class Trainer:
             rollouts, stale = drop_stale_calls(rollouts, version, config.async_.max_staleness)
         else:
             stale = 0
-        batch = build_step(rollouts, config.adapter)
+        batch = build_step(rollouts, self.adapter)
         await self._record_step(store, step, version, rollouts)
         await asyncio.to_thread(self._write_samples, step, rollouts, batch)
         replayed_at = time.monotonic()
@@ -355,7 +360,7 @@ class Trainer:
             elapsed_s=done - started,
         )
         await asyncio.to_thread(self._checkpoint, state)
-        row = step_row(step, new_version, replayed, batch, stale, version, update, times)
+        row = step_row(step, new_version, replayed, batch, stale, version, update, times, self.adapter)
         row["elapsed_s"] = round(done - started, 3)
         self.metrics.add(row)
         if self.on_step is not None:
@@ -374,7 +379,7 @@ class Trainer:
             "step": step,
             "weights_version": version,
             "max_staleness": config.async_.max_staleness if config.run.mode == "async" else None,
-            "adapter": msgspec.to_builtins(config.adapter),
+            "adapter": msgspec.to_builtins(self.adapter),
         }
         await store.append_many(
             CustomEvent(
@@ -389,7 +394,7 @@ class Trainer:
 
     def _write_samples(self, step: int, rollouts: Sequence[RolloutCalls], batch: StepBatch) -> None:
         """The step's samples as `rollwire replay --format json` reports them, for audit and comparison."""
-        rewards = {r.rollout_id: rollout_reward(r, self.config.adapter) for r in rollouts}
+        rewards = {r.rollout_id: rollout_reward(r, self.adapter) for r in rollouts}
         rows = (
             sample_row(s, step=step, reward=rewards[s.rollout_id] or 0.0, advantage=s.advantage,
                        token_weight=s.token_weight)

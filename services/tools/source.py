@@ -38,7 +38,15 @@ from schemas import MalformedEvent
 from schemas.events import AnyEvent, CustomEvent, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, RUN_ALL, check_id
 from services.common.eventstore import EventStore, StoredEvent, _stream_sequence
-from trainer.core import TRAIN_STEP_EVENT, MalformedCall, NotTrainable, RolloutCalls, drop_stale_calls, rollout_calls
+from trainer.core import (
+    TRAIN_STEP_EVENT,
+    MalformedCall,
+    NotTrainable,
+    RolloutCalls,
+    Selection,
+    drop_stale_calls,
+    rollout_calls,
+)
 from trainer.core.calls import CallRecord
 
 CALL_BUDGET = 2048
@@ -301,7 +309,7 @@ def decode_call(data: bytes) -> CallRecord:
         raise MalformedEvent(str(exc)) from None
 
 
-def unit_rollouts(item: UnitInput) -> tuple[list[RolloutCalls], dict[str, str]]:
+def unit_rollouts(item: UnitInput, select: Selection | None = None) -> tuple[list[RolloutCalls], dict[str, str]]:
     """Decode a unit's calls and give each rollout's history to the adapter's `rollout_calls`.
 
     A rollout with a call that cannot be trained on (no token ids, missing logprobs) is skipped as
@@ -313,7 +321,7 @@ def unit_rollouts(item: UnitInput) -> tuple[list[RolloutCalls], dict[str, str]]:
         calls = [(seq, decode_call(data)) for seq, data in raw]
         merged = heapq.merge(small, calls, key=lambda pair: pair[0])
         try:
-            rollout = rollout_calls(event for _, event in merged)
+            rollout = rollout_calls((event for _, event in merged), select)
         except MalformedCall:
             skipped[rollout_id] = "malformed-call"
             continue

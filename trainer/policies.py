@@ -1,0 +1,73 @@
+"""What a run trains, and the per-model figures of a step: kept out of the loop so the loop stays small.
+
+A run trains one or more models (`[model]` and each `[[policies]]` of the config), each reached
+by the agents the config routes to it, and serves `[[frozen]]` models for context only. The
+adapter trains exactly the calls to the trained models (by registered name), and of those, the
+calls of the selected agents; every other call is context. With several trained models, each
+model's calls make its own samples (`RolloutCalls.for_model`): same rollout reward, its own
+advantages normalization and loss weights, its own optimizer step and weights versions.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from trainer.core import AdapterConfig, RolloutCalls, StepBatch, rollout_reward
+
+Row = dict[str, Any]
+
+
+def trained_adapter(adapter: AdapterConfig, trained_models: Sequence[str]) -> AdapterConfig:
+    """The adapter config with `models` set to the run's trained models when the config left it empty."""
+    if adapter.models:
+        return adapter
+    return AdapterConfig.from_mapping({**msgspec.structs.asdict(adapter), "models": tuple(trained_models)})
+
+
+def model_batches(rollouts: Sequence[RolloutCalls], adapter: AdapterConfig, build: Any) -> dict[str, StepBatch]:
+    """One step per trained model: `build(rollouts_of_that_model, config_for_it)` for each model in `adapter.models`."""
+    out: dict[str, StepBatch] = {}
+    for model in adapter.models:
+        mine = [r.for_model(model) for r in rollouts]
+        config = AdapterConfig.from_mapping({**msgspec.structs.asdict(adapter), "models": (model,)})
+        out[model] = build(mine, config)
+    return out
+
+
+def failure_row(
+    rollouts: Sequence[RolloutCalls], skipped: Sequence[str], batch: StepBatch, adapter: AdapterConfig
+) -> Row:
+    """The failure policy's figures of a step, and the reward mean counting scored failures."""
+    rewards = [r for r in (rollout_reward(x, adapter) for x in rollouts) if r is not None]
+    stats = batch.stats
+    return {
+        "reward_mean": statistics.fmean(rewards) if rewards else None,
+        "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else (0.0 if rewards else None),
+        "rollouts_failed_scored": stats.rollouts_failed_scored,
+        "rollouts_failed_dropped": stats.rollouts_failed_dropped,
+        "rollouts_infra_dropped": sum(1 for reason in skipped if reason == "infrastructure"),
+        "groups_skipped": stats.groups_skipped,
+        "calls_context": stats.calls_context,
+        "calls_deduped": stats.calls_deduped,
+    }
+
+
+def model_rows(batches: dict[str, StepBatch]) -> Row:
+    """`{model}/samples`, `{model}/samples_per_rollout`, `{model}/merge_ratio`, ... for a run of several models."""
+    if len(batches) < 2:
+        return {}
+    row: Row = {}
+    for model, batch in batches.items():
+        stats = batch.stats
+        row |= {
+            f"{model}/samples": stats.samples,
+            f"{model}/samples_per_rollout": stats.samples_per_rollout_mean,
+            f"{model}/merge_ratio": stats.merge_ratio,
+            f"{model}/calls": stats.calls,
+            f"{model}/response_tokens": stats.response_tokens,
+        }
+    return row
