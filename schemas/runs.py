@@ -55,6 +55,8 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     placeholders) for the kubernetes backend. `evaluator_command`, when set, runs after the agent
     exits, in the same workspace, with an evaluator token; `reward_from` says whose rewards count.
     `limits` bounds each model call and `budget` each attempt (enforced by the proxy).
+    `model_aliases` maps model names a harness sends (Claude Code's `claude-sonnet-4-5`) to a
+    model registered for the run; a name neither registered nor aliased goes to any of the run's.
     """
 
     run_id: str
@@ -78,6 +80,7 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     """Routing: agent name -> the registered model its calls go to, whatever the request's `model` says."""
     limits: CallLimits = msgspec.field(default_factory=CallLimits)
     budget: AttemptBudget = msgspec.field(default_factory=AttemptBudget)
+    model_aliases: dict[str, str] = {}
 
     def __post_init__(self) -> None:
         check_id("run_id", self.run_id)

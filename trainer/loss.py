@@ -43,11 +43,12 @@ class PolicyBatch(msgspec.Struct, frozen=True, kw_only=True):
     old_logprobs: torch.Tensor  # [B, T-1] float, behaviour logprobs of input_ids[:, 1:] (0 off-mask)
     advantages: torch.Tensor  # [B, T-1] float, the sample's advantage on each of its positions
     token_weight: torch.Tensor  # [B, T-1] float, the sample's loss weight on each of its positions
-    temperature: torch.Tensor  # [B, 1, 1] float, the temperature each row was sampled at
+    temperature: torch.Tensor | None = None  # [B, 1, 1] float, the temperature each row was sampled at
 
     def to(self, device: torch.device | str) -> PolicyBatch:
         """The same batch on another device."""
-        return PolicyBatch(**{f: getattr(self, f).to(device) for f in self.__struct_fields__})
+        fields = {f: getattr(self, f) for f in self.__struct_fields__}
+        return PolicyBatch(**{f: None if v is None else v.to(device) for f, v in fields.items()})  # type: ignore[arg-type]
 
 
 class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -119,6 +120,10 @@ def collate(samples: Sequence[Sample], *, pad_id: int = 0, default_temperature: 
             [_temperature(s.temperature, default_temperature) for s in samples], dtype=torch.float32
         ).view(-1, 1, 1),
     )
+
+
+def _row_temperature(batch: PolicyBatch) -> float | torch.Tensor:
+    return 1.0 if batch.temperature is None else batch.temperature
 
 
 def _temperature(recorded: float | None, default: float) -> float:
@@ -200,6 +205,6 @@ def policy_loss(
             kl_ref=None if kl_ref is None else _masked_mean(kl_ref, mask, tokens),
             entropy=None
             if logits is None
-            else _masked_mean(token_entropy(logits, temperature=batch.temperature), mask, tokens),
+            else _masked_mean(token_entropy(logits, temperature=_row_temperature(batch)), mask, tokens),
         )
     return loss, metrics

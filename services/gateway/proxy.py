@@ -119,7 +119,7 @@ class Proxy:
 
     async def _refuse(self, exc: Exception, scope: Scope, send: Send, started: bool) -> None:
         if isinstance(exc, TranslationError):
-            exc = ApiError(exc.status, exc.message, field=exc.field)
+            exc = ApiError(exc.status, f"{exc.message} (at {exc.field})", field=exc.field)
         error = translate(exc)
         if started:  # a stream already began: nothing more can be said over HTTP
             if error is None:
@@ -180,9 +180,8 @@ class Proxy:
         return models
 
     def choose(self, view: RolloutView, requested: Any, agent: str | None = None) -> ModelEntry:
-        """The endpoint for a call: the agent's routed model, else those named by `requested`, else the run's.
-
-        One endpoint per rollout of a pool.
+        """The endpoint for a call: the agent's routed model, else those `requested` names (or its alias),
+        else the run's; one endpoint per rollout of a pool.
         """
         models = self.models(view)
         spec = self.gw.state.runs.get(view.run_id)
@@ -191,6 +190,7 @@ class Proxy:
             if not any(m.name == route for m in models):
                 raise unavailable(f"run {view.run_id} routes agent {agent} to model {route}, which is not registered")
             requested = route
+        requested = self.gw.state.model_alias(view.run_id, requested)
         matching = [m for m in models if requested in (m.name, m.served_model)]
         pool = sorted(matching or models, key=lambda m: m.name)
         # A rollout sticks to one endpoint (its prefix cache), spread by a hash of its id.
