@@ -33,6 +33,7 @@ from typing import Any, Literal, get_args
 import msgspec
 
 from trainer.core import AdapterConfig, AdapterConfigError
+from trainer.run_sections import ExecBackend, FrozenSection, PolicySection, RewardFrom, ValidationSection
 
 Mode = Literal["sync", "async"]
 BackendKind = Literal["cpu", "verl"]
@@ -70,16 +71,26 @@ class DataSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`[agent]`: the harness command the controller runs once per rollout attempt.
+    """`[agent]`: the harness the controller runs once per rollout attempt, and how.
 
-    A leading `python` in `command` stands for the Python running the trainer (its virtualenv).
+    A leading `python` in `command` (and `evaluator_command`) stands for the Python running the
+    trainer (its virtualenv). `backend = "kubernetes"` runs each attempt as a Job from
+    `job_template` (with `image`) in the controller's namespace; `evaluator_command` runs after the
+    agent, and `reward_from = "evaluator"` makes only its rewards count (`schemas.runs.RunSpec`).
     """
 
-    command: list[str]
+    command: list[str] = []
     env: dict[str, str] = {}
     timeout_s: float = 600.0
     concurrency: int = 32
     max_attempts: int = 1
+    retry_backoff_s: float = 1.0
+    backend: ExecBackend = "local"
+    job_template: str | None = None
+    """A Kubernetes Job template file (YAML with placeholders) for `backend = "kubernetes"`."""
+    image: str | None = None
+    evaluator_command: list[str] | None = None
+    reward_from: RewardFrom = "agent"
 
 
 class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -87,6 +98,7 @@ class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     path: str
     served_name: str = "policy"
+    agents: list[str] = []
 
 
 class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -198,6 +210,9 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     engine: EngineSection = EngineSection()
     algorithm: AlgorithmSection = AlgorithmSection()
     async_: AsyncSection = msgspec.field(default_factory=AsyncSection, name="async")
+    policies: list[PolicySection] = []
+    frozen: list[FrozenSection] = []
+    validation: ValidationSection | None = None
     stack: StackSection = StackSection()
 
     @property
@@ -286,7 +301,15 @@ def _check(config: TrainConfig) -> None:
     need(bool(config.run.name) and "/" not in config.run.name, "run.name", "must be a non-empty id without '/'")
     need(config.data.tasks_per_step >= 1, "data.tasks_per_step", "must be at least 1")
     need(config.data.rollouts_per_task >= 1, "data.rollouts_per_task", "must be at least 1")
-    need(bool(config.agent.command), "agent.command", "must name the program to run, as a list of strings")
+    agent = config.agent
+    need(bool(agent.command) or agent.backend == "kubernetes", "agent.command",
+         "must name the program to run, as a list of strings")  # fmt: skip
+    need(agent.backend != "kubernetes" or bool(agent.job_template), "agent.job_template",
+         "is required with agent.backend = \"kubernetes\" (a Job template YAML file)")  # fmt: skip
+    need(agent.reward_from != "evaluator" or bool(agent.evaluator_command) or agent.backend == "kubernetes",
+         "agent.evaluator_command", "is required with agent.reward_from = \"evaluator\"")  # fmt: skip
+    need(agent.retry_backoff_s >= 0, "agent.retry_backoff_s", "must be >= 0")
+    _check_models(config)
     need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
     need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
     need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
@@ -314,13 +337,11 @@ def _check(config: TrainConfig) -> None:
     engine = config.engine
     need(engine.replicas >= 1, "engine.replicas", "must be at least 1")
     need(0.0 < engine.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization", "must be in (0, 1]")
-    need(
-        engine.kind == "vllm" or not engine.urls, "engine.urls", "attaches to vLLM servers: set engine.kind = \"vllm\""
-    )
+    need(engine.kind == "vllm" or not engine.urls, "engine.urls", 'attaches to vLLM servers: set engine.kind = "vllm"')
     need(
         engine.kind == "vllm" or len(set(backend.lora_adapters.values())) <= 1,
         "backend.lora_adapters",
-        "several adapters are served by vLLM only: set engine.kind = \"vllm\"",
+        'several adapters are served by vLLM only: set engine.kind = "vllm"',
     )
     algo = config.algorithm
     need(algo.lr > 0, "algorithm.lr", "must be positive")
@@ -352,6 +373,25 @@ def _check(config: TrainConfig) -> None:
     )
 
 
+def _check_models(config: TrainConfig) -> None:
+    """Model names unique, agents routed to at most one model, validation settings in range."""
+    names = [config.model.served_name, *(p.name for p in config.policies), *(f.name for f in config.frozen)]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"policies/frozen: model name {dupes[0]!r} is used twice; each model needs its own name")
+    routed = [a for agents in ([config.model.agents], *([p.agents] for p in config.policies),
+              *([f.agents] for f in config.frozen)) for group in agents for a in group]  # fmt: skip
+    twice = sorted({a for a in routed if routed.count(a) > 1})
+    if twice:
+        raise ConfigError(f"agents: agent {twice[0]!r} is routed to two models; give each agent one model")
+    for i, frozen in enumerate(config.frozen):
+        if (frozen.path is None) == (frozen.base_url is None):
+            raise ConfigError(f"frozen[{i}]: give exactly one of path (weights to serve) or base_url (an endpoint)")
+    val = config.validation
+    if val is not None and (val.every < 1 or val.rollouts_per_task < 1):
+        raise ConfigError("validation.every and validation.rollouts_per_task: must be at least 1")
+
+
 def _resolve(base: Path, value: str) -> str:
     path = Path(os.path.expanduser(value))
     return str(path if path.is_absolute() else (base / path))
@@ -364,9 +404,7 @@ def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None
     except msgspec.ValidationError as exc:
         raise _decode_error(exc) from None
     _check(config)
-    if config.agent.command[0] == "python":
-        command = [sys.executable, *config.agent.command[1:]]
-        config = msgspec.structs.replace(config, agent=msgspec.structs.replace(config.agent, command=command))
+    config = msgspec.structs.replace(config, agent=_own_python(config.agent))
     if base_dir is not None:
         config = msgspec.structs.replace(
             config,
@@ -374,8 +412,29 @@ def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None
             data=msgspec.structs.replace(config.data, path=_resolve(base_dir, config.data.path)),
             model=msgspec.structs.replace(config.model, path=_resolve(base_dir, config.model.path)),
             stack=msgspec.structs.replace(config.stack, data_dir=_resolve(base_dir, config.stack.data_dir)),
+            policies=[msgspec.structs.replace(p, path=_resolve(base_dir, p.path)) for p in config.policies],
+            frozen=[
+                msgspec.structs.replace(f, path=_resolve(base_dir, f.path) if f.path else None) for f in config.frozen
+            ],
+            validation=msgspec.structs.replace(config.validation, path=_resolve(base_dir, config.validation.path))
+            if config.validation
+            else None,
         )
+        if config.agent.job_template:
+            agent = msgspec.structs.replace(config.agent, job_template=_resolve(base_dir, config.agent.job_template))
+            config = msgspec.structs.replace(config, agent=agent)
     return config
+
+
+def _own_python(agent: AgentSection) -> AgentSection:
+    """`python` at the head of the agent's and the evaluator's command: the trainer's own interpreter."""
+
+    def own(argv: list[str] | None) -> list[str] | None:
+        return [sys.executable, *argv[1:]] if argv and argv[0] == "python" else argv
+
+    return msgspec.structs.replace(
+        agent, command=own(agent.command) or [], evaluator_command=own(agent.evaluator_command)
+    )
 
 
 def load_config(path: Path) -> TrainConfig:

@@ -39,7 +39,6 @@ from typing import Any
 import msgspec
 
 from schemas.events import TERMINAL_STATUSES, CustomEvent
-from schemas.runs import RunSpec
 from services.common.eventstore import EventStore
 from trainer.backend import TrainingBackend, UpdateMetrics, build_backend
 from trainer.checkpoint import InFlightGroup, RunDir, TrainerState
@@ -58,8 +57,9 @@ from trainer.core import (
 from trainer.dataset import TaskOrder, load_jsonl
 from trainer.engines import ServingEngine, connect_engine, register_replicas
 from trainer.metrics import MetricsLog
-from trainer.policies import failure_row, trained_adapter
+from trainer.policies import failure_row, run_spec, trained_adapter, trained_models
 from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group
+from trainer.validation import ValidationPass
 
 Row = dict[str, Any]
 
@@ -162,7 +162,8 @@ class Trainer:
         self.order = TaskOrder(len(self.tasks), config.run.seed, config.data.shuffle)
         self.metrics: MetricsLog | None = None
         self.backend: TrainingBackend | None = None
-        self.adapter = trained_adapter(config.adapter, [config.model.served_name])
+        self.adapter = trained_adapter(config.adapter, trained_models(config))
+        self.validation = ValidationPass(config.validation, self.run_id, self.adapter) if config.validation else None
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -189,19 +190,8 @@ class Trainer:
         return state
 
     def run_spec(self) -> dict[str, Any]:
-        """The run's executor settings, as the gateway records them (`RunSpec`)."""
-        agent = self.config.agent
-        spec = RunSpec(
-            run_id=self.run_id,
-            name=self.run_id,
-            backend="local",
-            command=list(agent.command),
-            concurrency=agent.concurrency,
-            timeout_s=agent.timeout_s,
-            max_attempts=agent.max_attempts,
-            env=dict(agent.env),
-        )
-        return msgspec.to_builtins(spec)  # type: ignore[no-any-return]
+        """The run's executor settings, as the gateway records them (`RunSpec`, `trainer.policies.run_spec`)."""
+        return msgspec.to_builtins(run_spec(self.config, self.run_id))  # type: ignore[no-any-return]
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -300,7 +290,9 @@ class Trainer:
         )
         await asyncio.to_thread(self._checkpoint, state)
         row = step_row(step, new_version, replayed, batch, stale, version, update, times, self.adapter)
-        row["elapsed_s"] = round(done - started, 3)
+        if self.validation is not None and self.validation.due(step):
+            row |= await self.validation.run(step, gateway, watch, store)
+        row["elapsed_s"] = round(time.monotonic() - started, 3)
         self.metrics.add(row)
         if self.on_step is not None:
             self.on_step(row)

@@ -12,13 +12,61 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from schemas.runs import RunSpec
+from trainer.config import ConfigError, TrainConfig
 from trainer.core import AdapterConfig, RolloutCalls, StepBatch, rollout_reward
 
 Row = dict[str, Any]
+
+
+def trained_models(config: TrainConfig) -> list[str]:
+    """The registered names of the models the run trains: `[model]`, then each `[[policies]]`."""
+    return [config.model.served_name, *(p.name for p in config.policies)]
+
+
+def agent_routes(config: TrainConfig) -> dict[str, str]:
+    """Agent name -> the registered model its calls go to, from every model's `agents`."""
+    routes = {agent: config.model.served_name for agent in config.model.agents}
+    for policy in config.policies:
+        routes |= {agent: policy.name for agent in policy.agents}
+    for frozen in config.frozen:
+        routes |= {agent: frozen.name for agent in frozen.agents}
+    return routes
+
+
+def run_spec(config: TrainConfig, run_id: str) -> RunSpec:
+    """The run spec the trainer declares: how agents execute, and what the run trains and routes where."""
+    agent = config.agent
+    template = None
+    if agent.job_template:
+        try:
+            template = Path(agent.job_template).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"agent.job_template: cannot read {agent.job_template}: {exc.strerror}") from None
+    adapter = config.adapter
+    return RunSpec(
+        run_id=run_id,
+        name=run_id,
+        backend=agent.backend,
+        command=list(agent.command),
+        job_template=template,
+        image=agent.image,
+        concurrency=agent.concurrency,
+        timeout_s=agent.timeout_s,
+        max_attempts=agent.max_attempts,
+        retry_backoff_s=agent.retry_backoff_s,
+        evaluator_command=list(agent.evaluator_command) if agent.evaluator_command else None,
+        reward_from=agent.reward_from,
+        env=dict(agent.env),
+        train_agents=list(adapter.agents),
+        train_models=list(adapter.models) or trained_models(config),
+        agent_models=agent_routes(config),
+    )
 
 
 def trained_adapter(adapter: AdapterConfig, trained_models: Sequence[str]) -> AdapterConfig:
