@@ -56,6 +56,7 @@ from trainer.core import (
 )
 from trainer.dataset import TaskOrder, load_jsonl
 from trainer.engines import ServingEngine, connect_engine, register_replicas
+from trainer.extra_policies import OtherModels
 from trainer.metrics import MetricsLog
 from trainer.policies import failure_row, run_spec, trained_adapter, trained_models
 from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group
@@ -163,6 +164,8 @@ class Trainer:
         self.metrics: MetricsLog | None = None
         self.backend: TrainingBackend | None = None
         self.adapter = trained_adapter(config.adapter, trained_models(config))
+        self.others = OtherModels(config, self.run_dir.root, self.adapter)
+        self._others_row: Row = {}
         self.validation = ValidationPass(config.validation, self.run_id, self.adapter) if config.validation else None
 
     # ---- setup ---------------------------------------------------------------------------------
@@ -174,6 +177,7 @@ class Trainer:
         (self.run_dir.root / "config.json").write_text(json.dumps(config_to_mapping(config), indent=2))
         resumed = self.run_dir.latest_checkpoint() if config.run.resume else None
         self.backend = build_backend(config)
+        self.others.prepare()
         if resumed is not None:
             state, backend_state = resumed
             self.backend.load_weights(self.run_dir.weights(state.weights_version))
@@ -207,6 +211,7 @@ class Trainer:
         try:
             await gateway.start_run(self.run_spec())
             await self._serve(engine, gateway, state.weights_version)
+            await self.others.serve(gateway, self.run_id)
             await watch.start(await store.last_sequence())
             if in_flight:
                 await watch.adopt(r for g in in_flight for r in g.rollout_ids)
@@ -220,6 +225,7 @@ class Trainer:
                         await gateway.cancel_rollout(rollout_id, "the training run finished")
         finally:
             await watch.stop()
+            await asyncio.to_thread(self.others.close)
             await gateway.close()
             await engine.close()
             await store.close()
@@ -290,6 +296,7 @@ class Trainer:
         )
         await asyncio.to_thread(self._checkpoint, state)
         row = step_row(step, new_version, replayed, batch, stale, version, update, times, self.adapter)
+        row |= self._others_row
         if self.validation is not None and self.validation.due(step):
             row |= await self.validation.run(step, gateway, watch, store)
         row["elapsed_s"] = round(time.monotonic() - started, 3)
@@ -343,7 +350,9 @@ class Trainer:
         stale = 0
         if config.run.mode == "async":
             rollouts, stale = drop_stale_calls(rollouts, state.weights_version, config.async_.max_staleness)
-        batch = build_step(rollouts, self.adapter)
+        main = self.config.model.served_name  # each trained model learns from its own calls only
+        batch = build_step([r.for_model(main) for r in rollouts], self.adapter.for_models((main,)))
+        self.others.cut(rollouts)
         await self._record_step(store, step, state.weights_version, rollouts)
         await asyncio.to_thread(self._write_samples, step, rollouts, batch)
         return replayed, batch, stale
@@ -379,6 +388,7 @@ class Trainer:
             times["save"] = time.monotonic() - mark
             mark = time.monotonic()
             await engine.load(path.resolve(), new_version)
+        self._others_row = await self.others.update()  # the run's other trained models, same gate
         await gateway.set_phase(self.run_id, "rollout", new_version, key=f"{self.run_id}-rollout-{step}")
         times["reload"] = time.monotonic() - mark
         return update, new_version

@@ -76,16 +76,6 @@ def trained_adapter(adapter: AdapterConfig, trained_models: Sequence[str]) -> Ad
     return AdapterConfig.from_mapping({**msgspec.structs.asdict(adapter), "models": tuple(trained_models)})
 
 
-def model_batches(rollouts: Sequence[RolloutCalls], adapter: AdapterConfig, build: Any) -> dict[str, StepBatch]:
-    """One step per trained model: `build(rollouts_of_that_model, config_for_it)` for each model in `adapter.models`."""
-    out: dict[str, StepBatch] = {}
-    for model in adapter.models:
-        mine = [r.for_model(model) for r in rollouts]
-        config = AdapterConfig.from_mapping({**msgspec.structs.asdict(adapter), "models": (model,)})
-        out[model] = build(mine, config)
-    return out
-
-
 def failure_row(
     rollouts: Sequence[RolloutCalls], skipped: Sequence[str], batch: StepBatch, adapter: AdapterConfig
 ) -> Row:
@@ -102,20 +92,3 @@ def failure_row(
         "calls_context": stats.calls_context,
         "calls_deduped": stats.calls_deduped,
     }
-
-
-def model_rows(batches: dict[str, StepBatch]) -> Row:
-    """`{model}/samples`, `{model}/samples_per_rollout`, `{model}/merge_ratio`, ... for a run of several models."""
-    if len(batches) < 2:
-        return {}
-    row: Row = {}
-    for model, batch in batches.items():
-        stats = batch.stats
-        row |= {
-            f"{model}/samples": stats.samples,
-            f"{model}/samples_per_rollout": stats.samples_per_rollout_mean,
-            f"{model}/merge_ratio": stats.merge_ratio,
-            f"{model}/calls": stats.calls,
-            f"{model}/response_tokens": stats.response_tokens,
-        }
-    return row

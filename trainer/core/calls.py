@@ -82,6 +82,14 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
         return self
 
 
+def same_model(endpoint: str, model: str) -> bool:
+    """Whether a call's registered endpoint is `model` or one of its replicas (`{model}-r{i}`)."""
+    if endpoint == model:
+        return True
+    head, _, index = endpoint.rpartition("-r")
+    return head == model and index.isdigit()
+
+
 class Selection(msgspec.Struct, frozen=True, kw_only=True):
     """Which calls a run trains: agent names and registered model names (empty: no restriction)."""
 
@@ -92,7 +100,7 @@ class Selection(msgspec.Struct, frozen=True, kw_only=True):
         """True when the call is training data under this selection."""
         if self.agents and call.agent not in self.agents:
             return False
-        return not self.models or call.model in self.models
+        return not self.models or any(same_model(call.model, m) for m in self.models)
 
 
 class RolloutCalls(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,8 +121,8 @@ class RolloutCalls(msgspec.Struct, frozen=True, kw_only=True):
 
     def for_model(self, model: str) -> RolloutCalls:
         """The rollout with only the calls to `model` trained; the other trained calls become context."""
-        mine = [c for c in self.calls if c.model == model]
-        others = [c for c in self.calls if c.model != model]
+        mine = [c for c in self.calls if same_model(c.model, model)]
+        others = [c for c in self.calls if not same_model(c.model, model)]
         return msgspec.structs.replace(self, calls=mine, context=[*self.context, *others])
 
 

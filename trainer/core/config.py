@@ -108,6 +108,10 @@ class AdapterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         """Which calls this config trains (`agents`, `models`)."""
         return Selection(agents=tuple(self.agents), models=tuple(self.models))
 
+    def for_models(self, models: tuple[str, ...]) -> AdapterConfig:
+        """This config training only calls to `models`."""
+        return AdapterConfig.from_mapping({**msgspec.structs.asdict(self), "models": models})
+
     def failure_reward(self) -> float | None:
         """The reward of a rollout the policy made fail, or None when such rollouts are dropped."""
         return None if self.failed_reward == "drop" else float(self.failed_reward)
