@@ -392,6 +392,13 @@ def _check_models(config: TrainConfig) -> None:
         raise ConfigError("validation.every and validation.rollouts_per_task: must be at least 1")
 
 
+def _script(base: Path, arg: str) -> str:
+    """A relative `*.py` argument naming a file next to the config, made absolute; any other argument as is."""
+    if arg.endswith(".py") and not Path(arg).is_absolute() and (base / arg).is_file():
+        return str(base / arg)
+    return arg
+
+
 def _resolve(base: Path, value: str) -> str:
     path = Path(os.path.expanduser(value))
     return str(path if path.is_absolute() else (base / path))
@@ -420,6 +427,10 @@ def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None
             if config.validation
             else None,
         )
+        agent = config.agent
+        scripts = [_script(base_dir, arg) for arg in agent.command]
+        if scripts != agent.command:  # the agent runs in a fresh workspace: a script path must be absolute
+            config = msgspec.structs.replace(config, agent=msgspec.structs.replace(agent, command=scripts))
         if config.agent.job_template:
             agent = msgspec.structs.replace(config.agent, job_template=_resolve(base_dir, config.agent.job_template))
             config = msgspec.structs.replace(config, agent=agent)

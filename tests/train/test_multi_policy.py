@@ -41,7 +41,10 @@ async def _calls(nats_dir: Path, run_id: str) -> list[ModelRequestRecorded]:
 
 
 def test_two_trained_models_and_a_frozen_one_in_one_run(tmp_path: Path, model_cache: Path) -> None:
-    assert load_config(REPO / "examples" / "multiagent" / "train.toml").policies[0].name == "rewriter-policy"
+    example = load_config(REPO / "examples" / "multiagent" / "train.toml")
+    assert example.policies[0].name == "rewriter-policy" and example.frozen[0].name == "checker"
+    # the agent runs in a fresh workspace, so its script path is made absolute
+    assert example.agent.command[1] == str(REPO / "examples" / "multiagent" / "agent.py")
     writer, rewriter = ensure_tiny_model(model_cache, seed=0), ensure_tiny_model(model_cache, seed=1)
     mapping = {
         "run": {"name": "multi", "out_dir": str(tmp_path / "runs"), "steps": 2, "seed": 0},
