@@ -211,6 +211,7 @@ async def index_run(store: EventStore, run_id: str, *, nats_url: str = "") -> Ru
         if isinstance(event, RunStarted):
             adapter = event.config.get("adapter")
             recorded = dict(adapter) if isinstance(adapter, Mapping) else recorded
+            recorded = _spec_selection(event.config, recorded)
             continue
         if event.rollout_id is None:
             continue
@@ -251,6 +252,15 @@ async def index_run(store: EventStore, run_id: str, *, nats_url: str = "") -> Ru
             if entry.skip is None and entry.step is None:
                 entry.skip = "not-in-a-step"
     return RunIndex(run_id=run_id, rollouts=rollouts, recorded_adapter=recorded, has_steps=has_steps)
+
+
+def _spec_selection(spec: Mapping[str, Any], recorded: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The run spec's declared selection (`train_agents`, `train_models`) under the recorded adapter config."""
+    selection = {key: list(spec[name]) for key, name in (("agents", "train_agents"), ("models", "train_models"))
+                 if isinstance(spec.get(name), list) and spec[name]}  # fmt: skip
+    if not selection:
+        return recorded
+    return {**selection, **(recorded or {})}
 
 
 def plan_units(index: RunIndex, step: int | None = None) -> list[Unit]:

@@ -93,6 +93,11 @@ def test_the_multi_agent_harness_trains_the_right_calls(rig: Rig) -> None:
     figures = exact.stats.samples_per_rollout_mean, exact.stats.merge_ratio, step.stats.samples_per_rollout_mean
     print("\nmulti-agent harness: samples/rollout {:.2f}, merge ratio {:.2f} (per-call: {:.2f})".format(*figures))
 
+    # replay without options takes the selection the run spec declared (train_agents, train_models)
+    declared = asyncio.run(_replay(rig.nats_url, rig.run_id, {})).schemes[0].summary
+    assert declared.calls == ROLLOUTS * (WRITER_CALLS + REWRITER_CALLS)
+    assert declared.calls_context == ROLLOUTS * CHECKER_CALLS and declared.calls_deduped == ROLLOUTS * RETRIES
+
     # replay under another selection equals the hand count
     only_writer = asyncio.run(_replay(rig.nats_url, rig.run_id, {"agents": ("writer",), "merge": "per-call"}))
     (scheme,) = only_writer.schemes
