@@ -32,8 +32,9 @@ from typing import Any, Literal, get_args
 
 import msgspec
 
+from schemas.runs import RewardFrom
 from trainer.core import AdapterConfig, AdapterConfigError
-from trainer.run_sections import ExecBackend, FrozenSection, PolicySection, RewardFrom, ValidationSection
+from trainer.run_sections import ExecBackend, FrozenSection, PolicySection, ValidationSection
 
 Mode = Literal["sync", "async"]
 BackendKind = Literal["cpu", "verl"]
@@ -71,12 +72,13 @@ class DataSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`[agent]`: the harness the controller runs once per rollout attempt, and how.
+    """`[agent]`: the harness command the controller runs once per rollout attempt.
 
     A leading `python` in `command` (and `evaluator_command`) stands for the Python running the
-    trainer (its virtualenv). `backend = "kubernetes"` runs each attempt as a Job from
-    `job_template` (with `image`) in the controller's namespace; `evaluator_command` runs after the
-    agent, and `reward_from = "evaluator"` makes only its rewards count (`schemas.runs.RunSpec`).
+    trainer (its virtualenv). `{config_dir}` in `command`, `evaluator_command` and `env` values is
+    the config file's directory, so a config can name the scripts next to it. `evaluator_command`
+    runs after the agent exited 0, in its workspace, with an evaluator token; with
+    `reward_from = "evaluator"` only the evaluator's reward counts (the gateway refuses the agent's).
     """
 
     command: list[str] = []
@@ -117,7 +119,7 @@ class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     dtype: Dtype = "float32"
     gradient_checkpointing: bool = False
     lora_rank: int = 0
-    lora_alpha: float = 16.0
+    lora_alpha: int = 16
     lora_target_modules: list[str] = msgspec.field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
@@ -159,9 +161,8 @@ class AlgorithmSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     `updates_per_step` optimizer steps are taken on each batch (the first is on-policy, later ones
     are clipped); `micro_batch_tokens` bounds one forward pass (gradients accumulate exactly);
-    each sample's logprobs are recomputed at the temperature recorded on its calls (the engine reports
-    the logprobs of the distribution it sampled from); `loss_temperature` is the fallback for calls
-    recorded without one (set it to the engine's default temperature; 1.0 for the embedded engine).
+    `loss_temperature` must match how the engine reports logprobs (raw, i.e. 1.0, for the
+    embedded engine and vLLM's default).
     """
 
     lr: float = 1e-3
@@ -289,30 +290,14 @@ def _allowed_for(key: str) -> tuple[str, ...] | None:
     return _choices(fields.get(name))
 
 
-def _check(config: TrainConfig) -> None:
-    """Range checks msgspec's types cannot express, each naming its key."""
+def _need(ok: bool, key: str, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {what}")
 
-    def need(ok: bool, key: str, what: str) -> None:
-        if not ok:
-            raise ConfigError(f"{key}: {what}")
 
-    need(config.run.steps >= 1, "run.steps", "must be at least 1")
-    need(config.run.keep_weights >= 0, "run.keep_weights", "must be >= 0 (0 keeps every version)")
-    need(bool(config.run.name) and "/" not in config.run.name, "run.name", "must be a non-empty id without '/'")
-    need(config.data.tasks_per_step >= 1, "data.tasks_per_step", "must be at least 1")
-    need(config.data.rollouts_per_task >= 1, "data.rollouts_per_task", "must be at least 1")
-    agent = config.agent
-    need(bool(agent.command) or agent.backend == "kubernetes", "agent.command",
-         "must name the program to run, as a list of strings")  # fmt: skip
-    need(agent.backend != "kubernetes" or bool(agent.job_template), "agent.job_template",
-         "is required with agent.backend = \"kubernetes\" (a Job template YAML file)")  # fmt: skip
-    need(agent.reward_from != "evaluator" or bool(agent.evaluator_command) or agent.backend == "kubernetes",
-         "agent.evaluator_command", "is required with agent.reward_from = \"evaluator\"")  # fmt: skip
-    need(agent.retry_backoff_s >= 0, "agent.retry_backoff_s", "must be >= 0")
-    _check_models(config)
-    need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
-    need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
-    need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
+def _check_backend_and_engine(config: TrainConfig) -> None:
+    """`[backend]` and `[engine]` checks, each naming its key."""
+    need = _need
     backend = config.backend
     need(
         backend.kind != "verl" or importlib.util.find_spec("verl") is not None,
@@ -343,6 +328,42 @@ def _check(config: TrainConfig) -> None:
         "backend.lora_adapters",
         'several adapters are served by vLLM only: set engine.kind = "vllm"',
     )
+
+
+def _check_run_and_agent(config: TrainConfig) -> None:
+    """`[run]`, `[data]` and `[agent]` checks, each naming its key."""
+    need = _need
+    need(config.run.steps >= 1, "run.steps", "must be at least 1")
+    need(config.run.keep_weights >= 0, "run.keep_weights", "must be >= 0 (0 keeps every version)")
+    need(bool(config.run.name) and "/" not in config.run.name, "run.name", "must be a non-empty id without '/'")
+    need(config.data.tasks_per_step >= 1, "data.tasks_per_step", "must be at least 1")
+    need(config.data.rollouts_per_task >= 1, "data.rollouts_per_task", "must be at least 1")
+    agent = config.agent
+    k8s = agent.backend == "kubernetes"
+    need(bool(agent.command) or k8s, "agent.command", "must name the program to run, as a list of strings")
+    need(not k8s or bool(agent.job_template), "agent.job_template", 'is required with agent.backend = "kubernetes"')
+    need(agent.retry_backoff_s >= 0, "agent.retry_backoff_s", "must be >= 0")
+    _check_models(config)
+    need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
+    need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
+    need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
+    need(
+        config.agent.evaluator_command is None or bool(config.agent.evaluator_command),
+        "agent.evaluator_command",
+        "must name the program to run, as a list of strings, or be left out",
+    )
+    need(
+        config.agent.reward_from == "agent" or bool(config.agent.evaluator_command) or k8s,
+        "agent.reward_from",
+        "is 'evaluator' but agent.evaluator_command is not set",
+    )
+
+
+def _check(config: TrainConfig) -> None:
+    """Range checks msgspec's types cannot express, each naming its key."""
+    need = _need
+    _check_run_and_agent(config)
+    _check_backend_and_engine(config)
     algo = config.algorithm
     need(algo.lr > 0, "algorithm.lr", "must be positive")
     need(algo.weight_decay >= 0, "algorithm.weight_decay", "must be >= 0")
@@ -373,14 +394,22 @@ def _check(config: TrainConfig) -> None:
     )
 
 
+def _resolve(base: Path, value: str) -> str:
+    path = Path(os.path.expanduser(value))
+    return str(path if path.is_absolute() else (base / path))
+
+
+CONFIG_DIR = "{config_dir}"
+
+
 def _check_models(config: TrainConfig) -> None:
-    """Model names unique, agents routed to at most one model, validation settings in range."""
+    """Model names unique, agents routed to at most one model, frozen models served one way, validation in range."""
     names = [config.model.served_name, *(p.name for p in config.policies), *(f.name for f in config.frozen)]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"policies/frozen: model name {dupes[0]!r} is used twice; each model needs its own name")
-    routed = [a for agents in ([config.model.agents], *([p.agents] for p in config.policies),
-              *([f.agents] for f in config.frozen)) for group in agents for a in group]  # fmt: skip
+    groups = [config.model.agents, *(p.agents for p in config.policies), *(f.agents for f in config.frozen)]
+    routed = [agent for group in groups for agent in group]
     twice = sorted({a for a in routed if routed.count(a) > 1})
     if twice:
         raise ConfigError(f"agents: agent {twice[0]!r} is routed to two models; give each agent one model")
@@ -392,16 +421,22 @@ def _check_models(config: TrainConfig) -> None:
         raise ConfigError("validation.every and validation.rollouts_per_task: must be at least 1")
 
 
-def _script(base: Path, arg: str) -> str:
-    """A relative `*.py` argument naming a file next to the config, made absolute; any other argument as is."""
-    if arg.endswith(".py") and not Path(arg).is_absolute() and (base / arg).is_file():
-        return str(base / arg)
-    return arg
+def _agent_commands(agent: AgentSection, base_dir: Path | None) -> AgentSection:
+    """`python` as this interpreter and `{config_dir}` as the config's directory in the agent's settings."""
+    where = str(base_dir.resolve()) if base_dir is not None else "."
 
+    def command(argv: list[str] | None) -> list[str] | None:
+        if argv is None:
+            return None
+        argv = [part.replace(CONFIG_DIR, where) for part in argv]
+        return [sys.executable, *argv[1:]] if argv[0] == "python" else argv
 
-def _resolve(base: Path, value: str) -> str:
-    path = Path(os.path.expanduser(value))
-    return str(path if path.is_absolute() else (base / path))
+    return msgspec.structs.replace(
+        agent,
+        command=command(agent.command) or [],
+        evaluator_command=command(agent.evaluator_command),
+        env={key: value.replace(CONFIG_DIR, where) for key, value in agent.env.items()},
+    )
 
 
 def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None) -> TrainConfig:
@@ -411,7 +446,7 @@ def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None
     except msgspec.ValidationError as exc:
         raise _decode_error(exc) from None
     _check(config)
-    config = msgspec.structs.replace(config, agent=_own_python(config.agent))
+    config = msgspec.structs.replace(config, agent=_agent_commands(config.agent, base_dir))
     if base_dir is not None:
         config = msgspec.structs.replace(
             config,
@@ -419,32 +454,21 @@ def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None
             data=msgspec.structs.replace(config.data, path=_resolve(base_dir, config.data.path)),
             model=msgspec.structs.replace(config.model, path=_resolve(base_dir, config.model.path)),
             stack=msgspec.structs.replace(config.stack, data_dir=_resolve(base_dir, config.stack.data_dir)),
-            policies=[msgspec.structs.replace(p, path=_resolve(base_dir, p.path)) for p in config.policies],
-            frozen=[
-                msgspec.structs.replace(f, path=_resolve(base_dir, f.path) if f.path else None) for f in config.frozen
-            ],
-            validation=msgspec.structs.replace(config.validation, path=_resolve(base_dir, config.validation.path))
-            if config.validation
-            else None,
         )
-        agent = config.agent
-        scripts = [_script(base_dir, arg) for arg in agent.command]
-        if scripts != agent.command:  # the agent runs in a fresh workspace: a script path must be absolute
-            config = msgspec.structs.replace(config, agent=msgspec.structs.replace(agent, command=scripts))
-        if config.agent.job_template:
-            agent = msgspec.structs.replace(config.agent, job_template=_resolve(base_dir, config.agent.job_template))
-            config = msgspec.structs.replace(config, agent=agent)
+        config = _resolve_models(config, base_dir)
     return config
 
 
-def _own_python(agent: AgentSection) -> AgentSection:
-    """`python` at the head of the agent's and the evaluator's command: the trainer's own interpreter."""
-
-    def own(argv: list[str] | None) -> list[str] | None:
-        return [sys.executable, *argv[1:]] if argv and argv[0] == "python" else argv
-
+def _resolve_models(config: TrainConfig, base_dir: Path) -> TrainConfig:
+    """The paths of `[[policies]]`, `[[frozen]]`, `[validation]` and the job template, against `base_dir`."""
+    val = config.validation
+    template = config.agent.job_template
     return msgspec.structs.replace(
-        agent, command=own(agent.command) or [], evaluator_command=own(agent.evaluator_command)
+        config,
+        policies=[msgspec.structs.replace(p, path=_resolve(base_dir, p.path)) for p in config.policies],
+        frozen=[msgspec.structs.replace(f, path=_resolve(base_dir, f.path) if f.path else None) for f in config.frozen],
+        validation=msgspec.structs.replace(val, path=_resolve(base_dir, val.path)) if val else None,
+        agent=msgspec.structs.replace(config.agent, job_template=_resolve(base_dir, template) if template else None),
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from schemas import PhaseChanged
 from services.common.eventstore import EventStore, StoredEvent
@@ -22,13 +23,17 @@ from services.gateway import api, bodies
 from services.gateway.auth import Authenticator, TokenSigner
 from services.gateway.budgets import Budgets
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, translate, unavailable
+from services.gateway.errors import CLIENT_ERRORS, ApiError, internal, translate, unavailable
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import IdempotencyCache
 from services.gateway.openapi import openapi_document
+from services.gateway.payload import announce
 from services.gateway.phase import PhaseGate
+from services.gateway.phasesync import PhaseSync
 from services.gateway.proxy import PREFIX, Proxy
 from services.gateway.readmodel import RolloutReader, StreamRolloutReader
+from services.gateway.reaper import CallReaper
+from services.gateway.recording import CallChains
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
 from services.gateway.upstream import UpstreamClient
@@ -85,13 +90,23 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
             gate=gate,
             upstream=upstream,
             budgets=Budgets(store, settings.budget_cache_bytes),
+            chains=CallChains(settings.chain_cache_bytes, compact=settings.record_format == "compact"),
+            reaper=CallReaper(store, interval_s=settings.reaper_interval_s),
         )
+        announce(store.max_payload)
         await state.start()
+        assert gateway.reaper is not None
+        await gateway.reaper.start()
+        gateway.phases = PhaseSync(store, gate, gateway.reaper.instance, gateway.reaper.alive)
+        await gateway.phases.start(settings.drain_timeout_s)
+        await gateway.idempotency.share(store.js)
         app.state.gateway = gateway
         app.state.proxy = Proxy(gateway)
         try:
             yield
         finally:
+            await gateway.phases.stop()
+            await gateway.reaper.stop()
             await state.stop()
             await upstream.close()
             if store.nc.is_connected:
@@ -108,16 +123,19 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
     async def _errors(request: Request, exc: Exception) -> Response:
         error = translate(exc)
         if error is None:
-            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+            error = internal(exc)
         return Response(error.body(), status_code=error.status, media_type="application/json", headers=error.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_errors(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # every method this path serves, not only the first route's
+            headers["Allow"] = ", ".join(_allowed(request.app, request.scope))
         return Response(
             encode({"error": str(exc.detail)}),
             status_code=exc.status_code,
             media_type="application/json",
-            headers=getattr(exc, "headers", None),
+            headers=headers or None,
         )
 
     @app.exception_handler(RequestValidationError)
@@ -130,7 +148,9 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
             media_type="application/json",
         )
 
-    for exc_type in (ApiError,):
+    # Handled by type (not only as `Exception`, whose handler Starlette runs and then re-raises
+    # into the server's log): a client's error is an answer, not a traceback.
+    for exc_type in CLIENT_ERRORS:
         app.add_exception_handler(exc_type, _errors)  # type: ignore[arg-type]
     api.register(app)
     app.add_api_route("/api/phase", set_phase, methods=["POST"])
@@ -147,6 +167,17 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
     return app
 
 
+def _allowed(app: FastAPI, scope: Any) -> list[str]:
+    """The methods the routes matching this request's path serve."""
+    matched = next((r for r in app.routes if r.matches({**scope, "method": "GET"})[0] != Match.NONE), None)
+    path = getattr(matched, "path", None)
+    methods: set[str] = set()
+    for route in app.routes:
+        if path is not None and getattr(route, "path", None) == path:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
+
+
 def _follow_phase(gate: PhaseGate, stored: StoredEvent) -> None:
     """Phase events written by anyone (or replayed at start) open or close the run's gate."""
     event = stored.event
@@ -155,6 +186,14 @@ def _follow_phase(gate: PhaseGate, stored: StoredEvent) -> None:
             gate.close(event.run_id)
         else:
             gate.release(event.run_id)
+
+
+async def _drain_everywhere(gw: Gateway, run_id: str) -> set[str]:
+    """Close the run's gate on every gateway replica and wait for their calls; the ones still busy."""
+    timeout = gw.settings.drain_timeout_s
+    if gw.phases is not None:
+        return await gw.phases.close_all(run_id, timeout)
+    return set() if await gw.gate.drain(run_id, timeout) else {"this gateway"}
 
 
 async def set_phase(request: Request) -> Response:
@@ -177,21 +216,27 @@ async def set_phase(request: Request) -> Response:
         )
         if phase.phase == "update":
             gw.gate.close(run_id)
-            if not await gw.gate.drain(run_id, gw.settings.drain_timeout_s):
+            busy = await _drain_everywhere(gw, run_id)
+            if busy:
                 raise ApiError(
                     504,
                     f"calls of run {run_id} were still in flight after "
                     f"{gw.settings.drain_timeout_s:g}s; new calls stay held",
                     in_flight=gw.gate.in_flight(run_id),
+                    gateways=sorted(busy),
                 )
             try:
                 ack = await gw.append_registry(event)
             except Exception:
                 gw.gate.release(run_id)
+                if gw.phases is not None:
+                    await gw.phases.open_all(run_id)
                 raise
         else:
             ack = await gw.append_registry(event)
             gw.gate.release(run_id)
+            if gw.phases is not None:
+                await gw.phases.open_all(run_id)
         return 200, encode(
             {
                 "run_id": run_id,

@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from schemas.bounds import Count, Int32
 from schemas.events import (
@@ -38,6 +39,7 @@ from schemas.events import (
     RolloutCreated,
     RolloutStatusChanged,
 )
+from schemas.refs import CallRef, PackedTokens, Resolver, UnresolvedReference
 from trainer.core.failures import FailureKind, failure_kind
 
 
@@ -149,6 +151,7 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     run_id: str
     rollout_id: str | None = None
     attempt_id: str | None = None
+    event_id: str = msgspec.field(default_factory=str)
     call_id: str
     mode: Mode = "train"
     status: CallStatus = "ok"
@@ -165,6 +168,8 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     endpoint: str | None = None
     started_at: float | None = None
     temperature: float | None = None
+    prompt_ref: CallRef | UnsetType | None = UNSET
+    packed: PackedTokens | UnsetType | None = UNSET
 
 
 RecordedCall = ModelRequestRecorded | CallRecord
@@ -201,6 +206,14 @@ def context_call(event: RecordedCall) -> Call:
         temperature=event.temperature,
         finish_reason=event.finish_reason,
     )
+
+
+def _resolved(refs: Resolver, event: RecordedCall) -> RecordedCall:
+    """The call with its full prompt ids (a version-2 call may store only what it adds to an earlier one)."""
+    try:
+        return refs.resolve(event)
+    except UnresolvedReference as exc:
+        raise MalformedCall(f"call {event.call_id}: {exc}") from None
 
 
 def _final_attempt(
@@ -250,10 +263,11 @@ def rollout_calls(events: Iterable[Event | CallRecord], select: Selection | None
     calls: list[Call] = []
     context: list[Call] = []
     reward: float | None = None
+    refs = Resolver(requests=False)
     for event in ordered:
         if isinstance(event, ModelRequestRecorded | CallRecord):
             if event.attempt_id == attempt and event.status == "ok" and event.mode == "train":
-                call = context_call(event)
+                call = context_call(_resolved(refs, event))
                 if select.trains(call):
                     calls.append(call.check_trainable())
                 else:
