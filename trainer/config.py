@@ -34,6 +34,7 @@ import msgspec
 
 from schemas.runs import RewardFrom
 from trainer.core import AdapterConfig, AdapterConfigError
+from trainer.run_sections import ExecBackend, FrozenSection, PolicySection, ValidationSection
 
 Mode = Literal["sync", "async"]
 BackendKind = Literal["cpu", "verl"]
@@ -80,11 +81,16 @@ class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     `reward_from = "evaluator"` only the evaluator's reward counts (the gateway refuses the agent's).
     """
 
-    command: list[str]
+    command: list[str] = []
     env: dict[str, str] = {}
     timeout_s: float = 600.0
     concurrency: int = 32
     max_attempts: int = 1
+    retry_backoff_s: float = 1.0
+    backend: ExecBackend = "local"
+    job_template: str | None = None
+    """A Kubernetes Job template file (YAML with placeholders) for `backend = "kubernetes"`."""
+    image: str | None = None
     evaluator_command: list[str] | None = None
     reward_from: RewardFrom = "agent"
 
@@ -94,6 +100,7 @@ class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     path: str
     served_name: str = "policy"
+    agents: list[str] = []
 
 
 class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -112,7 +119,7 @@ class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     dtype: Dtype = "float32"
     gradient_checkpointing: bool = False
     lora_rank: int = 0
-    lora_alpha: float = 16.0
+    lora_alpha: int = 16
     lora_target_modules: list[str] = msgspec.field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
@@ -204,6 +211,9 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     engine: EngineSection = EngineSection()
     algorithm: AlgorithmSection = AlgorithmSection()
     async_: AsyncSection = msgspec.field(default_factory=AsyncSection, name="async")
+    policies: list[PolicySection] = []
+    frozen: list[FrozenSection] = []
+    validation: ValidationSection | None = None
     stack: StackSection = StackSection()
 
     @property
@@ -280,32 +290,14 @@ def _allowed_for(key: str) -> tuple[str, ...] | None:
     return _choices(fields.get(name))
 
 
-def _check(config: TrainConfig) -> None:
-    """Range checks msgspec's types cannot express, each naming its key."""
+def _need(ok: bool, key: str, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {what}")
 
-    def need(ok: bool, key: str, what: str) -> None:
-        if not ok:
-            raise ConfigError(f"{key}: {what}")
 
-    need(config.run.steps >= 1, "run.steps", "must be at least 1")
-    need(config.run.keep_weights >= 0, "run.keep_weights", "must be >= 0 (0 keeps every version)")
-    need(bool(config.run.name) and "/" not in config.run.name, "run.name", "must be a non-empty id without '/'")
-    need(config.data.tasks_per_step >= 1, "data.tasks_per_step", "must be at least 1")
-    need(config.data.rollouts_per_task >= 1, "data.rollouts_per_task", "must be at least 1")
-    need(bool(config.agent.command), "agent.command", "must name the program to run, as a list of strings")
-    need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
-    need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
-    need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
-    need(
-        config.agent.evaluator_command is None or bool(config.agent.evaluator_command),
-        "agent.evaluator_command",
-        "must name the program to run, as a list of strings, or be left out",
-    )
-    need(
-        config.agent.reward_from == "agent" or bool(config.agent.evaluator_command),
-        "agent.reward_from",
-        "is 'evaluator' but agent.evaluator_command is not set",
-    )
+def _check_backend_and_engine(config: TrainConfig) -> None:
+    """`[backend]` and `[engine]` checks, each naming its key."""
+    need = _need
     backend = config.backend
     need(
         backend.kind != "verl" or importlib.util.find_spec("verl") is not None,
@@ -330,14 +322,48 @@ def _check(config: TrainConfig) -> None:
     engine = config.engine
     need(engine.replicas >= 1, "engine.replicas", "must be at least 1")
     need(0.0 < engine.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization", "must be in (0, 1]")
-    need(
-        engine.kind == "vllm" or not engine.urls, "engine.urls", "attaches to vLLM servers: set engine.kind = \"vllm\""
-    )
+    need(engine.kind == "vllm" or not engine.urls, "engine.urls", 'attaches to vLLM servers: set engine.kind = "vllm"')
     need(
         engine.kind == "vllm" or len(set(backend.lora_adapters.values())) <= 1,
         "backend.lora_adapters",
-        "several adapters are served by vLLM only: set engine.kind = \"vllm\"",
+        'several adapters are served by vLLM only: set engine.kind = "vllm"',
     )
+
+
+def _check_run_and_agent(config: TrainConfig) -> None:
+    """`[run]`, `[data]` and `[agent]` checks, each naming its key."""
+    need = _need
+    need(config.run.steps >= 1, "run.steps", "must be at least 1")
+    need(config.run.keep_weights >= 0, "run.keep_weights", "must be >= 0 (0 keeps every version)")
+    need(bool(config.run.name) and "/" not in config.run.name, "run.name", "must be a non-empty id without '/'")
+    need(config.data.tasks_per_step >= 1, "data.tasks_per_step", "must be at least 1")
+    need(config.data.rollouts_per_task >= 1, "data.rollouts_per_task", "must be at least 1")
+    agent = config.agent
+    k8s = agent.backend == "kubernetes"
+    need(bool(agent.command) or k8s, "agent.command", "must name the program to run, as a list of strings")
+    need(not k8s or bool(agent.job_template), "agent.job_template", 'is required with agent.backend = "kubernetes"')
+    need(agent.retry_backoff_s >= 0, "agent.retry_backoff_s", "must be >= 0")
+    _check_models(config)
+    need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
+    need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
+    need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
+    need(
+        config.agent.evaluator_command is None or bool(config.agent.evaluator_command),
+        "agent.evaluator_command",
+        "must name the program to run, as a list of strings, or be left out",
+    )
+    need(
+        config.agent.reward_from == "agent" or bool(config.agent.evaluator_command) or k8s,
+        "agent.reward_from",
+        "is 'evaluator' but agent.evaluator_command is not set",
+    )
+
+
+def _check(config: TrainConfig) -> None:
+    """Range checks msgspec's types cannot express, each naming its key."""
+    need = _need
+    _check_run_and_agent(config)
+    _check_backend_and_engine(config)
     algo = config.algorithm
     need(algo.lr > 0, "algorithm.lr", "must be positive")
     need(algo.weight_decay >= 0, "algorithm.weight_decay", "must be >= 0")
@@ -376,6 +402,25 @@ def _resolve(base: Path, value: str) -> str:
 CONFIG_DIR = "{config_dir}"
 
 
+def _check_models(config: TrainConfig) -> None:
+    """Model names unique, agents routed to at most one model, frozen models served one way, validation in range."""
+    names = [config.model.served_name, *(p.name for p in config.policies), *(f.name for f in config.frozen)]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"policies/frozen: model name {dupes[0]!r} is used twice; each model needs its own name")
+    groups = [config.model.agents, *(p.agents for p in config.policies), *(f.agents for f in config.frozen)]
+    routed = [agent for group in groups for agent in group]
+    twice = sorted({a for a in routed if routed.count(a) > 1})
+    if twice:
+        raise ConfigError(f"agents: agent {twice[0]!r} is routed to two models; give each agent one model")
+    for i, frozen in enumerate(config.frozen):
+        if (frozen.path is None) == (frozen.base_url is None):
+            raise ConfigError(f"frozen[{i}]: give exactly one of path (weights to serve) or base_url (an endpoint)")
+    val = config.validation
+    if val is not None and (val.every < 1 or val.rollouts_per_task < 1):
+        raise ConfigError("validation.every and validation.rollouts_per_task: must be at least 1")
+
+
 def _agent_commands(agent: AgentSection, base_dir: Path | None) -> AgentSection:
     """`python` as this interpreter and `{config_dir}` as the config's directory in the agent's settings."""
     where = str(base_dir.resolve()) if base_dir is not None else "."
@@ -410,7 +455,21 @@ def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None
             model=msgspec.structs.replace(config.model, path=_resolve(base_dir, config.model.path)),
             stack=msgspec.structs.replace(config.stack, data_dir=_resolve(base_dir, config.stack.data_dir)),
         )
+        config = _resolve_models(config, base_dir)
     return config
+
+
+def _resolve_models(config: TrainConfig, base_dir: Path) -> TrainConfig:
+    """The paths of `[[policies]]`, `[[frozen]]`, `[validation]` and the job template, against `base_dir`."""
+    val = config.validation
+    template = config.agent.job_template
+    return msgspec.structs.replace(
+        config,
+        policies=[msgspec.structs.replace(p, path=_resolve(base_dir, p.path)) for p in config.policies],
+        frozen=[msgspec.structs.replace(f, path=_resolve(base_dir, f.path) if f.path else None) for f in config.frozen],
+        validation=msgspec.structs.replace(val, path=_resolve(base_dir, val.path)) if val else None,
+        agent=msgspec.structs.replace(config.agent, job_template=_resolve(base_dir, template) if template else None),
+    )
 
 
 def load_config(path: Path) -> TrainConfig:

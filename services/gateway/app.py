@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from schemas import PhaseChanged
 from services.common.eventstore import EventStore, StoredEvent
@@ -127,11 +128,14 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_errors(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # every method this path serves, not only the first route's
+            headers["Allow"] = ", ".join(_allowed(request.app, request.scope))
         return Response(
             encode({"error": str(exc.detail)}),
             status_code=exc.status_code,
             media_type="application/json",
-            headers=getattr(exc, "headers", None),
+            headers=headers or None,
         )
 
     @app.exception_handler(RequestValidationError)
@@ -161,6 +165,17 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
 
     app.add_api_route("/openapi.json", openapi_json, methods=["GET"], include_in_schema=False)
     return app
+
+
+def _allowed(app: FastAPI, scope: Any) -> list[str]:
+    """The methods the routes matching this request's path serve."""
+    matched = next((r for r in app.routes if r.matches({**scope, "method": "GET"})[0] != Match.NONE), None)
+    path = getattr(matched, "path", None)
+    methods: set[str] = set()
+    for route in app.routes:
+        if path is not None and getattr(route, "path", None) == path:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 def _follow_phase(gate: PhaseGate, stored: StoredEvent) -> None:
