@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
+from schemas.bounds import Count, Int32
 from schemas.events import (
     AttemptStarted,
     CallStatus,
@@ -98,10 +99,10 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     call_id: str
     mode: Mode = "train"
     status: CallStatus = "ok"
-    choice_index: int = 0
-    weights_version: int | None = None
-    prompt_ids: list[int] = []
-    response_ids: list[int] = []
+    choice_index: Count = 0
+    weights_version: Int32 | None = None
+    prompt_ids: list[Count] = []
+    response_ids: list[Count] = []
     logprobs: list[float] = []
 
 
