@@ -27,9 +27,13 @@ from services.gateway.errors import CLIENT_ERRORS, ApiError, internal, translate
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import IdempotencyCache
 from services.gateway.openapi import openapi_document
+from services.gateway.payload import announce
 from services.gateway.phase import PhaseGate
+from services.gateway.phasesync import PhaseSync
 from services.gateway.proxy import PREFIX, Proxy
 from services.gateway.readmodel import RolloutReader, StreamRolloutReader
+from services.gateway.reaper import CallReaper
+from services.gateway.recording import CallChains
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
 from services.gateway.upstream import UpstreamClient
@@ -86,13 +90,23 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
             gate=gate,
             upstream=upstream,
             budgets=Budgets(store, settings.budget_cache_bytes),
+            chains=CallChains(settings.chain_cache_bytes, compact=settings.record_format == "compact"),
+            reaper=CallReaper(store, interval_s=settings.reaper_interval_s),
         )
+        announce(store.max_payload)
         await state.start()
+        assert gateway.reaper is not None
+        await gateway.reaper.start()
+        gateway.phases = PhaseSync(store, gate, gateway.reaper.instance, gateway.reaper.alive)
+        await gateway.phases.start(settings.drain_timeout_s)
+        await gateway.idempotency.share(store.js)
         app.state.gateway = gateway
         app.state.proxy = Proxy(gateway)
         try:
             yield
         finally:
+            await gateway.phases.stop()
+            await gateway.reaper.stop()
             await state.stop()
             await upstream.close()
             if store.nc.is_connected:
@@ -174,6 +188,14 @@ def _follow_phase(gate: PhaseGate, stored: StoredEvent) -> None:
             gate.release(event.run_id)
 
 
+async def _drain_everywhere(gw: Gateway, run_id: str) -> set[str]:
+    """Close the run's gate on every gateway replica and wait for their calls; the ones still busy."""
+    timeout = gw.settings.drain_timeout_s
+    if gw.phases is not None:
+        return await gw.phases.close_all(run_id, timeout)
+    return set() if await gw.gate.drain(run_id, timeout) else {"this gateway"}
+
+
 async def set_phase(request: Request) -> Response:
     """`POST /api/phase` (admin): `update` holds new calls and drains in-flight ones; `rollout` releases."""
     gw: Gateway = request.app.state.gateway
@@ -194,21 +216,27 @@ async def set_phase(request: Request) -> Response:
         )
         if phase.phase == "update":
             gw.gate.close(run_id)
-            if not await gw.gate.drain(run_id, gw.settings.drain_timeout_s):
+            busy = await _drain_everywhere(gw, run_id)
+            if busy:
                 raise ApiError(
                     504,
                     f"calls of run {run_id} were still in flight after "
                     f"{gw.settings.drain_timeout_s:g}s; new calls stay held",
                     in_flight=gw.gate.in_flight(run_id),
+                    gateways=sorted(busy),
                 )
             try:
                 ack = await gw.append_registry(event)
             except Exception:
                 gw.gate.release(run_id)
+                if gw.phases is not None:
+                    await gw.phases.open_all(run_id)
                 raise
         else:
             ack = await gw.append_registry(event)
             gw.gate.release(run_id)
+            if gw.phases is not None:
+                await gw.phases.open_all(run_id)
         return 200, encode(
             {
                 "run_id": run_id,
