@@ -54,7 +54,8 @@ class MinSeqMiddleware:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "GET" and scope["path"].startswith(self.prefixes):
-            raw = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("min_seq")
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+            raw = query.get("min_seq")  # `min_seq=` (blank) is a mistake to name, not an absent parameter
             if raw:
                 response = await self._wait(raw[-1])
                 if response is not None:
