@@ -132,10 +132,7 @@ def _full(value: Any) -> torch.Tensor:
 
 
 def _base_state(engine: Any) -> dict[str, torch.Tensor]:
-    state = {name: _full(value) for name, value in engine.module.state_dict().items()}
-    if getattr(engine.model_config.hf_config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    return state
+    return {name: _full(value) for name, value in engine.module.state_dict().items()}
 
 
 def _merge(state: dict[str, torch.Tensor], adapter: str, scaling: float) -> dict[str, torch.Tensor]:
@@ -158,7 +155,9 @@ def full_state(engine: Any, *, adapter: str | None = None, merged: bool = False)
         name = next(iter(engine.module.peft_config))
         config = engine.module.peft_config[name]
         state = _merge(state, name, config.lora_alpha / config.r)
-    elif adapter is not None:
+    if adapter is None and getattr(engine.model_config.hf_config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # the embedding's: saved once, as transformers does
+    if adapter is not None:
         pattern = re.compile(rf"\.(lora_[AB])\.{re.escape(adapter)}\.weight$")
         state = {pattern.sub(r".\1.weight", k): v for k, v in state.items() if pattern.search(k)}
     return state if dist.get_rank() == 0 else {}
