@@ -15,10 +15,10 @@ import signal
 import sys
 import time
 
+from services.common.eventstore import EventStore, EventStoreError
 from services.controller.gateway import GatewayClient
 from services.controller.reconciler import Controller
 from services.controller.settings import SettingsError, build_settings, parse_args
-from services.common.eventstore import EventStore, EventStoreError
 
 GATEWAY_WAIT_S = 60.0
 

@@ -62,7 +62,9 @@ import msgspec
 
 from schemas import RunStarted
 from schemas.ids import ROLLOUT_ATTEMPT, ROLLOUT_CREATED, ROLLOUT_STATUS, RUN_SUBJECT
+from schemas.rollout import fold
 from schemas.runs import RunSpec
+from services.common.eventstore import EventStore, EventStoreError, StoredEvent
 from services.controller.backends.base import (
     ExecutionBackend,
     ExecutionKey,
@@ -92,8 +94,7 @@ from services.controller.gateway import (
     GatewayUnavailable,
 )
 from services.controller.settings import ControllerSettings
-from services.controller.view import NOT_LAUNCHED, Attempt, Rollout, RunSpecError, fold, spec_from_event
-from services.common.eventstore import EventStore, EventStoreError, StoredEvent
+from services.controller.view import NOT_LAUNCHED, Attempt, Rollout, RunSpecError, compact, spec_from_event
 
 log = logging.getLogger("rollwire.controller")
 
@@ -283,7 +284,7 @@ class Controller:
         if event.rollout_id is None:
             return
         key = RolloutKey(event.run_id, event.rollout_id)
-        updated = fold(self.rollouts.get(key), event, stored.seq)
+        updated = compact(fold(self.rollouts.get(key), stored))
         if updated is None:
             return
         self.rollouts[key] = updated
@@ -328,7 +329,8 @@ class Controller:
         ]
         view: Rollout | None = None
         async for stored in self.store.read(filters):
-            view = fold(view, stored.event, stored.seq)
+            view = fold(view, stored)
+        view = compact(view)
         self._awaiting.pop(key, None)
         if view is None:
             if self.rollouts.pop(key, None) is not None:

@@ -32,16 +32,17 @@ from schemas import (
     new_id,
 )
 from schemas.ids import RUN_SUBJECT
+from schemas.rollout import RolloutView, fold_all
 from schemas.runs import RunSpec
 from schemas.transitions import IllegalTransition
 from services.common.eventstore import ConcurrencyConflict, StoredEvent
+from services.common.readside import RolloutQuery, StreamRolloutReader
 from services.gateway import bodies
 from services.gateway.auth import Admin, AttemptScope, Principal
 from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, forbidden, from_validation, invalid, not_found, unavailable
 from services.gateway.http import decode, encode, fingerprint, json_response, read_body
 from services.gateway.idempotency import Result, derive_id
-from services.gateway.readmodel import RolloutQuery, RolloutView, StreamRolloutReader
 from services.gateway.views import event_json, rollout_detail_json, rollout_json, triplet_json
 
 _SLUG = re.compile(r"[^A-Za-z0-9_-]+")
@@ -166,24 +167,14 @@ async def _create(gw: Gateway, items: list[bodies.NewRollout], key: str | None) 
             if stored is not None:
                 out.append(stored)
                 continue
-        out.append(
-            RolloutView(
-                rollout_id=created.rollout_id or "",
-                run_id=created.run_id,
-                input=created.input,
-                group_id=created.group_id,
-                mode=created.mode,
-                metadata=dict(created.metadata),
-                config=dict(created.config),
-                max_attempts=created.max_attempts,
-                status="queuing",
-                version=1,
-                created_at=created.time,
-                updated_at=created.time,
-                created_seq=ack_created.seq,
-                status_seq=ack_queued.seq,
-            )
+        view = fold_all(
+            [
+                StoredEvent(seq=ack_created.seq, subject=created.subject, event=created),
+                StoredEvent(seq=ack_queued.seq, subject=queued.subject, event=queued),
+            ]
         )
+        assert view is not None  # folded from its own `created` event
+        out.append(view)
     return out
 
 

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas import PhaseChanged
 from services.common.eventstore import EventStore, StoredEvent
+from services.common.readside import RolloutReader, StreamRolloutReader
 from services.gateway import api, bodies
 from services.gateway.auth import Authenticator, TokenSigner
 from services.gateway.context import Gateway
@@ -27,7 +28,6 @@ from services.gateway.idempotency import IdempotencyCache
 from services.gateway.openapi import openapi_document
 from services.gateway.phase import PhaseGate
 from services.gateway.proxy import PREFIX, Proxy
-from services.gateway.readmodel import RolloutReader, StreamRolloutReader
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
 from services.gateway.upstream import UpstreamClient

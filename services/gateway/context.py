@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from schemas import Event
+from schemas.rollout import RolloutView
 from services.common.eventstore import Appended, EventStore, StoredEvent
+from services.common.readside import RolloutReader
 from services.gateway.auth import Admin, AttemptScope, Authenticator, Principal
 from services.gateway.errors import forbidden, not_found, unauthorized
 from services.gateway.idempotency import IdempotencyCache
 from services.gateway.phase import PhaseGate
-from services.gateway.readmodel import RolloutReader, RolloutView
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
 from services.gateway.upstream import UpstreamClient

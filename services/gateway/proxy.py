@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from schemas import ModelRequestRecorded, new_id
+from schemas.rollout import RolloutView
 from services.common.eventstore import EventStoreUnavailable
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
@@ -43,7 +44,6 @@ from services.gateway.openai_format import (
     strip_chunk,
     strip_completion,
 )
-from services.gateway.readmodel import RolloutView
 from services.gateway.state import ModelEntry
 from services.gateway.upstream import UpstreamError, UpstreamResponse
 

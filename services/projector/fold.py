@@ -1,9 +1,9 @@
 """The batch fold: a batch of events plus the loaded state they touch, in; the rows to write, out.
 
 Pure (no I/O), so it can be checked against a plain event-by-event fold of the stream. Rollout
-views are folded with the same `apply` as the gateway's stream reader, so both readers agree by
-construction; on top of the view each rollout keeps totals (tokens, samples, flags, ...) that the
-view does not carry. Events of a rollout that does not exist (yet) are stored in their own tables
+views are folded with the contract's `fold` (`schemas.rollout`), as every reader does, so they
+agree by construction; on top of the view each rollout keeps totals (tokens, samples, flags, ...)
+that the view does not carry. Events of a rollout that does not exist (yet) are stored in their own tables
 but count toward no rollout, exactly as the view ignores them.
 
 Loading is selective, because model calls dominate and need little: a rollout's attempts list is
@@ -29,8 +29,8 @@ from schemas import (
     RolloutStatusChanged,
     RunStarted,
 )
+from schemas.rollout import RolloutView, fold
 from services.common.eventstore import StoredEvent
-from services.gateway.readmodel import RolloutView, apply
 from services.projector import chains as chain_state
 from services.projector.flags import flag_names
 from services.projector.incoming import Incoming, event_type
@@ -281,7 +281,7 @@ def fold_batch(items: Sequence[Incoming], loaded: Loaded) -> Plan:
         key = (event.run_id, event.rollout_id)
         before = plan.views.get(key)
         terminal_before = before.terminal_seq if before is not None else 0
-        view = apply(before, StoredEvent(seq=item.seq, subject=item.subject, event=event))
+        view = fold(before, StoredEvent(seq=item.seq, subject=item.subject, event=event))
         if view is None:
             if item.call is not None:
                 plan.model_calls.append(_call_row(item, False))

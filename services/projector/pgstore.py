@@ -25,7 +25,7 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from services.gateway.readmodel import AttemptView, RewardView, RolloutView
+from schemas.rollout import AttemptView, RewardView, RolloutView
 from services.projector.fold import Extras, Loaded, Plan, RolloutKey, fold_batch, needs
 from services.projector.incoming import Incoming
 
@@ -76,11 +76,13 @@ _UPDATE_ROLLOUT = (
     "WHERE run_id = $1 AND rollout_id = $2"
 )
 _UPSERT_ATTEMPT = """
-INSERT INTO attempts (run_id, rollout_id, attempt_id, idx, sequence, started_at, executor, ended)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+INSERT INTO attempts (run_id, rollout_id, attempt_id, idx, sequence, started_at, executor, ended,
+                      reached_running, ended_as, reason)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
 ON CONFLICT (run_id, rollout_id, attempt_id) DO UPDATE SET
     idx = excluded.idx, sequence = excluded.sequence, started_at = excluded.started_at,
-    executor = excluded.executor, ended = excluded.ended
+    executor = excluded.executor, ended = excluded.ended, reached_running = excluded.reached_running,
+    ended_as = excluded.ended_as, reason = excluded.reason
 """
 _UPSERT_STATS = """
 INSERT INTO attempt_stats AS s (run_id, rollout_id, attempt_key, calls, failed_calls, prompt_tokens,
@@ -168,7 +170,8 @@ def attempt_fields(row: asyncpg.Record) -> dict[str, Any]:
     """One attempt view's fields from an `attempts` row."""
     return {
         "attempt_id": row["attempt_id"], "sequence": row["sequence"], "started_at": row["started_at"],
-        "executor": row["executor"], "ended": row["ended"],
+        "executor": row["executor"], "ended": row["ended"], "reached_running": row["reached_running"],
+        "ended_as": row["ended_as"], "reason": row["reason"],
     }  # fmt: skip
 
 
@@ -232,9 +235,11 @@ async def load(conn: asyncpg.Connection, items: Sequence[Incoming], prior: Plan 
     if listed_attempts or listed_rewards:
         attempts, rewards = await load_lists(conn, sorted(listed_attempts | listed_rewards))
         for key in listed_attempts:
-            loaded.views[key].attempts = msgspec.convert(attempts[key], list[AttemptView])
+            listed = msgspec.convert(attempts[key], tuple[AttemptView, ...])
+            loaded.views[key] = msgspec.structs.replace(loaded.views[key], attempts=listed)
         for key in listed_rewards:
-            loaded.views[key].rewards = msgspec.convert(rewards[key], list[RewardView])
+            given = msgspec.convert(rewards[key], tuple[RewardView, ...])
+            loaded.views[key] = msgspec.structs.replace(loaded.views[key], rewards=given)
     loaded.with_attempts |= listed_attempts
     loaded.with_rewards |= listed_rewards
     if prior is not None:
@@ -295,7 +300,19 @@ def materialize(plan: Plan) -> Plan:
         inserts=inserts,
         updates=updates,
         attempts=[
-            (key[0], key[1], a.attempt_id, idx, a.sequence, a.started_at, a.executor, a.ended)
+            (
+                key[0],
+                key[1],
+                a.attempt_id,
+                idx,
+                a.sequence,
+                a.started_at,
+                a.executor,
+                a.ended,
+                a.reached_running,
+                a.ended_as,
+                a.reason,
+            )
             for key in sorted(plan.with_attempts & plan.touched)
             for idx, a in enumerate(plan.views[key].attempts)
         ],

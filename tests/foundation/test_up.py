@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from schemas import RewardReported
-from services.devstack.embedded import free_port
 from services.common.eventstore import EventStore
+from services.devstack.embedded import free_port
 
 ROLLWIRE = [sys.executable, "-m", "services.devstack.cli"]
 

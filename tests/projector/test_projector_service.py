@@ -16,9 +16,9 @@ from projector_scenarios import StreamBuilder, load_events
 from projector_support import running_projector, wait_applied
 
 from schemas import CustomEvent, Event, RolloutCreated
-from services.devstack.embedded import NatsServer, PostgresServer
 from services.common.eventstore import EventStore
-from services.gateway.readmodel import RolloutQuery
+from services.common.readside import RolloutQuery
+from services.devstack.embedded import NatsServer, PostgresServer
 from services.projector.cli import _rebuild
 from services.projector.http import serve
 from services.projector.reader import PostgresRolloutReader, ProjectionBehind

@@ -1,0 +1,132 @@
+"""The read side's declared interface: the queries behind every `GET /api/...`, and two ways to answer them.
+
+    reader: RolloutReader = StreamRolloutReader(store)       # fold the stream on each query
+    reader: RolloutReader = ProjectorReader(projector_url)   # the projector's query API over HTTP
+
+The projector owns the read models: its Postgres reader implements `RolloutReader` and serves it
+over HTTP (`services/projector/query.py`); the gateway talks to it through `ProjectorReader` and
+never imports the projector. `StreamRolloutReader` answers the same protocol straight from the
+stream with the contract's fold: for write paths (an answer that shows the write just made, with
+no Postgres on the way) and for a gateway run without a projector.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import msgspec
+
+from schemas import RunStarted
+from schemas.ids import RUN_SUBJECT, check_id
+from schemas.rollout import RolloutView, fold, fold_all
+from services.common.eventstore import EventStore, StoredEvent
+
+# Subjects a rollout view is folded from (model requests and custom events do not change it).
+VIEW_SUFFIXES = ("created", "status", "attempt", "reward")
+
+
+class RolloutQuery(msgspec.Struct, kw_only=True):
+    """Filters of `GET /api/rollouts`; `cursor` is the `created_seq` of the last item already seen."""
+
+    run_id: str | None = None
+    statuses: frozenset[str] = frozenset()
+    group_id: str | None = None
+    mode: str | None = None
+    limit: int = 500
+    cursor: int = 0
+
+
+class RunView(msgspec.Struct, kw_only=True):
+    """A run's spec (from `RunStarted`) and a summary of its rollouts."""
+
+    run_id: str
+    name: str
+    config: dict[str, Any]
+    started_at: float
+    seq: int
+    rollouts: dict[str, int] = {}
+
+
+class RolloutReader(Protocol):
+    """Queries the rollout API answers; a stream fold now, a Postgres projection later."""
+
+    async def get(self, rollout_id: str, run_id: str | None = None) -> RolloutView | None:
+        """One rollout, or None when it does not exist."""
+        ...
+
+    async def query(self, query: RolloutQuery) -> list[RolloutView]:
+        """Rollouts matching the query, in creation order, after `query.cursor`, at most `limit`."""
+        ...
+
+    async def terminal(self, after: int, limit: int) -> tuple[list[RolloutView], int]:
+        """Terminal rollouts in completion order from index `after`, and the total count."""
+        ...
+
+    async def events(self, rollout_id: str, run_id: str) -> list[StoredEvent]:
+        """Every event of one rollout in stream order."""
+        ...
+
+    async def run(self, run_id: str) -> RunView | None:
+        """A run's spec and summary, or None when no run was started with this id."""
+        ...
+
+
+class StreamRolloutReader:
+    """`RolloutReader` that folds events from the stream on every query (no state of its own)."""
+
+    def __init__(self, store: EventStore) -> None:
+        self.store = store
+
+    async def get(self, rollout_id: str, run_id: str | None = None) -> RolloutView | None:
+        check_id("rollout_id", rollout_id)
+        run = check_id("run_id", run_id) if run_id else "*"
+        subjects = [f"rl.{run}.rollout.{rollout_id}.{suffix}" for suffix in VIEW_SUFFIXES]
+        return fold_all([stored async for stored in self.store.read(subjects)])
+
+    async def _fold_all(self, run_id: str | None) -> list[RolloutView]:
+        run = check_id("run_id", run_id) if run_id else "*"
+        filters = [f"rl.{run}.rollout.*.{suffix}" for suffix in VIEW_SUFFIXES]
+        views: dict[tuple[str, str], RolloutView | None] = {}
+        async for stored in self.store.read(filters):
+            key = (stored.event.run_id, stored.event.rollout_id or "")
+            views[key] = fold(views.get(key), stored)
+        return sorted((v for v in views.values() if v is not None), key=lambda v: v.created_seq)
+
+    async def query(self, query: RolloutQuery) -> list[RolloutView]:
+        out: list[RolloutView] = []
+        for view in await self._fold_all(query.run_id):
+            if view.created_seq <= query.cursor:
+                continue
+            if query.statuses and view.status not in query.statuses:
+                continue
+            if query.group_id is not None and view.group_id != query.group_id:
+                continue
+            if query.mode is not None and view.mode != query.mode:
+                continue
+            out.append(view)
+            if len(out) >= query.limit:
+                break
+        return out
+
+    async def terminal(self, after: int, limit: int) -> tuple[list[RolloutView], int]:
+        done = sorted((v for v in await self._fold_all(None) if v.terminal_seq), key=lambda v: v.terminal_seq)
+        return done[after : after + limit], len(done)
+
+    async def events(self, rollout_id: str, run_id: str) -> list[StoredEvent]:
+        return await self.store.read_rollout(run_id, rollout_id)
+
+    async def run(self, run_id: str) -> RunView | None:
+        check_id("run_id", run_id)
+        started: tuple[RunStarted, int] | None = None
+        async for stored in self.store.read(RUN_SUBJECT.format(run=run_id)):
+            if isinstance(stored.event, RunStarted) and started is None:
+                started = (stored.event, stored.seq)
+        if started is None:
+            return None
+        event, seq = started
+        counts: dict[str, int] = {}
+        for view in await self._fold_all(run_id):
+            counts[view.status] = counts.get(view.status, 0) + 1
+        return RunView(
+            run_id=run_id, name=event.name, config=dict(event.config), started_at=event.time, seq=seq, rollouts=counts
+        )
