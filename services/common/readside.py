@@ -13,7 +13,9 @@ no Postgres on the way) and for a gateway run without a projector.
 from __future__ import annotations
 
 from typing import Any, Protocol
+from urllib.parse import quote
 
+import httpx
 import msgspec
 
 from schemas import RunStarted
@@ -70,6 +72,10 @@ class RolloutReader(Protocol):
         """A run's spec and summary, or None when no run was started with this id."""
         ...
 
+    async def summary(self, run_id: str) -> Any:
+        """A run's totals from the read models (reward mean, tokens, calls), or None without them."""
+        ...
+
 
 class StreamRolloutReader:
     """`RolloutReader` that folds events from the stream on every query (no state of its own)."""
@@ -115,6 +121,9 @@ class StreamRolloutReader:
     async def events(self, rollout_id: str, run_id: str) -> list[StoredEvent]:
         return await self.store.read_rollout(run_id, rollout_id)
 
+    async def summary(self, run_id: str) -> dict[str, Any] | None:
+        return None  # totals are the projection's; the stream fold keeps none
+
     async def run(self, run_id: str) -> RunView | None:
         check_id("run_id", run_id)
         started: tuple[RunStarted, int] | None = None
@@ -130,3 +139,101 @@ class StreamRolloutReader:
         return RunView(
             run_id=run_id, name=event.name, config=dict(event.config), started_at=event.time, seq=seq, rollouts=counts
         )
+
+
+class ReadSideError(RuntimeError):
+    """The projector answered a query with an error (or could not be reached): its status and JSON body."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(str(body.get("error", f"the projector answered {status}")))
+        self.status = status
+        self.body = body
+
+
+class _Terminal(msgspec.Struct):
+    views: list[RolloutView]
+    total: int
+
+
+_VIEW = msgspec.json.Decoder(RolloutView)
+_VIEWS = msgspec.json.Decoder(list[RolloutView])
+_TERMINAL = msgspec.json.Decoder(_Terminal)
+_EVENTS = msgspec.json.Decoder(list[StoredEvent])
+_RUN = msgspec.json.Decoder(RunView)
+
+
+class ProjectorReader:
+    """`RolloutReader` over the projector's query API (`GET /query/...`, see `services/projector/api.py`).
+
+    `token` is sent as a bearer token (the projector checks it when it has an admin token). A 404
+    is `None`; any other error, or a projector that cannot be reached, raises `ReadSideError` with
+    the status and body to answer with (503 when unreachable: writes, which go to the stream, still work).
+    """
+
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s)
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self.client.aclose()
+
+    async def forward(self, path: str, query: bytes = b"") -> httpx.Response:
+        """GET `path?query` from the projector as it answers it (`ReadSideError` 503 when it cannot be reached)."""
+        try:
+            return await self.client.get(f"{path}?{query.decode('latin-1')}" if query else path)
+        except httpx.HTTPError as exc:
+            raise ReadSideError(
+                503,
+                {"error": f"the projector at {self.base_url} cannot be reached ({exc!r}); writes still work"},
+            ) from None
+
+    async def request(self, path: str, params: dict[str, Any] | None = None) -> httpx.Response | None:
+        """GET `path` from the projector: the response when 2xx, None on 404, else `ReadSideError`."""
+        query = httpx.QueryParams(params or {})
+        response = await self.forward(path, str(query).encode("latin-1"))
+        if response.status_code == 404:
+            return None
+        if response.status_code >= 400:
+            try:
+                body = response.json()
+            except ValueError:
+                body = {"error": response.text[:500]}
+            raise ReadSideError(response.status_code, body if isinstance(body, dict) else {"error": str(body)})
+        return response
+
+    async def wait_for(self, min_seq: int) -> None:
+        """Return once the projection has applied `min_seq` (the projector waits; `ReadSideError` 503 if not)."""
+        await self.request("/query/position", {"min_seq": min_seq})
+
+    async def get(self, rollout_id: str, run_id: str | None = None) -> RolloutView | None:
+        response = await self.request(f"/query/rollouts/{quote(rollout_id)}", {"run_id": run_id} if run_id else None)
+        return None if response is None else _VIEW.decode(response.content)
+
+    async def query(self, query: RolloutQuery) -> list[RolloutView]:
+        params: dict[str, Any] = {"limit": query.limit, "cursor": query.cursor, "status": sorted(query.statuses)}
+        params.update(
+            {k: v for k, v in (("run_id", query.run_id), ("group_id", query.group_id), ("mode", query.mode)) if v}
+        )
+        response = await self.request("/query/rollouts", params)
+        return [] if response is None else _VIEWS.decode(response.content)
+
+    async def terminal(self, after: int, limit: int) -> tuple[list[RolloutView], int]:
+        response = await self.request("/query/terminal", {"after": after, "limit": limit})
+        if response is None:
+            return [], 0
+        page = _TERMINAL.decode(response.content)
+        return page.views, page.total
+
+    async def events(self, rollout_id: str, run_id: str) -> list[StoredEvent]:
+        response = await self.request(f"/query/rollouts/{quote(rollout_id)}/events", {"run_id": run_id})
+        return [] if response is None else _EVENTS.decode(response.content)
+
+    async def run(self, run_id: str) -> RunView | None:
+        response = await self.request(f"/query/runs/{quote(run_id)}")
+        return None if response is None else _RUN.decode(response.content)
+
+    async def summary(self, run_id: str) -> dict[str, Any] | None:
+        response = await self.request(f"/api/runs/{quote(run_id)}/summary")
+        return None if response is None else msgspec.json.decode(response.content)

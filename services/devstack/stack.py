@@ -221,6 +221,8 @@ class Stack:
             "ROLLWIRE_PUBLIC_URL": f"http://127.0.0.1:{ports['gateway']}",
             "PYTHONUNBUFFERED": "1",
         }
+        if "projector" in self.config.services:  # the gateway forwards reads to it
+            env["ROLLWIRE_PROJECTOR_URL"] = f"http://127.0.0.1:{ports['projector']}"
         for spec in self._service_specs(ports):
             self._start_child(spec, env)
             if spec.endpoint:
@@ -254,7 +256,7 @@ class Stack:
             ),
             "projector": ChildService(
                 "projector",
-                ["--metrics-port", str(ports["projector"]), *self._tokenizer_args()],
+                ["--port", str(ports["projector"]), *self._tokenizer_args()],
                 health_url=f"http://127.0.0.1:{ports['projector']}/healthz",
                 endpoint=f"projector: http://127.0.0.1:{ports['projector']}/metrics",
             ),

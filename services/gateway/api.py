@@ -715,9 +715,9 @@ async def get_run(request: Request, run_id: str) -> Response:
         "seq": view.seq,
         "rollouts": view.rollouts,
     }
-    summarize = getattr(gw.reader, "summary", None)  # the Postgres reader adds reward, tokens, calls
-    if summarize is not None:
-        body["summary"] = msgspec.to_builtins(await summarize(run_id))
+    summary = await gw.reader.summary(run_id)  # the projection adds reward, tokens, calls
+    if summary is not None:
+        body["summary"] = msgspec.to_builtins(summary)
     return json_response(body)
 
 

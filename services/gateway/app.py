@@ -18,8 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas import PhaseChanged
 from services.common.eventstore import EventStore, StoredEvent
-from services.common.readside import RolloutReader, StreamRolloutReader
-from services.gateway import api, bodies
+from services.common.readside import ProjectorReader, ReadSideError, RolloutReader, StreamRolloutReader
+from services.gateway import api, bodies, reads
 from services.gateway.auth import Authenticator, TokenSigner
 from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, translate, unavailable
@@ -62,8 +62,8 @@ class _ProxyFirst:
         await self.app(scope, receive, send)
 
 
-def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None) -> FastAPI:
-    """The gateway as a FastAPI app; `reader` replaces the stream fold behind the GET endpoints."""
+def create_app(settings: GatewaySettings) -> FastAPI:
+    """The gateway as a FastAPI app; reads go to the projector at `settings.projector_url` when set."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -74,11 +74,16 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
         upstream = UpstreamClient(
             read_timeout_s=settings.upstream_timeout_s, connect_timeout_s=settings.upstream_connect_timeout_s
         )
+        reader: RolloutReader = (
+            ProjectorReader(settings.projector_url, token=settings.admin_token)
+            if settings.projector_url
+            else StreamRolloutReader(store)
+        )
         gateway = Gateway(
             settings=settings,
             store=store,
             state=state,
-            reader=reader or StreamRolloutReader(store),
+            reader=reader,
             auth=Authenticator(settings.admin_token, TokenSigner(settings.secret)),
             idempotency=IdempotencyCache(settings.idempotency_cache_size),
             gate=gate,
@@ -92,6 +97,8 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
         finally:
             await state.stop()
             await upstream.close()
+            if isinstance(reader, ProjectorReader):
+                await reader.close()
             if store.nc.is_connected:
                 await store.close()
             else:
@@ -128,9 +135,10 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
             media_type="application/json",
         )
 
-    for exc_type in (ApiError,):
+    for exc_type in (ApiError, ReadSideError):
         app.add_exception_handler(exc_type, _errors)  # type: ignore[arg-type]
     api.register(app)
+    reads.register(app)
     app.add_api_route("/api/phase", set_phase, methods=["POST"])
 
     document: list[bytes] = []  # built on first request (all routes are added by then), then served as is

@@ -11,6 +11,7 @@ import nats.js.errors
 
 from schemas import IllegalTransition, InvalidId, MalformedEvent
 from services.common.eventstore import ConcurrencyConflict, EventStoreUnavailable
+from services.common.readside import ReadSideError
 
 RETRY_AFTER_S = 2
 _encoder = msgspec.json.Encoder()
@@ -85,4 +86,8 @@ def translate(exc: Exception) -> ApiError | None:
         return ApiError(409, str(exc), current={"status": exc.current})
     if isinstance(exc, (msgspec.ValidationError, InvalidId, MalformedEvent)):
         return from_validation(exc)
+    if isinstance(exc, ReadSideError):  # the projector's answer, passed on as it gave it
+        extra = {k: v for k, v in exc.body.items() if k != "error"}
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        return ApiError(exc.status, str(exc), headers=headers, **extra)
     return None
