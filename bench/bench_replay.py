@@ -44,8 +44,8 @@ from schemas import (
     RolloutCreated,
     RolloutStatusChanged,
 )
-from services.devstack.embedded import NatsServer
 from services.common.eventstore import EventStore
+from services.devstack.embedded import NatsServer
 from services.tools.replay import default_workers
 
 GROUP = 8

@@ -65,6 +65,7 @@ from schemas.ids import ROLLOUT_ATTEMPT, ROLLOUT_CREATED, ROLLOUT_STATUS, RUN_SU
 from schemas.rollout import fold
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStore, EventStoreError, StoredEvent
+from services.common.retry import Backoff, retry_async
 from services.controller.backends.base import (
     ExecutionBackend,
     ExecutionKey,
@@ -102,6 +103,10 @@ ATTEMPT_KEY = "rollwire-controller:{rollout}:{created}:{sequence}"
 ECHO_TIMEOUT_S = 5.0
 LOG_EVENT = "log"
 LAUNCH_RETRIES = 3
+CONFLICT_BACKOFF = Backoff(initial=0.1, maximum=30.0)
+"""Delay before looking again at a rollout whose command the gateway refused as a conflict."""
+UNAVAILABLE_BACKOFF = Backoff(initial=0.5, maximum=30.0)
+"""Delay before retrying a command the gateway, a backend or NATS could not take now."""
 PRUNE_AFTER_S = 60.0
 
 
@@ -641,7 +646,7 @@ class Controller:
             log.info("rollout %s moved on (%s); re-reading it", key.rollout_id, exc)
             await self._safe_refresh(key)
             # Should the gateway keep refusing what the view calls for, do not ask in a tight loop.
-            self._retry_later(key, min(30.0, 0.1 * 2 ** self._failures[key]))
+            self._retry_later(key, CONFLICT_BACKOFF.delay(self._failures[key]))
             self._failures[key] += 1
         except GatewayRejected as exc:
             if exc.status_code == 404:
@@ -650,7 +655,7 @@ class Controller:
                 log.error("gateway refused a command for rollout %s: %s", key.rollout_id, exc)
                 self._retry_later(key, 60.0)
         except (GatewayUnavailable, TemporaryBackendError, EventStoreError) as exc:
-            delay = getattr(exc, "retry_after", None) or min(30.0, 0.5 * 2 ** self._failures[key])
+            delay = getattr(exc, "retry_after", None) or UNAVAILABLE_BACKOFF.delay(self._failures[key])
             self._failures[key] += 1
             log.warning("rollout %s: %s; retrying in %.1fs", key.rollout_id, exc, delay)
             self._retry_later(key, delay)
@@ -803,18 +808,17 @@ class Controller:
             evaluator_env=eval_env,
             image=spec.image,
         )
-        for attempt in range(LAUNCH_RETRIES):
-            try:
-                await backend.launch(launch)
-                break
-            except TemporaryBackendError as exc:
-                if attempt == LAUNCH_RETRIES - 1:
-                    raise  # still preparing with no execution: the next look relaunches it
-                await asyncio.sleep(exc.retry_after)
-            except PermanentBackendError as exc:
-                with_attempt = _with_attempt(view, grant)
-                await self._end(key, with_attempt, f"cannot launch attempt {grant.sequence}: {exc}")
-                return
+        try:  # a TemporaryBackendError past the retries leaves it preparing: the next look relaunches it
+            await retry_async(
+                lambda: backend.launch(launch),
+                backoff=UNAVAILABLE_BACKOFF,  # a backend's own `retry_after` wins
+                transient=(TemporaryBackendError,),
+                retries=LAUNCH_RETRIES - 1,
+            )
+        except PermanentBackendError as exc:
+            with_attempt = _with_attempt(view, grant)
+            await self._end(key, with_attempt, f"cannot launch attempt {grant.sequence}: {exc}")
+            return
         self.stats["launched"] += 1
         log.debug(
             "rollout %s attempt %s launched in %.0f ms (start attempt %.0f ms)",
