@@ -139,6 +139,8 @@ def attempt_env(rollout: Rollout, spec: RunSpec, grant: AttemptGrant) -> dict[st
         **spec.env,
         "OPENAI_BASE_URL": grant.proxy_base_url,
         "OPENAI_API_KEY": grant.token,
+        "ANTHROPIC_BASE_URL": grant.anthropic_base_url,
+        "ANTHROPIC_API_KEY": grant.token,
         "ROLLWIRE_TOKEN": grant.token,
         "ROLLWIRE_EVENTS_URL": grant.events_url,
         "ROLLWIRE_RUN_ID": rollout.run_id,
@@ -152,9 +154,12 @@ def attempt_env(rollout: Rollout, spec: RunSpec, grant: AttemptGrant) -> dict[st
     return env
 
 
+AGENT_ONLY = ("OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL")
+
+
 def evaluator_env(agent: dict[str, str], token: str) -> dict[str, str]:
     """The evaluator's environment: the agent's, minus the agent's token and proxy, plus its own token."""
-    env = {k: v for k, v in agent.items() if k not in ("OPENAI_API_KEY", "OPENAI_BASE_URL")}
+    env = {k: v for k, v in agent.items() if k not in AGENT_ONLY}
     env["ROLLWIRE_TOKEN"] = token
     return env
 

@@ -111,8 +111,14 @@ async def _create(gw: Gateway, items: list[bodies.NewRollout], key: str | None) 
     prepared: list[tuple[RolloutCreated, RolloutStatusChanged] | RolloutView] = []
     for index, item in enumerate(items):
         run_id = _id(f"rollouts[{index}].run_id", item.run_id or gw.settings.default_run)
-        if item.rollout_id is not None:
-            rollout_id = _id(f"rollouts[{index}].rollout_id", item.rollout_id)
+        # A key names its rollouts forever (not only within JetStream's duplicate window or this
+        # process's cache): a create whose rollout already exists answers it and appends nothing.
+        rollout_id = (
+            _id(f"rollouts[{index}].rollout_id", item.rollout_id)
+            if item.rollout_id is not None
+            else (derive_id(key, "rollout", str(index)) if key else None)
+        )
+        if rollout_id is not None:
             existing_run = await gw.state.locate(rollout_id)
             if existing_run is not None:
                 if existing_run != run_id:
@@ -126,7 +132,7 @@ async def _create(gw: Gateway, items: list[bodies.NewRollout], key: str | None) 
                     prepared.append(existing)
                     continue
         else:
-            rollout_id = derive_id(key, "rollout", str(index)) if key else new_id()
+            rollout_id = new_id()
         mode = item.mode or ("val" if item.is_train is False else "train")
         spec = gw.state.runs.get(run_id)
         max_attempts = item.max_attempts or (int(spec[0].get("max_attempts", 1)) if spec else 1)
@@ -430,13 +436,15 @@ async def start_attempt(request: Request, rollout_id: str) -> Response:
 def _attempt_json(gw: Gateway, view: RolloutView, attempt_id: str, sequence: int, seq: int) -> dict[str, Any]:
     base = gw.settings.base_url
     rid = view.rollout_id
+    proxy = f"{base}/proxy/rollout/{rid}/attempt/{attempt_id}/mode/{view.mode}"
     return {
         "rollout_id": rid,
         "run_id": view.run_id,
         "attempt_id": attempt_id,
         "sequence": sequence,
         "token": gw.auth.signer.issue("agent", view.run_id, rid, attempt_id),
-        "proxy_base_url": f"{base}/proxy/rollout/{rid}/attempt/{attempt_id}/mode/{view.mode}/openai/v1",
+        "proxy_base_url": f"{proxy}/openai/v1",
+        "anthropic_base_url": f"{proxy}/anthropic",
         "events_url": f"{base}/api/rollouts/{rid}/attempt/{attempt_id}/events",
         "seq": seq,
     }
@@ -650,6 +658,20 @@ def _agl_model_name(model: str, endpoint: str) -> str:
     return f"{slug}-{derive_id(model, endpoint, length=10)}"
 
 
+async def list_models(request: Request) -> Response:
+    """`GET /api/models?run_id=` (admin): the registered endpoints (their `api_key` left out)."""
+    gw = _gw(request)
+    gw.admin(request)
+    run_id = request.query_params.get("run_id")
+    models = [
+        {"name": m.name, "run_id": run, "base_url": m.base_url, "served_model": m.upstream_model,
+         "weights_version": m.weights_version, "has_api_key": m.api_key is not None, "seq": m.seq}
+        for (run, _), m in sorted(gw.state.models.items())
+        if run_id is None or run == run_id
+    ]  # fmt: skip
+    return json_response({"models": models})
+
+
 async def delete_models(request: Request) -> Response:
     """`DELETE /api/models?name=&run_id=` (admin); without `name`, every model (Agent Lightning's shape)."""
     gw = _gw(request)
@@ -680,7 +702,7 @@ async def start_run(request: Request) -> Response:
     async def command(key: str | None) -> Result:
         existing = await gw.store.last(RUN_SUBJECT.format(run=spec.run_id))  # the stream: no Postgres for a write
         if existing is not None and isinstance(existing.event, RunStarted):
-            if existing.event.config != config:
+            if _same_spec(existing.event.config) != config:
                 raise ApiError(
                     409,
                     f"run {spec.run_id} was already started with a different spec; a run's spec never changes: "
@@ -698,6 +720,14 @@ async def start_run(request: Request) -> Response:
         return 201, encode({"run_id": spec.run_id, "spec": config, "seq": ack.seq})
 
     return await _keyed(request, "admin", body, command)
+
+
+def _same_spec(config: dict[str, Any]) -> dict[str, Any]:
+    """A stored spec with the fields added since it was written at their defaults (so it compares equal)."""
+    try:
+        return msgspec.to_builtins(msgspec.convert(config, RunSpec))  # type: ignore[no-any-return]
+    except (msgspec.ValidationError, InvalidId):
+        return config
 
 
 async def get_run(request: Request, run_id: str) -> Response:
@@ -755,5 +785,6 @@ def register(app: FastAPI) -> None:
     add("/api/rollouts/{rollout_id}/events", list_events, methods=["GET"])
     add("/api/models", register_models, methods=["POST"])
     add("/api/models", delete_models, methods=["DELETE"])
+    add("/api/models", list_models, methods=["GET"])
     add("/api/runs", start_run, methods=["POST"])
     add("/api/runs/{run_id}", get_run, methods=["GET"])

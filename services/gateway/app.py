@@ -21,6 +21,7 @@ from services.common.eventstore import EventStore, StoredEvent
 from services.common.readside import ProjectorReader, ReadSideError, RolloutReader, StreamRolloutReader
 from services.gateway import api, bodies, reads
 from services.gateway.auth import Authenticator, TokenSigner
+from services.gateway.budgets import Budgets
 from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, translate, unavailable
 from services.gateway.http import decode, encode, read_body
@@ -68,7 +69,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = await EventStore.connect(settings.nats_url, stream=settings.stream, name="rollwire-gateway")
-        state = GatewayState(store, cache_size=settings.cache_size)
+        state = GatewayState(store, cache_bytes=settings.cache_bytes)
         gate = PhaseGate(settings.phase_hold_timeout_s)
         state.on_event(lambda stored: _follow_phase(gate, stored))
         upstream = UpstreamClient(
@@ -85,9 +86,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             state=state,
             reader=reader,
             auth=Authenticator(settings.admin_token, TokenSigner(settings.secret)),
-            idempotency=IdempotencyCache(settings.idempotency_cache_size),
+            idempotency=IdempotencyCache(settings.idempotency_cache_bytes),
             gate=gate,
             upstream=upstream,
+            budgets=Budgets(store, settings.budget_cache_bytes),
         )
         await state.start()
         app.state.gateway = gateway

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -11,8 +11,10 @@ from schemas.rollout import RolloutView
 from services.common.eventstore import Appended, EventStore, StoredEvent
 from services.common.readside import RolloutReader
 from services.gateway.auth import Admin, AttemptScope, Authenticator, Principal
+from services.gateway.budgets import Budgets
 from services.gateway.errors import forbidden, not_found, unauthorized
 from services.gateway.idempotency import IdempotencyCache
+from services.gateway.limits import RunSettings
 from services.gateway.phase import PhaseGate
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
@@ -31,6 +33,8 @@ class Gateway:
     idempotency: IdempotencyCache
     gate: PhaseGate
     upstream: UpstreamClient
+    budgets: Budgets
+    run_settings: RunSettings = field(default_factory=RunSettings)
 
     def principal(self, request: Request) -> Principal:
         """The caller, or 401 when no valid token is presented."""
