@@ -275,11 +275,19 @@ def _allowed_for(key: str) -> tuple[str, ...] | None:
 
 def _check(config: TrainConfig) -> None:
     """Range checks msgspec's types cannot express, each naming its key."""
+    _check_run(config)
+    _check_backend(config)
+    _check_algorithm(config)
+    _check_async(config)
 
-    def need(ok: bool, key: str, what: str) -> None:
-        if not ok:
-            raise ConfigError(f"{key}: {what}")
 
+def need(ok: bool, key: str, what: str) -> None:
+    """A `ConfigError` naming `key` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{key}: {what}")
+
+
+def _check_run(config: TrainConfig) -> None:
     need(config.run.steps >= 1, "run.steps", "must be at least 1")
     need(config.run.keep_weights >= 0, "run.keep_weights", "must be >= 0 (0 keeps every version)")
     need(bool(config.run.name) and "/" not in config.run.name, "run.name", "must be a non-empty id without '/'")
@@ -289,6 +297,9 @@ def _check(config: TrainConfig) -> None:
     need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
     need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
     need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
+
+
+def _check_backend(config: TrainConfig) -> None:
     backend = config.backend
     need(
         backend.kind != "verl" or importlib.util.find_spec("verl") is not None,
@@ -321,6 +332,9 @@ def _check(config: TrainConfig) -> None:
         "backend.lora_adapters",
         "several adapters are served by vLLM only: set engine.kind = \"vllm\"",
     )
+
+
+def _check_algorithm(config: TrainConfig) -> None:
     algo = config.algorithm
     need(algo.lr > 0, "algorithm.lr", "must be positive")
     need(algo.weight_decay >= 0, "algorithm.weight_decay", "must be >= 0")
@@ -337,6 +351,9 @@ def _check(config: TrainConfig) -> None:
         AdapterConfig.from_mapping(algo.adapter)
     except AdapterConfigError as exc:
         raise ConfigError(f"algorithm.adapter: {exc}") from None
+
+
+def _check_async(config: TrainConfig) -> None:
     groups = config.data.tasks_per_step
     need(
         config.async_.min_groups is None or 1 <= config.async_.min_groups <= config.max_groups_in_flight(),

@@ -8,8 +8,8 @@ goes through routing or validation); everything else is ordinary FastAPI routes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -22,6 +22,7 @@ from services.common.readside import ProjectorReader, ReadSideError, RolloutRead
 from services.gateway import api, bodies, reads
 from services.gateway.auth import Authenticator, TokenSigner
 from services.gateway.budgets import Budgets
+from services.gateway.commands import checked_id, event_id_for, keyed
 from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, translate, unavailable
 from services.gateway.http import decode, encode, read_body
@@ -63,8 +64,8 @@ class _ProxyFirst:
         await self.app(scope, receive, send)
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
-    """The gateway as a FastAPI app; reads go to the projector at `settings.projector_url` when set."""
+def _lifespan(settings: GatewaySettings) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Connect at start (event store, caches, phase gate, upstream client, reader), close at stop."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -106,39 +107,52 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             else:
                 await store.nc.close()
 
+    return lifespan
+
+
+async def _errors(request: Request, exc: Exception) -> Response:
+    error = translate(exc)
+    if error is None:
+        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+    return Response(error.body(), status_code=error.status, media_type="application/json", headers=error.headers)
+
+
+async def _http_errors(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    return Response(
+        encode({"error": str(exc.detail)}),
+        status_code=exc.status_code,
+        media_type="application/json",
+        headers=getattr(exc, "headers", None),
+    )
+
+
+async def _validation(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    field = ".".join(str(p) for p in first.get("loc", ()))
+    return Response(
+        encode({"error": f"{field}: {first.get('msg', 'invalid')}", "field": field}),
+        status_code=422,
+        media_type="application/json",
+    )
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    """The gateway as a FastAPI app; reads go to the projector at `settings.projector_url` when set."""
     app = FastAPI(
-        title="Rollwire gateway", version="1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
+        title="Rollwire gateway",
+        version="1.0",
+        lifespan=_lifespan(settings),
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     app.add_middleware(_ProxyFirst)
-
-    @app.exception_handler(Exception)
-    async def _errors(request: Request, exc: Exception) -> Response:
-        error = translate(exc)
-        if error is None:
-            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
-        return Response(error.body(), status_code=error.status, media_type="application/json", headers=error.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_errors(request: Request, exc: StarletteHTTPException) -> Response:
-        return Response(
-            encode({"error": str(exc.detail)}),
-            status_code=exc.status_code,
-            media_type="application/json",
-            headers=getattr(exc, "headers", None),
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        first = exc.errors()[0] if exc.errors() else {}
-        field = ".".join(str(p) for p in first.get("loc", ()))
-        return Response(
-            encode({"error": f"{field}: {first.get('msg', 'invalid')}", "field": field}),
-            status_code=422,
-            media_type="application/json",
-        )
-
-    for exc_type in (ApiError, ReadSideError):
-        app.add_exception_handler(exc_type, _errors)  # type: ignore[arg-type]
+    for exc_type in (Exception, ApiError, ReadSideError):
+        app.add_exception_handler(exc_type, _errors)
+    app.add_exception_handler(StarletteHTTPException, _http_errors)
+    app.add_exception_handler(RequestValidationError, _validation)
     api.register(app)
     reads.register(app)
     app.add_api_route("/api/phase", set_phase, methods=["POST"])
@@ -171,7 +185,7 @@ async def set_phase(request: Request) -> Response:
     gw.admin(request)
     body = await read_body(request, gw.settings.max_body_bytes)
     phase = decode(body, bodies.PhaseBody)
-    run_id = api._id("run_id", phase.run_id or gw.settings.default_run)
+    run_id = checked_id("run_id", phase.run_id or gw.settings.default_run)
 
     async def command(key: str | None) -> tuple[int, bytes]:
         previous = gw.state.phases.get(run_id)
@@ -181,7 +195,7 @@ async def set_phase(request: Request) -> Response:
             else (previous.weights_version if previous else None)
         )
         event = PhaseChanged(
-            event_id=api._event_id(key, "phase", run_id), run_id=run_id, phase=phase.phase, weights_version=version
+            event_id=event_id_for(key, "phase", run_id), run_id=run_id, phase=phase.phase, weights_version=version
         )
         if phase.phase == "update":
             gw.gate.close(run_id)
@@ -210,4 +224,4 @@ async def set_phase(request: Request) -> Response:
             }
         )
 
-    return await api._keyed(request, "admin", body, command)
+    return await keyed(request, "admin", body, command)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from schemas import Event
-from schemas.rollout import RolloutView
+from schemas.rollout import AttemptView, RolloutView
 from services.common.eventstore import Appended, EventStore, StoredEvent
 from services.common.readside import RolloutReader
 from services.gateway.auth import Admin, AttemptScope, Authenticator, Principal
@@ -60,6 +60,19 @@ class Gateway:
         if view is None:
             raise not_found(f"rollout {rollout_id} does not exist")
         return view
+
+    async def attempt_for(
+        self, principal: Principal, rollout_id: str, attempt_id: str
+    ) -> tuple[RolloutView, AttemptView]:
+        """The rollout and one of its attempts (read again once when the cache does not know it yet; 404 if none)."""
+        view = await self.rollout_for(principal, rollout_id)
+        attempt = view.attempt(attempt_id)
+        if attempt is None:
+            view = await self.rollout_for(principal, rollout_id, refresh=True)
+            attempt = view.attempt(attempt_id)
+            if attempt is None:
+                raise not_found(f"rollout {rollout_id} has no attempt {attempt_id}")
+        return view, attempt
 
     async def append_registry(self, event: Event, expected_last_subject_seq: int | None = None) -> Appended:
         """Append a model, phase or run event and let the registries see it at once."""

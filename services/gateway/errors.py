@@ -60,6 +60,11 @@ def invalid(message: str, field: str | None = None) -> ApiError:
     return ApiError(422, message, field=field)
 
 
+def too_large(limit: int) -> ApiError:
+    """413 naming the limit."""
+    return ApiError(413, f"request body is larger than the limit of {limit} bytes (ROLLWIRE_MAX_BODY_BYTES)")
+
+
 def from_validation(exc: Exception, prefix: str = "") -> ApiError:
     """A 422 from a msgspec or id validation error, with the field path it names."""
     text = str(exc)

@@ -26,7 +26,7 @@ import asyncpg
 import msgspec
 
 from schemas.rollout import AttemptView, RewardView, RolloutView
-from services.projector.fold import Extras, Loaded, Plan, RolloutKey, fold_batch, needs
+from services.projector.fold import CallRow, Extras, Loaded, Plan, RolloutKey, fold_batch, needs
 from services.projector.incoming import Incoming
 
 NOTIFY_CHANNEL = "rollwire_projection"
@@ -54,12 +54,7 @@ _MUTABLE = ("state", *PROMOTED_FIELDS, *EXTRA_COLUMNS)
 ROLLOUT_COLUMNS = ("run_id", "rollout_id", *BULKY_FIELDS, *_MUTABLE)
 
 EVENT_COLUMNS = ("seq", "run_id", "rollout_id", "attempt_id", "type", "event_id", "schema_version", "time", "body")
-MODEL_CALL_COLUMNS = (
-    "seq", "run_id", "rollout_id", "attempt_id", "time", "call_id", "choice_index", "mode", "status", "model",
-    "weights_version", "prompt_ids", "response_ids", "logprobs", "prompt_tokens", "response_tokens", "prompt_text",
-    "response_text", "response_pieces", "finish_reason", "request", "response", "usage", "latency_s", "error",
-    "new_sample", "flags",
-)  # fmt: skip
+MODEL_CALL_COLUMNS = CallRow.__struct_fields__  # one definition: the row Struct the fold builds
 REWARD_COLUMNS = ("seq", "run_id", "rollout_id", "attempt_id", "time", "value", "name", "step", "source")
 CUSTOM_COLUMNS = ("seq", "run_id", "rollout_id", "attempt_id", "time", "name", "payload")
 PHASE_COLUMNS = ("seq", "run_id", "phase", "weights_version", "time")
@@ -314,19 +309,8 @@ def materialize(plan: Plan) -> Plan:
         inserts=inserts,
         updates=updates,
         attempts=[
-            (
-                key[0],
-                key[1],
-                a.attempt_id,
-                idx,
-                a.sequence,
-                a.started_at,
-                a.executor,
-                a.ended,
-                a.reached_running,
-                a.ended_as,
-                a.reason,
-            )
+            (key[0], key[1], a.attempt_id, idx, a.sequence, a.started_at, a.executor, a.ended, a.reached_running,
+             a.ended_as, a.reason)
             for key in sorted(plan.with_attempts & plan.touched)
             for idx, a in enumerate(plan.views[key].attempts)
         ],
@@ -336,36 +320,16 @@ def materialize(plan: Plan) -> Plan:
         ],
         chains=[(*k, v) for k, v in sorted(plan.chains.items())],
         runs=[
-            (
-                run,
-                d.name,
-                d.config,
-                d.started_at,
-                d.started_seq,
-                d.phase,
-                d.weights_version,
-                d.phase_seq,
-                d.events,
-                d.first_seq,
-                d.last_seq,
-                d.last_event_at,
-            )
+            (run, d.name, d.config, d.started_at, d.started_seq, d.phase, d.weights_version, d.phase_seq, d.events,
+             d.first_seq, d.last_seq, d.last_event_at)
             for run, d in sorted(plan.runs.items())
         ],
         models=[
-            (
-                *k,
-                d.base_url,
-                d.served_model,
-                d.weights_version,
-                d.registered_at,
-                d.registered_seq,
-                d.removed_at,
-                d.removed_seq,
-            )
+            (*k, d.base_url, d.served_model, d.weights_version, d.registered_at, d.registered_seq, d.removed_at,
+             d.removed_seq)
             for k, d in sorted(plan.models.items())
         ],
-    )
+    )  # fmt: skip
     return plan
 
 

@@ -8,8 +8,9 @@ import pytest
 
 from schemas.runs import RunSpec
 from services.controller.gateway import AttemptGrant
-from services.controller.reconciler import attempt_env, backend_id, evaluator_env, subjects
+from services.controller.launch import attempt_env, evaluator_env
 from services.controller.settings import SettingsError, parse
+from services.controller.state import backend_id, subjects
 from services.controller.view import Rollout
 
 ENV = {"ROLLWIRE_GATEWAY_URL": "http://gw:8080", "ROLLWIRE_ADMIN_TOKEN": "admin", "ROLLWIRE_DATA_DIR": "/data"}
