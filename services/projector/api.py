@@ -32,7 +32,7 @@ from services.common.readside import RolloutQuery
 from services.projector.reader import PostgresRolloutReader, ProjectionBehind, ReadModelUnavailable
 from services.projector.status import Status
 from services.projector.viewer import bearer_check, mount_viewer
-from services.projector.viewer.app import Authorize, ViewerAuthError
+from services.projector.viewer.app import Authorize, ViewerAuthError, int_param
 
 RETRY_AFTER_S = 2
 _json = msgspec.json.Encoder()
@@ -81,19 +81,6 @@ class MinSeqMiddleware:
         return None
 
 
-def _int(request: Request, name: str, default: int, minimum: int = 0) -> int:
-    raw = request.query_params.get(name)
-    if raw in (None, ""):
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"query parameter {name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"query parameter {name} must be at least {minimum}")
-    return value
-
-
 def _route(authorize: Authorize | None, fetch: Fetch, missing: str) -> Callable[[Request], Awaitable[Response]]:
     """A GET handler: authorize, fetch, answer JSON (404 naming `missing` when the fetch finds nothing)."""
 
@@ -121,13 +108,13 @@ def _query_routes(reader: PostgresRolloutReader) -> list[tuple[str, Fetch, str]]
             statuses=frozenset(params.getlist("status")),
             group_id=params.get("group_id"),
             mode=params.get("mode"),
-            limit=_int(request, "limit", 500, 1),
-            cursor=_int(request, "cursor", 0),
+            limit=int_param(request, "limit", 500, 1),
+            cursor=int_param(request, "cursor", 0),
         )
         return await reader.query(query)
 
     async def terminal(request: Request) -> Any:
-        views, total = await reader.terminal(_int(request, "after", 0), _int(request, "limit", 1000, 1))
+        views, total = await reader.terminal(int_param(request, "after", 0), int_param(request, "limit", 1000, 1))
         return {"views": views, "total": total}
 
     async def events(request: Request) -> Any:
