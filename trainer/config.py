@@ -32,6 +32,7 @@ from typing import Any, Literal, get_args
 
 import msgspec
 
+from schemas.runs import RewardFrom
 from trainer.core import AdapterConfig, AdapterConfigError
 
 Mode = Literal["sync", "async"]
@@ -72,7 +73,11 @@ class DataSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`[agent]`: the harness command the controller runs once per rollout attempt.
 
-    A leading `python` in `command` stands for the Python running the trainer (its virtualenv).
+    A leading `python` in `command` (and `evaluator_command`) stands for the Python running the
+    trainer (its virtualenv). `{config_dir}` in `command`, `evaluator_command` and `env` values is
+    the config file's directory, so a config can name the scripts next to it. `evaluator_command`
+    runs after the agent exited 0, in its workspace, with an evaluator token; with
+    `reward_from = "evaluator"` only the evaluator's reward counts (the gateway refuses the agent's).
     """
 
     command: list[str]
@@ -80,6 +85,8 @@ class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     timeout_s: float = 600.0
     concurrency: int = 32
     max_attempts: int = 1
+    evaluator_command: list[str] | None = None
+    reward_from: RewardFrom = "agent"
 
 
 class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -105,7 +112,7 @@ class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     dtype: Dtype = "float32"
     gradient_checkpointing: bool = False
     lora_rank: int = 0
-    lora_alpha: float = 16.0
+    lora_alpha: int = 16
     lora_target_modules: list[str] = msgspec.field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
@@ -273,33 +280,14 @@ def _allowed_for(key: str) -> tuple[str, ...] | None:
     return _choices(fields.get(name))
 
 
-def _check(config: TrainConfig) -> None:
-    """Range checks msgspec's types cannot express, each naming its key."""
-    _check_run(config)
-    _check_backend(config)
-    _check_algorithm(config)
-    _check_async(config)
-
-
-def need(ok: bool, key: str, what: str) -> None:
-    """A `ConfigError` naming `key` unless `ok`."""
+def _need(ok: bool, key: str, what: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {what}")
 
 
-def _check_run(config: TrainConfig) -> None:
-    need(config.run.steps >= 1, "run.steps", "must be at least 1")
-    need(config.run.keep_weights >= 0, "run.keep_weights", "must be >= 0 (0 keeps every version)")
-    need(bool(config.run.name) and "/" not in config.run.name, "run.name", "must be a non-empty id without '/'")
-    need(config.data.tasks_per_step >= 1, "data.tasks_per_step", "must be at least 1")
-    need(config.data.rollouts_per_task >= 1, "data.rollouts_per_task", "must be at least 1")
-    need(bool(config.agent.command), "agent.command", "must name the program to run, as a list of strings")
-    need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
-    need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
-    need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
-
-
-def _check_backend(config: TrainConfig) -> None:
+def _check_backend_and_engine(config: TrainConfig) -> None:
+    """`[backend]` and `[engine]` checks, each naming its key."""
+    need = _need
     backend = config.backend
     need(
         backend.kind != "verl" or importlib.util.find_spec("verl") is not None,
@@ -324,17 +312,43 @@ def _check_backend(config: TrainConfig) -> None:
     engine = config.engine
     need(engine.replicas >= 1, "engine.replicas", "must be at least 1")
     need(0.0 < engine.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization", "must be in (0, 1]")
-    need(
-        engine.kind == "vllm" or not engine.urls, "engine.urls", "attaches to vLLM servers: set engine.kind = \"vllm\""
-    )
+    need(engine.kind == "vllm" or not engine.urls, "engine.urls", 'attaches to vLLM servers: set engine.kind = "vllm"')
     need(
         engine.kind == "vllm" or len(set(backend.lora_adapters.values())) <= 1,
         "backend.lora_adapters",
-        "several adapters are served by vLLM only: set engine.kind = \"vllm\"",
+        'several adapters are served by vLLM only: set engine.kind = "vllm"',
     )
 
 
-def _check_algorithm(config: TrainConfig) -> None:
+def _check_run_and_agent(config: TrainConfig) -> None:
+    """`[run]`, `[data]` and `[agent]` checks, each naming its key."""
+    need = _need
+    need(config.run.steps >= 1, "run.steps", "must be at least 1")
+    need(config.run.keep_weights >= 0, "run.keep_weights", "must be >= 0 (0 keeps every version)")
+    need(bool(config.run.name) and "/" not in config.run.name, "run.name", "must be a non-empty id without '/'")
+    need(config.data.tasks_per_step >= 1, "data.tasks_per_step", "must be at least 1")
+    need(config.data.rollouts_per_task >= 1, "data.rollouts_per_task", "must be at least 1")
+    need(bool(config.agent.command), "agent.command", "must name the program to run, as a list of strings")
+    need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
+    need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
+    need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
+    need(
+        config.agent.evaluator_command is None or bool(config.agent.evaluator_command),
+        "agent.evaluator_command",
+        "must name the program to run, as a list of strings, or be left out",
+    )
+    need(
+        config.agent.reward_from == "agent" or bool(config.agent.evaluator_command),
+        "agent.reward_from",
+        "is 'evaluator' but agent.evaluator_command is not set",
+    )
+
+
+def _check(config: TrainConfig) -> None:
+    """Range checks msgspec's types cannot express, each naming its key."""
+    need = _need
+    _check_run_and_agent(config)
+    _check_backend_and_engine(config)
     algo = config.algorithm
     need(algo.lr > 0, "algorithm.lr", "must be positive")
     need(algo.weight_decay >= 0, "algorithm.weight_decay", "must be >= 0")
@@ -351,9 +365,6 @@ def _check_algorithm(config: TrainConfig) -> None:
         AdapterConfig.from_mapping(algo.adapter)
     except AdapterConfigError as exc:
         raise ConfigError(f"algorithm.adapter: {exc}") from None
-
-
-def _check_async(config: TrainConfig) -> None:
     groups = config.data.tasks_per_step
     need(
         config.async_.min_groups is None or 1 <= config.async_.min_groups <= config.max_groups_in_flight(),
@@ -373,6 +384,27 @@ def _resolve(base: Path, value: str) -> str:
     return str(path if path.is_absolute() else (base / path))
 
 
+CONFIG_DIR = "{config_dir}"
+
+
+def _agent_commands(agent: AgentSection, base_dir: Path | None) -> AgentSection:
+    """`python` as this interpreter and `{config_dir}` as the config's directory in the agent's settings."""
+    where = str(base_dir.resolve()) if base_dir is not None else "."
+
+    def command(argv: list[str] | None) -> list[str] | None:
+        if argv is None:
+            return None
+        argv = [part.replace(CONFIG_DIR, where) for part in argv]
+        return [sys.executable, *argv[1:]] if argv[0] == "python" else argv
+
+    return msgspec.structs.replace(
+        agent,
+        command=command(agent.command) or [],
+        evaluator_command=command(agent.evaluator_command),
+        env={key: value.replace(CONFIG_DIR, where) for key, value in agent.env.items()},
+    )
+
+
 def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None) -> TrainConfig:
     """A checked `TrainConfig` from plain data (a parsed TOML document); paths resolved against `base_dir`."""
     try:
@@ -380,9 +412,7 @@ def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None
     except msgspec.ValidationError as exc:
         raise _decode_error(exc) from None
     _check(config)
-    if config.agent.command[0] == "python":
-        command = [sys.executable, *config.agent.command[1:]]
-        config = msgspec.structs.replace(config, agent=msgspec.structs.replace(config.agent, command=command))
+    config = msgspec.structs.replace(config, agent=_agent_commands(config.agent, base_dir))
     if base_dir is not None:
         config = msgspec.structs.replace(
             config,

@@ -195,6 +195,8 @@ class Trainer:
             timeout_s=agent.timeout_s,
             max_attempts=agent.max_attempts,
             env=dict(agent.env),
+            evaluator_command=list(agent.evaluator_command) if agent.evaluator_command else None,
+            reward_from=agent.reward_from,
         )
         return msgspec.to_builtins(spec)  # type: ignore[no-any-return]
 

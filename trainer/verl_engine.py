@@ -57,7 +57,7 @@ def build_engine(
         enable_gradient_checkpointing=settings.gradient_checkpointing and not forward_only,
         override_config={"attn_implementation": "sdpa" if on_cpu else _gpu_attention()},
         lora_rank=0 if forward_only else settings.lora_rank,
-        lora_alpha=int(settings.lora_alpha),
+        lora_alpha=settings.lora_alpha,
         target_modules=list(settings.lora_target_modules),
     )
     engine_config = FSDPEngineConfig(
@@ -169,7 +169,8 @@ def load_full_state(engine: Any, tensors: dict[str, torch.Tensor], *, adapter: s
 
     if adapter is not None:
         tensors = {re.sub(r"\.(lora_[AB])\.weight$", rf".\1.{adapter}.weight", k): v for k, v in tensors.items()}
-    set_model_state_dict(engine.module, tensors, options=StateDictOptions(full_state_dict=True, strict=False))
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(engine.module, dict[str, Any](tensors), options=options)
 
 
 def optimizer_state(engine: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ no Postgres on the way) and for a gateway run without a projector.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Protocol
 from urllib.parse import quote
 
@@ -202,6 +203,14 @@ class ProjectorReader:
                 body = {"error": response.text[:500]}
             raise ReadSideError(response.status_code, body if isinstance(body, dict) else {"error": str(body)})
         return response
+
+    async def ping(self, timeout_s: float = 1.0) -> None:
+        """Raise `ReadSideError` unless the projector answers a query (its Postgres included) within `timeout_s`."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.request("/query/position")
+        except TimeoutError:
+            raise ReadSideError(503, {"error": f"the projector did not answer within {timeout_s:g}s"}) from None
 
     async def wait_for(self, min_seq: int) -> None:
         """Return once the projection has applied `min_seq` (the projector waits; `ReadSideError` 503 if not)."""

@@ -54,6 +54,8 @@ import time
 from collections import Counter
 from typing import Any
 
+import nats.errors
+
 from schemas import RunStarted
 from schemas.rollout import fold
 from schemas.runs import RunSpec
@@ -82,6 +84,15 @@ from services.controller.state import backend_id
 from services.controller.view import Rollout, compact, spec_from_event
 
 log = logging.getLogger("rollwire.controller")
+TEMPORARY_ERRORS: tuple[type[Exception], ...] = (
+    GatewayUnavailable,
+    TemporaryBackendError,
+    EventStoreError,
+    nats.errors.Error,
+    ConnectionError,
+    TimeoutError,
+)
+"""Failures retried with backoff; those of an outage (all but the backend's) are logged once per outage."""
 
 CONFLICT_BACKOFF = Backoff(initial=0.1, maximum=30.0)
 """Delay before looking again at a rollout whose command the gateway refused as a conflict."""
@@ -189,11 +200,12 @@ class Controller(Launcher):
                 async for stored in self.store.subscribe(
                     self.filters, durable=self.settings.durable, after_seq=self.high_seq
                 ):
+                    self._stream_outage.ok()
                     self._apply(stored)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("event subscription failed (%r); resubscribing in 1s", exc, exc_info=True)
+                self._stream_outage.failed(exc, "following events; resubscribing every second")
                 await asyncio.sleep(1.0)
 
     async def _drop_stale_durable(self) -> None:
@@ -388,6 +400,7 @@ class Controller(Launcher):
         try:
             await coro
             self._failures.pop(key, None)
+            self._gateway_outage.ok()
         except GatewayConflict as exc:
             log.info("rollout %s moved on (%s); re-reading it", key.rollout_id, exc)
             await self._safe_refresh(key)
@@ -400,10 +413,13 @@ class Controller(Launcher):
             else:
                 log.error("gateway refused a command for rollout %s: %s", key.rollout_id, exc)
                 self._retry_later(key, 60.0)
-        except (GatewayUnavailable, TemporaryBackendError, EventStoreError) as exc:
+        except TEMPORARY_ERRORS as exc:
             delay = getattr(exc, "retry_after", None) or UNAVAILABLE_BACKOFF.delay(self._failures[key])
             self._failures[key] += 1
-            log.warning("rollout %s: %s; retrying in %.1fs", key.rollout_id, exc, delay)
+            if isinstance(exc, TemporaryBackendError):
+                log.warning("rollout %s: %s; retrying in %.1fs", key.rollout_id, exc, delay)
+            else:  # an outage: one line for all rollouts, not one traceback each
+                self._gateway_outage.failed(exc, f"rollouts are retried with backoff, first in {delay:.1f}s")
             self._retry_later(key, delay)
         except PermanentBackendError as exc:
             log.error("rollout %s: %s", key.rollout_id, exc)

@@ -16,6 +16,7 @@ from schemas.ids import ROLLOUT_ATTEMPT, ROLLOUT_CREATED, ROLLOUT_STATUS, RUN_SU
 from schemas.rollout import fold
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStore
+from services.common.outage import Outage
 from services.controller.backends.base import (
     ExecutionBackend,
     ExecutionKey,
@@ -86,6 +87,8 @@ class ControllerState:
         self._awaiting: dict[RolloutKey, tuple[int, float]] = {}
         self._retry_at: dict[RolloutKey, float] = {}
         self._failures: Counter[RolloutKey] = Counter()
+        self._stream_outage = Outage(log, "the event stream (NATS)")
+        self._gateway_outage = Outage(log, "the gateway or the event stream")
         self._startable: dict[str, dict[RolloutKey, None]] = {}
         self._starting: Counter[str] = Counter()
         self._starting_backend: Counter[str] = Counter()

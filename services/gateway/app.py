@@ -15,21 +15,26 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from schemas import PhaseChanged
 from services.common.eventstore import EventStore, StoredEvent
-from services.common.readside import ProjectorReader, ReadSideError, RolloutReader, StreamRolloutReader
+from services.common.readside import ProjectorReader, RolloutReader, StreamRolloutReader
 from services.gateway import api, bodies, reads
 from services.gateway.auth import Authenticator, TokenSigner
 from services.gateway.budgets import Budgets
 from services.gateway.commands import checked_id, event_id_for, keyed
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, translate, unavailable
+from services.gateway.errors import CLIENT_ERRORS, ApiError, internal, translate, unavailable
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import IdempotencyCache
 from services.gateway.openapi import openapi_document
+from services.gateway.payload import announce
 from services.gateway.phase import PhaseGate
+from services.gateway.phasesync import PhaseSync
 from services.gateway.proxy import PREFIX, Proxy
+from services.gateway.reaper import CallReaper
+from services.gateway.recording import CallChains
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
 from services.gateway.upstream import UpstreamClient
@@ -64,8 +69,15 @@ class _ProxyFirst:
         await self.app(scope, receive, send)
 
 
+def _reader(settings: GatewaySettings, store: EventStore) -> RolloutReader:
+    """Where reads are answered: the projector's query API, else a fold of the stream."""
+    if settings.projector_url:
+        return ProjectorReader(settings.projector_url, token=settings.admin_token)
+    return StreamRolloutReader(store)
+
+
 def _lifespan(settings: GatewaySettings) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
-    """Connect at start (event store, caches, phase gate, upstream client, reader), close at stop."""
+    """Connect at start (event store, caches, phase gate and sync, reaper, upstream client, reader), close at stop."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -76,11 +88,7 @@ def _lifespan(settings: GatewaySettings) -> Callable[[FastAPI], AbstractAsyncCon
         upstream = UpstreamClient(
             read_timeout_s=settings.upstream_timeout_s, connect_timeout_s=settings.upstream_connect_timeout_s
         )
-        reader: RolloutReader = (
-            ProjectorReader(settings.projector_url, token=settings.admin_token)
-            if settings.projector_url
-            else StreamRolloutReader(store)
-        )
+        reader = _reader(settings, store)
         gateway = Gateway(
             settings=settings,
             store=store,
@@ -91,13 +99,23 @@ def _lifespan(settings: GatewaySettings) -> Callable[[FastAPI], AbstractAsyncCon
             gate=gate,
             upstream=upstream,
             budgets=Budgets(store, settings.budget_cache_bytes),
+            chains=CallChains(settings.chain_cache_bytes, compact=settings.record_format == "compact"),
+            reaper=CallReaper(store, interval_s=settings.reaper_interval_s),
         )
+        announce(store.max_payload)
         await state.start()
+        assert gateway.reaper is not None
+        await gateway.reaper.start()
+        gateway.phases = PhaseSync(store, gate, gateway.reaper.instance, gateway.reaper.alive)
+        await gateway.phases.start(settings.drain_timeout_s)
+        await gateway.idempotency.share(store.js)
         app.state.gateway = gateway
         app.state.proxy = Proxy(gateway)
         try:
             yield
         finally:
+            await gateway.phases.stop()
+            await gateway.reaper.stop()
             await state.stop()
             await upstream.close()
             if isinstance(reader, ProjectorReader):
@@ -113,17 +131,20 @@ def _lifespan(settings: GatewaySettings) -> Callable[[FastAPI], AbstractAsyncCon
 async def _errors(request: Request, exc: Exception) -> Response:
     error = translate(exc)
     if error is None:
-        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+        error = internal(exc)
     return Response(error.body(), status_code=error.status, media_type="application/json", headers=error.headers)
 
 
 async def _http_errors(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
+    headers = dict(getattr(exc, "headers", None) or {})
+    if exc.status_code == 405:  # every method this path serves, not only the first route's
+        headers["Allow"] = ", ".join(_allowed(request.app, request.scope))
     return Response(
         encode({"error": str(exc.detail)}),
         status_code=exc.status_code,
         media_type="application/json",
-        headers=getattr(exc, "headers", None),
+        headers=headers or None,
     )
 
 
@@ -149,7 +170,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         redoc_url=None,
     )
     app.add_middleware(_ProxyFirst)
-    for exc_type in (Exception, ApiError, ReadSideError):
+    app.state.read_side = bool(settings.projector_url)  # the OpenAPI document then lists `min_seq` on every GET
+    # Handled by type (not only as `Exception`, whose handler Starlette runs and then re-raises
+    # into the server's log): a client's error is an answer, not a traceback.
+    handled: tuple[type[Exception], ...] = (Exception, *CLIENT_ERRORS)
+    for exc_type in handled:
         app.add_exception_handler(exc_type, _errors)
     app.add_exception_handler(StarletteHTTPException, _http_errors)
     app.add_exception_handler(RequestValidationError, _validation)
@@ -169,6 +194,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     return app
 
 
+def _allowed(app: FastAPI, scope: Any) -> list[str]:
+    """The methods the routes matching this request's path serve."""
+    matched = next((r for r in app.routes if r.matches({**scope, "method": "GET"})[0] != Match.NONE), None)
+    path = getattr(matched, "path", None)
+    methods: set[str] = set()
+    for route in app.routes:
+        if path is not None and getattr(route, "path", None) == path:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
+
+
 def _follow_phase(gate: PhaseGate, stored: StoredEvent) -> None:
     """Phase events written by anyone (or replayed at start) open or close the run's gate."""
     event = stored.event
@@ -177,6 +213,14 @@ def _follow_phase(gate: PhaseGate, stored: StoredEvent) -> None:
             gate.close(event.run_id)
         else:
             gate.release(event.run_id)
+
+
+async def _drain_everywhere(gw: Gateway, run_id: str) -> set[str]:
+    """Close the run's gate on every gateway replica and wait for their calls; the ones still busy."""
+    timeout = gw.settings.drain_timeout_s
+    if gw.phases is not None:
+        return await gw.phases.close_all(run_id, timeout)
+    return set() if await gw.gate.drain(run_id, timeout) else {"this gateway"}
 
 
 async def set_phase(request: Request) -> Response:
@@ -199,21 +243,27 @@ async def set_phase(request: Request) -> Response:
         )
         if phase.phase == "update":
             gw.gate.close(run_id)
-            if not await gw.gate.drain(run_id, gw.settings.drain_timeout_s):
+            busy = await _drain_everywhere(gw, run_id)
+            if busy:
                 raise ApiError(
                     504,
                     f"calls of run {run_id} were still in flight after "
                     f"{gw.settings.drain_timeout_s:g}s; new calls stay held",
                     in_flight=gw.gate.in_flight(run_id),
+                    gateways=sorted(busy),
                 )
             try:
                 ack = await gw.append_registry(event)
             except Exception:
                 gw.gate.release(run_id)
+                if gw.phases is not None:
+                    await gw.phases.open_all(run_id)
                 raise
         else:
             ack = await gw.append_registry(event)
             gw.gate.release(run_id)
+            if gw.phases is not None:
+                await gw.phases.open_all(run_id)
         return 200, encode(
             {
                 "run_id": run_id,

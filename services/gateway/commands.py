@@ -14,6 +14,7 @@ from schemas import (
     check_id,
     new_id,
 )
+from schemas.bounds import JSON_INT_MAX
 from schemas.rollout import RolloutView
 from services.common.readside import StreamRolloutReader
 from services.gateway.context import Gateway
@@ -78,6 +79,6 @@ def int_param(request: Request, name: str, default: int, minimum: int = 0) -> in
         value = int(raw)
     except ValueError:
         raise invalid(f"query parameter {name}={raw!r} is not an integer", name) from None
-    if value < minimum:
-        raise invalid(f"query parameter {name} must be at least {minimum}", name)
+    if not minimum <= value <= JSON_INT_MAX:
+        raise invalid(f"query parameter {name} must be between {minimum} and {JSON_INT_MAX}", name)
     return value

@@ -64,21 +64,18 @@ def _count(request: dict[str, Any], name: str, default: int = 1) -> int:
 
 
 def check_call(request: dict[str, Any], limits: CallLimits) -> None:
-    """Refuse (ProxyRefusal, 400) a chat-completions request over the run's per-call limits."""
+    """Refuse (ProxyRefusal, 400) a chat-completions request over the run's per-call limits.
+
+    `max_tokens` over the limit is not refused but lowered (`clamp_max_tokens`): harnesses send a
+    fixed ceiling of their own (Claude Code asks for 64,000 on every call) that the engine caps anyway."""
     n = _count(request, "n")
     if not 1 <= n <= limits.max_n:
         raise ProxyRefusal(
             400, f"n={n} is outside 1..{limits.max_n}, this run's limit", kind="invalid_request_error", param="n"
         )
     for name in ("max_tokens", "max_completion_tokens"):
-        tokens = _count(request, name, 1)
-        if not 1 <= tokens <= limits.max_tokens:
-            raise ProxyRefusal(
-                400,
-                f"{name}={tokens} is outside 1..{limits.max_tokens}, this run's limit",
-                kind="invalid_request_error",
-                param=name,
-            )
+        if _count(request, name, 1) < 1:
+            raise ProxyRefusal(400, f"{name} must be at least 1", kind="invalid_request_error", param=name)
     for name, limit in (("messages", limits.max_messages), ("tools", limits.max_tools)):
         items = request.get(name)
         if items is not None and not isinstance(items, list):
@@ -90,3 +87,16 @@ def check_call(request: dict[str, Any], limits: CallLimits) -> None:
                 kind="invalid_request_error",
                 param=name,
             )
+
+
+def clamp_max_tokens(payload: bytes, request: dict[str, Any], limits: CallLimits) -> tuple[bytes, dict[str, Any]]:
+    """(payload, request) with `max_tokens` / `max_completion_tokens` lowered to the run's limit;
+    the same objects when nothing is over it (the common case costs no re-encoding)."""
+    over = [
+        name for name in ("max_tokens", "max_completion_tokens") if _count(request, name, 1) > limits.max_tokens
+    ]
+    if not over:
+        return payload, request
+    body = msgspec.json.decode(payload)
+    lowered = {name: limits.max_tokens for name in over}
+    return msgspec.json.encode({**body, **lowered}), {**request, **lowered}

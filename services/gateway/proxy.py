@@ -18,7 +18,6 @@ records and answers. Every refusal is written in the API's own error shape.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,17 +29,17 @@ from schemas.rollout import RolloutView
 from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_json
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, forbidden, not_found, translate, unauthorized, unavailable
+from services.gateway.errors import ApiError, forbidden, internal, not_found, translate, unauthorized, unavailable
 from services.gateway.frontends import chat, messages, responses
-from services.gateway.frontends.base import Api, error_body
+from services.gateway.frontends.base import Api, Translator, error_body
 from services.gateway.frontends.canonical import Conversation, TranslationError, Turn, history
 from services.gateway.openai_format import prepare_request
 from services.gateway.pipeline import Call, Pipeline
+from services.gateway.routing import sticky
 from services.gateway.state import ModelEntry
 from services.gateway.upstream import UpstreamError
 
 PREFIX = "/proxy/rollout/"
-APIS = ("openai", "anthropic")
 SERVED = (
     "this proxy serves OpenAI's API under .../openai/v1/ (POST chat/completions, POST responses, GET models) "
     "and Anthropic's Messages API under .../anthropic/ (POST v1/messages, POST v1/messages/count_tokens, "
@@ -118,11 +117,9 @@ class Proxy:
                 raise exc
             return
         if error is None:
-            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+            error = internal(exc)  # logged there with a reference; the body says nothing internal
         body = error_body(_api_of(scope["path"]), error.status, error.message, **error.extra)
         await send_json(send, error.status, body, error.headers)
-        if error.status == 500:
-            raise exc
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -176,10 +173,8 @@ class Proxy:
         models = self.models(view)
         requested = self.gw.state.model_alias(view.run_id, requested)
         matching = [m for m in models if requested in (m.name, m.served_model)]
-        pool = sorted(matching or models, key=lambda m: m.name)
-        # A rollout sticks to one endpoint (its prefix cache), spread by a hash of its id.
-        digest = hashlib.blake2b(view.rollout_id.encode(), digest_size=8).digest()
-        return pool[int.from_bytes(digest, "big") % len(pool)]
+        # A rollout sticks to one endpoint (its prefix cache), the same through every gateway.
+        return sticky(view.rollout_id, matching or models)
 
     async def json_body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
         """The request body as a JSON object (413 too large, 422 not an object)."""
@@ -220,7 +215,7 @@ class Proxy:
         route: Route,
         conv: Conversation,
         api: str,
-        translator_for: Any,
+        translator_for: Callable[[str, str], Translator],
         receive: Receive,
         send: Send,
     ) -> None:
@@ -358,5 +353,4 @@ ROUTES: dict[tuple[str, str, str], Handler] = {
     ("anthropic", "POST", "v1/messages/count_tokens"): _count_tokens,
     ("anthropic", "GET", "v1/models"): _anthropic_models,
     ("anthropic", "HEAD", ""): _head,
-    ("anthropic", "GET", ""): _head,
 }

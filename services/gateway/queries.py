@@ -4,7 +4,7 @@ API, or the stream fold), after the caller's read permission is checked here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 from fastapi import Request, Response
@@ -13,6 +13,7 @@ from schemas import (
     AttemptStarted,
     CustomEvent,
     RewardReported,
+    RolloutStatus,
     RolloutStatusChanged,
 )
 from schemas.rollout import RolloutView
@@ -24,7 +25,7 @@ from services.gateway.commands import (
     int_param,
 )
 from services.gateway.context import Gateway
-from services.gateway.errors import forbidden, not_found
+from services.gateway.errors import forbidden, invalid, not_found
 from services.gateway.http import json_response
 from services.gateway.views import event_json, rollout_detail_json, rollout_json, triplet_json
 
@@ -82,9 +83,10 @@ async def list_rollouts(request: Request) -> Response:
     params = request.query_params
     statuses = set(params.getlist("state_in")) | set(params.getlist("status"))
     statuses = {s for raw in statuses for s in raw.split(",") if s}
+    _check_query(statuses, params.get("mode"))
     run_id = params.get("run_id")
     query = RolloutQuery(
-        run_id=checked_id("run_id", run_id) if run_id else None,
+        run_id=checked_id("run_id", run_id) if run_id is not None else None,
         statuses=frozenset(statuses),
         group_id=params.get("group_id"),
         mode=params.get("mode"),
@@ -94,6 +96,16 @@ async def list_rollouts(request: Request) -> Response:
     views = await gw.reader.query(query)
     headers = {"x-next-cursor": str(views[-1].created_seq)} if views else {}
     return json_response([rollout_json(v) for v in views], headers=headers)
+
+
+def _check_query(statuses: set[str], mode: str | None) -> None:
+    """422 for a status or mode that does not exist (a typo would otherwise list nothing, silently)."""
+    unknown = sorted(statuses - set(get_args(RolloutStatus)))
+    if unknown:
+        allowed = ", ".join(get_args(RolloutStatus))
+        raise invalid(f"unknown status {', '.join(unknown)}; allowed: {allowed}", "state_in")
+    if mode is not None and mode not in ("train", "val"):
+        raise invalid(f"mode={mode!r}: allowed values are train and val", "mode")
 
 
 async def terminal_rollouts(request: Request) -> Response:
@@ -182,7 +194,18 @@ async def get_run(request: Request, run_id: str) -> Response:
 
 
 async def healthz(request: Request) -> Response:
-    """`GET /healthz`: 200 when NATS is connected, else 503 (`degraded`), so probes and orchestrators act on it."""
+    """`GET /healthz`: 200 when NATS is connected and (with a projector) reads are answered, else 503
+    (`degraded`), so probes and orchestrators act on it within a second."""
     gw = gateway_of(request)
     connected = gw.store.nc.is_connected
-    return json_response({"status": "ok" if connected else "degraded", "nats": connected}, 200 if connected else 503)
+    body: dict[str, Any] = {"nats": connected}
+    ping = getattr(gw.reader, "ping", None)  # the projector's reader: can reads be answered?
+    healthy = connected
+    if ping is not None:
+        try:
+            await ping(1.0)
+            body["reads"] = True
+        except Exception:
+            body["reads"] = healthy = False
+    body["status"] = "ok" if healthy else "degraded"
+    return json_response(body, 200 if healthy else 503)

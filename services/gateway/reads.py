@@ -22,6 +22,7 @@ from urllib.parse import parse_qs
 from fastapi import FastAPI, Request, Response
 
 from services.common.readside import ProjectorReader, ReadSideError
+from services.gateway.commands import checked_id
 from services.gateway.errors import ApiError, translate
 
 _FORWARDED_HEADERS = ("content-type", "cache-control", "etag", "last-modified", "location", "retry-after")
@@ -66,6 +67,8 @@ async def forward(request: Request) -> Response:
     path = request.url.path
     if path.startswith("/api/") or path.startswith("/ui/api/"):
         gw.admin(request)
+    if "run_id" in request.path_params:  # bad input stops here, named as the gateway names it
+        checked_id("run_id", request.path_params["run_id"])
     if not isinstance(gw.reader, ProjectorReader):
         raise ApiError(404, f"{path} is served by the projector; set ROLLWIRE_PROJECTOR_URL on the gateway")
     answer = await gw.reader.forward(path, request.scope.get("query_string", b""))

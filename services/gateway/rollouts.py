@@ -89,6 +89,8 @@ async def _create(gw: Gateway, items: list[bodies.NewRollout], key: str | None) 
 
 async def _prepare(gw: Gateway, index: int, item: bodies.NewRollout, key: str | None) -> Prepared:
     """The events that create one rollout of a batch, or the rollout when it exists already."""
+    if item.input is None:
+        raise invalid("a rollout needs an input (not null)", f"rollouts[{index}].input")
     run_id = checked_id(f"rollouts[{index}].run_id", item.run_id or gw.settings.default_run)
     # A key names its rollouts forever (not only within JetStream's duplicate window or this
     # process's cache): a create whose rollout already exists answers it and appends nothing.

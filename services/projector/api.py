@@ -28,6 +28,7 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 
 from schemas import InvalidId
+from schemas.bounds import JSON_INT_MAX
 from services.common.readside import RolloutQuery
 from services.projector.reader import PostgresRolloutReader, ProjectionBehind, ReadModelUnavailable
 from services.projector.status import Status
@@ -72,6 +73,8 @@ class MinSeqMiddleware:
             wanted = int(raw)
         except ValueError:
             return _error(422, f"query parameter min_seq={raw!r} is not an integer", field="min_seq")
+        if not 0 <= wanted <= JSON_INT_MAX:  # a stream sequence: what a bigint and every JSON reader hold
+            return _error(422, f"query parameter min_seq must be between 0 and {JSON_INT_MAX}", field="min_seq")
         try:
             await self.reader.wait_for(wanted, self.timeout_s)
         except ProjectionBehind as behind:
@@ -88,6 +91,8 @@ def _route(authorize: Authorize | None, fetch: Fetch, missing: str) -> Callable[
         if authorize is not None:
             authorize(request)
         data = await fetch(request)
+        if isinstance(data, Response):  # a refusal the fetch made itself
+            return data
         if data is None:
             return _error(404, missing.format(**request.path_params))
         return Response(_json.encode(data), media_type="application/json")
@@ -129,7 +134,9 @@ def _query_routes(reader: PostgresRolloutReader) -> list[tuple[str, Fetch, str]]
     async def run_list(request: Request) -> Any:
         """`GET /api/runs?limit=`: every run's summary, from the projection."""
         limit = request.query_params.get("limit", "200")
-        summaries = await reader.summaries(int(limit) if limit.isdigit() else 200)
+        if not limit.isdigit() or not 1 <= int(limit) <= JSON_INT_MAX:
+            return _error(422, f"query parameter limit={limit!r} is not an integer in 1..{JSON_INT_MAX}", field="limit")
+        summaries = await reader.summaries(int(limit))
         return {"runs": msgspec.to_builtins(summaries), "applied_seq": await reader.applied_seq()}
 
     async def run_summary(request: Request) -> Any:

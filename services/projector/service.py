@@ -41,6 +41,7 @@ from services.projector.backlog import Backlog
 from services.projector.incoming import Incoming, prepare
 from services.projector.migrate import MigrationError, migrate
 from services.projector.packing import PromptCache
+from services.projector.refs import RefCache
 from services.projector.status import Status
 from services.projector.tokens import Detokenizer
 
@@ -104,6 +105,7 @@ class Projector:
         self.detok = detok if detok is not None else Detokenizer.from_specs(settings.tokenizers)
         self.status = Status(settings.stream)
         self.prompts = PromptCache()
+        self.refs = RefCache()
         self.store: EventStore | None = None
         self.conn: asyncpg.Connection | None = None
         self.reading: asyncpg.Connection | None = None  # folds the next batch while one commits
@@ -278,7 +280,9 @@ class Projector:
             idle = False
             if not msgs:
                 continue
-            items = prepare(msgs, self.detok, self.prompts)
+            if self.store is not None:
+                await self.refs.prime(self.store, msgs)
+            items = prepare(msgs, self.detok, self.prompts, self.refs)
             self.status.fetched(items[-1].seq, items[0].stream_time)
             await queue.put((items, msgs[-1]), sum(len(msg.data) for msg in msgs))
 
@@ -447,18 +451,23 @@ class Projector:
     # ---- metrics ----------------------------------------------------------------------------
 
     async def _refresh_loop(self) -> None:
-        """Every second: read the stream's last sequence and compute the lag in seconds."""
+        """Twice a second: read the stream's last sequence and compute the lag; NATS down shows within 1 s."""
         assert self.store is not None
         js = self.store.js
         while True:
+            if not self.store.nc.is_connected:  # flips as soon as the connection drops
+                self.status.nats_up = False
+                await asyncio.sleep(0.25)
+                continue
             try:
-                info = await js.stream_info(self.settings.stream)
+                async with asyncio.timeout(1.0):
+                    info = await js.stream_info(self.settings.stream)
                 self.status.stream_seq = int(info.state.last_seq)
                 self.status.nats_up = True
                 self.status.lag_seconds = await self._lag_seconds(js)
             except (TimeoutError, nats.errors.Error, OSError, EventStoreUnavailable):
                 self.status.nats_up = False
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.5)
 
     async def _lag_seconds(self, js: Any) -> float:
         if self.status.lag_events == 0:

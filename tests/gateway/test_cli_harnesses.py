@@ -71,6 +71,9 @@ def test_claude_code_headless_turn_with_a_tool_call(
     gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str, tmp_path: Path
 ) -> None:
     claude = _installed("claude")
+    # Claude Code asks for up to 64,000 tokens a turn, above the default per-call limit
+    spec = {"run_id": run_id, "limits": {"max_tokens": 64_000}}
+    assert gateway.admin.post("/api/runs", json=spec).status_code == 201
     rollout, attempt = gateway.running(run_id, fake_vllm.url)
     fake_vllm.tool_script = {"Bash": f'{{"command": "echo {MARKER}", "description": "say it"}}'}
     fake_vllm.answer_tokens = 6

@@ -325,3 +325,25 @@ def test_a_run_maps_a_harness_model_name_by_alias(gateway: GatewayHandle, fake_v
     for name in ("claude-sonnet-4-5", "fake", "judge"):
         claude.messages.create(model=name, max_tokens=1, messages=[{"role": "user", "content": "hi"}])
     assert [r["model"] for r in fake_vllm.requests] == ["judge-model", "policy-model", "judge-model"]
+
+
+def test_refusals_of_an_ended_attempt_and_a_large_body_in_each_shape(
+    gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str
+) -> None:
+    rollout, attempt = gateway.running(run_id, fake_vllm.url)
+    oai, claude = _clients(attempt)
+    huge = "x" * (gateway.settings.max_body_bytes + 1)
+    with pytest.raises(openai.APIStatusError, match="larger than the limit") as big:
+        oai.responses.create(model="fake", input=huge)
+    assert big.value.status_code == 413 and big.value.body["type"] == "request_too_large"  # type: ignore[index]
+    with pytest.raises(anthropic.APIStatusError, match="larger than the limit") as big_claude:
+        claude.messages.create(model="fake", max_tokens=1, messages=[{"role": "user", "content": huge}])
+    assert big_claude.value.status_code == 413 and big_claude.value.body["error"]["type"] == "request_too_large"  # type: ignore[index]
+    for status in ("running", "succeeded"):
+        gateway.admin.patch(f"/api/rollouts/{rollout['rollout_id']}", json={"status": status})
+    with pytest.raises(openai.ConflictError, match="has ended") as ended:
+        oai.responses.create(model="fake", input="hi")
+    assert ended.value.body["current"]["status"] == "succeeded"  # type: ignore[index]
+    with pytest.raises(anthropic.ConflictError, match="has ended"):
+        claude.messages.create(model="fake", max_tokens=1, messages=[{"role": "user", "content": "hi"}])
+    assert fake_vllm.started == 0

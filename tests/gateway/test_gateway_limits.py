@@ -46,8 +46,7 @@ def test_n_and_sizes_bounded_by_the_run(gateway: GatewayHandle, fake_vllm: FakeV
     refused: list[tuple[dict[str, Any], str]] = [
         ({"n": 1000}, "n"),
         ({"n": 0}, "n"),
-        ({"max_tokens": 100_000}, "max_tokens"),
-        ({"max_completion_tokens": 65}, "max_completion_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
         ({"tools": [tool, tool]}, "tools"),
         ({"messages": MESSAGES * 4}, "messages"),
     ]
@@ -62,6 +61,11 @@ def test_n_and_sizes_bounded_by_the_run(gateway: GatewayHandle, fake_vllm: FakeV
     answer = client.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=4, n=4)
     assert len(answer.choices) == 4
     assert len(_events(gateway, rollout["rollout_id"], "model_request")) == 4
+    # a harness's own fixed ceiling (Claude Code sends 64,000) is lowered to the run's limit, not refused
+    client.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=100_000)
+    assert fake_vllm.requests[-1]["max_tokens"] == 64
+    events = _events(gateway, rollout["rollout_id"], "model_request")
+    assert events[-1]["request"]["max_tokens"] == 64
 
 
 def test_defaults_bound_a_run_without_spec(gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str) -> None:
