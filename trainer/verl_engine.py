@@ -102,10 +102,11 @@ def reference_from_model(model: torch.nn.Module, samples: Any, temperature: floa
     from trainer.loss import collate, token_logprobs
 
     pad = getattr(model.config, "pad_token_id", None)
-    batch = collate(samples, pad_id=pad if isinstance(pad, int) else 0)
+    batch = collate(samples, pad_id=pad if isinstance(pad, int) else 0, default_temperature=temperature)
     with torch.no_grad():
         logits = forward_logits(model, batch.input_ids, batch.attention_mask)
-        logprobs = token_logprobs(logits, batch.input_ids, temperature=temperature)  # [B, T-1]
+        per_row = batch.temperature if batch.temperature is not None else temperature
+        logprobs = token_logprobs(logits, batch.input_ids, temperature=per_row)  # [B, T-1]
     rows = []
     for row, sample in enumerate(samples):
         aligned = torch.zeros(len(sample.tokens))
@@ -131,10 +132,7 @@ def _full(value: Any) -> torch.Tensor:
 
 
 def _base_state(engine: Any) -> dict[str, torch.Tensor]:
-    state = {name: _full(value) for name, value in engine.module.state_dict().items()}
-    if getattr(engine.model_config.hf_config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    return state
+    return {name: _full(value) for name, value in engine.module.state_dict().items()}
 
 
 def _merge(state: dict[str, torch.Tensor], adapter: str, scaling: float) -> dict[str, torch.Tensor]:
@@ -157,7 +155,9 @@ def full_state(engine: Any, *, adapter: str | None = None, merged: bool = False)
         name = next(iter(engine.module.peft_config))
         config = engine.module.peft_config[name]
         state = _merge(state, name, config.lora_alpha / config.r)
-    elif adapter is not None:
+    if adapter is None and getattr(engine.model_config.hf_config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # the embedding's: saved once, as transformers does
+    if adapter is not None:
         pattern = re.compile(rf"\.(lora_[AB])\.{re.escape(adapter)}\.weight$")
         state = {pattern.sub(r".\1.weight", k): v for k, v in state.items() if pattern.search(k)}
     return state if dist.get_rank() == 0 else {}

@@ -74,11 +74,13 @@ def test_verl_matches_the_cpu_backend(tmp_path: Path, norm: str, lora_rank: int,
     verl_saved = verl.save_weights(tmp_path / "verl")
     from safetensors.torch import load_file
 
-    name = "model.safetensors" if lora_rank == 0 else "adapters/default/adapter_model.safetensors"
-    expected, got = load_file(str(cpu_saved / name)), load_file(str(verl_saved / name))
-    assert set(got) <= set(expected)
-    for key, value in got.items():
-        torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-7)
+    # LoRA: the adapter (what vLLM serves) and the merged model (what the embedded engine loads)
+    names = ["model.safetensors"] + (["adapters/default/adapter_model.safetensors"] if lora_rank else [])
+    for name in names:
+        expected, got = load_file(str(cpu_saved / name)), load_file(str(verl_saved / name))
+        assert set(got) <= set(expected) and got, name
+        for key, value in got.items():
+            torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-7)
     verl.close()
 
 
