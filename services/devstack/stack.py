@@ -282,7 +282,9 @@ class Stack:
             del known["engine"]
             replicas = self._vllm_specs() if "engine" in self.config.services else []
             return replicas + [known[name] for name in self.config.services if name in known]
-        return [known[name] for name in self.config.services if name in known]
+        # The projector before the gateway: the gateway's reads, and so its /healthz, depend on it.
+        order = ("engine", "projector", "gateway", "controller")
+        return [known[name] for name in order if name in self.config.services]
 
     def _vllm_specs(self) -> list[ChildService]:
         """One `vllm serve` per replica on consecutive ports, replica i on GPU i (`services.common.vllm`)."""
