@@ -8,6 +8,8 @@ with the real gateway and NATS.
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -102,8 +104,18 @@ async def test_a_kubernetes_run_executes_as_jobs(
         await until(lambda: len(apiserver.jobs(NAMESPACE)) == 2)
         container = apiserver.job(ok_job)["spec"]["template"]["spec"]["containers"][0]
         env = {e["name"]: e.get("value") for e in container["env"]}
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
         assert container["image"] == "registry.example/agent:7"
-        assert env["ROLLWIRE_ROLLOUT_ID"] == ok and env["OPENAI_API_KEY"] == env["ROLLWIRE_TOKEN"]
+        assert env["ROLLWIRE_ROLLOUT_ID"] == ok and set(refs) == {
+            "OPENAI_API_KEY",
+            "ANTHROPIC_API_KEY",
+            "ROLLWIRE_TOKEN",
+        }
+        await until(lambda: any(s["metadata"]["name"] == ok_job for s in apiserver.secrets(NAMESPACE)))
+        (secret,) = [s for s in apiserver.secrets(NAMESPACE) if s["metadata"]["name"] == ok_job]
+        token = base64.b64decode(secret["data"][refs["ROLLWIRE_TOKEN"]["key"]]).decode()
+        assert token and token not in json.dumps(apiserver.job(ok_job))  # the token is in the Secret only
+        assert base64.b64decode(secret["data"][refs["OPENAI_API_KEY"]["key"]]).decode() == token
         assert env["OPENAI_BASE_URL"].startswith(f"{gateway_url}/proxy/rollout/{ok}/attempt/")
         assert (await rollout(ok))["state"] == "preparing"
 

@@ -1,4 +1,4 @@
-"""A small but real Kubernetes API server for tests: batch/v1 Jobs and core/v1 Pods over HTTP.
+"""A small but real Kubernetes API server for tests: batch/v1 Jobs, core/v1 Pods and Secrets over HTTP.
 
 No Kubernetes runs here, so tests talk to this instead, through the official `kubernetes` client
 and the real wire protocol (kopf's rule: fake Kubernetes at the HTTP layer, never at call sites):
@@ -10,6 +10,17 @@ and the real wire protocol (kopf's rule: fake Kubernetes at the HTTP layer, neve
                                                              default for Jobs), Background, Foreground
     GET    /api/v1/namespaces/{ns}/pods[/{name}]             list, watch, get; DELETE a pod
     GET    /api/v1/namespaces/{ns}/pods/{name}/log           container, tailLines, limitBytes
+    POST   /api/v1/namespaces/{ns}/secrets                   201, or 409 AlreadyExists; `stringData`
+                                                             is merged into `data` (base64), as stored
+    GET    /api/v1/namespaces/{ns}/secrets[/{name}]          list, watch, get; DELETE a Secret
+
+Secrets follow the API reference (kubernetes.io/docs/reference/kubernetes-api/config-and-storage-
+resources/secret-v1/): a DNS-1123 subdomain name, data keys of [-._a-zA-Z0-9]+, base64 values.
+Owner references follow the garbage collector (kubernetes.io/docs/concepts/architecture/garbage-
+collection/, pkg/controller/garbagecollector): deleting a Job with propagationPolicy Background or
+Foreground deletes every object whose ownerReferences name the Job's uid (its pods, its Secret);
+Orphan removes that reference instead; an object created with owners none of which exists is
+deleted at once (the collector does so shortly after).
 
 resourceVersion is one counter for the whole server. Every change is kept in a bounded history;
 a watch from a version older than the history answers with an ERROR event carrying a 410 Gone
@@ -28,6 +39,7 @@ and `compact` break watches on purpose; `fail_next` makes the next matching requ
 
 from __future__ import annotations
 
+import base64
 import bisect
 import re
 import socket
@@ -45,10 +57,11 @@ import msgspec
 
 Obj = dict[str, Any]
 
-_KINDS = {"jobs": ("batch/v1", "Job"), "pods": ("v1", "Pod")}
-_PREFIX = {"jobs": "/apis/batch/v1", "pods": "/api/v1"}
+_KINDS = {"jobs": ("batch/v1", "Job"), "pods": ("v1", "Pod"), "secrets": ("v1", "Secret")}
+_PREFIX = {"jobs": "/apis/batch/v1", "pods": "/api/v1", "secrets": "/api/v1"}
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 _PATH = re.compile(
-    r"^(?P<prefix>/api/v1|/apis/batch/v1)(?:/namespaces/(?P<ns>[^/]+))?/(?P<resource>jobs|pods)"
+    r"^(?P<prefix>/api/v1|/apis/batch/v1)(?:/namespaces/(?P<ns>[^/]+))?/(?P<resource>jobs|pods|secrets)"
     r"(?:/(?P<name>[^/]+)(?:/(?P<sub>log))?)?/?$"
 )
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -300,6 +313,10 @@ class FakeApiServer:
     def pods(self, namespace: str | None = None) -> list[Obj]:
         """Copies of all stored Pods."""
         return self.objects("pods", namespace)
+
+    def secrets(self, namespace: str | None = None) -> list[Obj]:
+        """Copies of all stored Secrets."""
+        return self.objects("secrets", namespace)
 
     def job(self, name: str) -> Obj:
         """A copy of the Job called `name` (in whichever namespace holds it)."""
@@ -671,6 +688,8 @@ class FakeApiServer:
 
     def create(self, resource: str, namespace: str, body: Obj) -> Obj:
         """POST: check the object like the API server does, then store it."""
+        if resource == "secrets":
+            return self._create_secret(namespace, body)
         if resource != "jobs":
             raise ApiError(405, "MethodNotAllowed", f"creating {resource} is not supported by this fake")
         apiversion, kind = _KINDS[resource]
@@ -718,6 +737,65 @@ class FakeApiServer:
             if self.auto_pods:
                 self._create_pod_for(stored)
             return self._store.objects[("jobs", namespace, name)]
+
+    def _create_secret(self, namespace: str, body: Obj) -> Obj:
+        if body.get("apiVersion") != "v1" or body.get("kind") != "Secret":
+            raise ApiError(400, "BadRequest", f"expected v1 Secret, got {body.get('apiVersion')} {body.get('kind')}")
+        meta = body.setdefault("metadata", {})
+        if meta.get("namespace", namespace) != namespace:
+            raise ApiError(
+                400,
+                "BadRequest",
+                "the namespace of the provided object does not match the namespace sent on the request",
+            )
+        data = dict(body.get("data") or {})
+        data.update(
+            {k: base64.b64encode(str(v).encode()).decode() for k, v in (body.pop("stringData", None) or {}).items()}
+        )
+        body["data"] = data
+        body.setdefault("type", "Opaque")
+        self._check_secret(body)
+        with self._cond:
+            name = meta["name"]
+            if ("secrets", namespace, name) in self._store.objects:
+                raise ApiError(
+                    409, "AlreadyExists", f'secrets "{name}" already exists', {"name": name, "kind": "secrets"}
+                )
+            meta.update(namespace=namespace, uid=str(uuid.uuid4()), creationTimestamp=_now())
+            stored = self._put("secrets", body, "ADDED")
+            owners = meta.get("ownerReferences") or []
+            live = {o["metadata"]["uid"] for (_, ns, _), o in self._store.objects.items() if ns == namespace}
+            if owners and not any(ref.get("uid") in live for ref in owners):
+                self._remove("secrets", namespace, name)  # the garbage collector: every owner is gone
+            return stored
+
+    def _check_secret(self, body: Obj) -> None:
+        meta = body["metadata"]
+        name = meta.get("name") or ""
+        causes: list[str] = []
+        if not _DNS_SUBDOMAIN.match(name) or len(name) > 253:
+            causes.append(f"metadata.name: Invalid value: {name!r}: must be a DNS-1123 subdomain")
+        for key, value in (meta.get("labels") or {}).items():
+            causes.extend(f"metadata.labels: {problem}" for problem in _label_problems(key, value))
+        for key, value in body["data"].items():
+            if not _SECRET_KEY.match(key):
+                causes.append(f"data[{key}]: Invalid value: {key!r}: a valid config key must consist of [-._a-zA-Z0-9]")
+            try:
+                base64.b64decode(str(value), validate=True)
+            except ValueError:
+                causes.append(f"data[{key}]: Invalid value: not base64")
+        for ref in meta.get("ownerReferences") or []:
+            if not all(ref.get(f) for f in ("apiVersion", "kind", "name", "uid")):
+                causes.append("metadata.ownerReferences: apiVersion, kind, name and uid are required")
+        if self.validate:
+            import kubernetes_validate
+
+            try:
+                kubernetes_validate.validate(body, self.kubernetes_version, strict=False)
+            except kubernetes_validate.ValidationError as e:
+                causes.append(f"{'.'.join(str(p) for p in e.path)}: {e.message}")
+        if causes:
+            raise ApiError(422, "Invalid", f'Secret "{name}" is invalid: ' + "; ".join(causes), {"name": name})
 
     def _check_job(self, body: Obj) -> None:
         meta = body["metadata"]
@@ -778,18 +856,24 @@ class FakeApiServer:
             if (resource, namespace, name) not in self._store.objects:
                 raise ApiError(404, "NotFound", f'{resource} "{name}" not found', {"name": name, "kind": resource})
             obj = self._store.objects[(resource, namespace, name)]
-            dependents = self._pods_of(obj) if resource == "jobs" else []
+            uid = obj["metadata"]["uid"]
+            dependents = [
+                (r, o)
+                for (r, ns, _), o in sorted(self._store.objects.items())
+                if ns == namespace and any(ref.get("uid") == uid for ref in o["metadata"].get("ownerReferences") or [])
+            ]
             effective = policy or ("Orphan" if resource == "jobs" else "Background")
             if effective not in ("Orphan", "Background", "Foreground"):
                 raise ApiError(400, "BadRequest", f"propagationPolicy {policy!r} is not supported")
             removed = self._remove(resource, namespace, name)
-            for pod in dependents:
+            for kind, dependent in dependents:
                 if effective == "Orphan":
-                    orphan = _copy(pod)
-                    orphan["metadata"]["ownerReferences"] = []
-                    self._put("pods", orphan, "MODIFIED")
+                    orphan = _copy(dependent)
+                    refs = orphan["metadata"]["ownerReferences"]
+                    orphan["metadata"]["ownerReferences"] = [ref for ref in refs if ref.get("uid") != uid]
+                    self._put(kind, orphan, "MODIFIED")
                 else:
-                    self._remove("pods", namespace, pod["metadata"]["name"])
+                    self._remove(kind, namespace, dependent["metadata"]["name"])
             group = "batch" if resource == "jobs" else ""
             return status_object(
                 200, "", "", {"name": name, "group": group, "kind": resource, "uid": removed["metadata"]["uid"]}

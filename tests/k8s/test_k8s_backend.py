@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +40,69 @@ def of(key: ExecutionKey, phase: str | None = None, **fields: Any) -> Callable[[
         )
 
     return match
+
+
+def secret_of(apiserver: FakeApiServer, name: str) -> dict[str, str]:
+    """The decoded data of the Secret called `name`."""
+    (secret,) = [s for s in apiserver.secrets(NAMESPACE) if s["metadata"]["name"] == name]
+    return {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+
+
+async def test_the_tokens_live_in_a_secret_owned_by_the_job(
+    backend: KubernetesBackend, apiserver: FakeApiServer
+) -> None:
+    spec = launch_spec(KEY, evaluator_command=["grade"], evaluator_env={"ROLLWIRE_TOKEN": "eval-token"})
+    await backend.launch(spec)
+    job = apiserver.job(NAME)
+    assert "agent-token" not in json.dumps(job) and "eval-token" not in json.dumps(job)
+    assert "agent-token" not in json.dumps(apiserver.pods(NAMESPACE))
+    assert secret_of(apiserver, NAME) == {
+        "agent.OPENAI_API_KEY": "agent-token",
+        "evaluator.ROLLWIRE_TOKEN": "eval-token",
+    }
+    (secret,) = apiserver.secrets(NAMESPACE)
+    assert secret["metadata"]["ownerReferences"] == [
+        {"apiVersion": "batch/v1", "kind": "Job", "name": NAME, "uid": job["metadata"]["uid"]}
+    ]
+    pod = job["spec"]["template"]["spec"]
+    refs = {
+        (c["name"], e["name"]): e["valueFrom"]["secretKeyRef"]
+        for c in [*pod["initContainers"], *pod["containers"]]
+        for e in c["env"]
+        if "valueFrom" in e
+    }
+    assert refs == {
+        ("agent", "OPENAI_API_KEY"): {"name": NAME, "key": "agent.OPENAI_API_KEY"},
+        ("evaluator", "ROLLWIRE_TOKEN"): {"name": NAME, "key": "evaluator.ROLLWIRE_TOKEN"},
+    }
+    await backend.cancel(KEY)
+    assert apiserver.jobs(NAMESPACE) == [] and apiserver.secrets(NAMESPACE) == []
+
+
+async def test_a_repeated_launch_keeps_one_secret_and_cleanup_removes_it(
+    make_backend: Make, apiserver: FakeApiServer
+) -> None:
+    await make_backend().launch(launch_spec(KEY))
+    await make_backend().launch(launch_spec(KEY))  # a restarted controller: 409 on the Job and the Secret
+    assert len(apiserver.jobs(NAMESPACE)) == 1 and len(apiserver.secrets(NAMESPACE)) == 1
+    assert apiserver.count("POST", "secrets") == 2 and apiserver.count("DELETE", "secrets") == 0
+    fresh = launch_spec(KEY, env={"OPENAI_API_KEY": "new-token"})
+    await make_backend().launch(fresh)  # other data: the launch's credentials win
+    assert secret_of(apiserver, NAME) == {"agent.OPENAI_API_KEY": "new-token"}
+    assert await make_backend().cleanup(set()) == 1
+    assert apiserver.secrets(NAMESPACE) == []
+
+
+async def test_a_launch_cut_before_the_secret_creates_it_when_repeated(
+    backend: KubernetesBackend, apiserver: FakeApiServer
+) -> None:
+    apiserver.fail_next("POST", "secrets", 503)
+    with pytest.raises(TemporaryBackendError):
+        await backend.launch(launch_spec(KEY))
+    assert len(apiserver.jobs(NAMESPACE)) == 1 and apiserver.secrets(NAMESPACE) == []
+    await backend.launch(launch_spec(KEY))
+    assert secret_of(apiserver, NAME) == {"agent.OPENAI_API_KEY": "agent-token"}
+    assert len(apiserver.jobs(NAMESPACE)) == 1
 
 
 async def test_the_backend_implements_the_contract(backend: KubernetesBackend) -> None:

@@ -12,6 +12,7 @@ from fake_apiserver import FakeApiServer
 from k8s_support import REPO, TEMPLATE_PATH, StateLog, launch_spec
 
 from services.controller.backends.base import ExecutionKey, RolloutKey
+from services.controller.backends.k8s_secret import secret_manifest
 from services.controller.backends.k8s_template import JobTemplate, job_name, validate_manifest
 from services.controller.backends.kubernetes import KubernetesBackend, KubernetesSettings
 
@@ -52,6 +53,8 @@ def test_the_example_job_template_renders_valid_jobs() -> None:
         launch_spec(key, evaluator_command=["python", "-m", "grade"], evaluator_env={"ROLLWIRE_TOKEN": "e"}),
     ):
         validate_manifest(template.render(spec), KUBERNETES_VERSION)
+        owner = {"name": job_name(key), "uid": "0f5c1b9e-6a43-4bd0-9a3e-2f1f3f0b8c11"}
+        validate_manifest(secret_manifest(spec, job_name(key), "rollwire", "default", owner), KUBERNETES_VERSION)
 
 
 def test_the_kustomization_lists_every_manifest() -> None:
@@ -117,6 +120,29 @@ async def test_the_role_grants_exactly_what_the_backend_uses(
     await backend.cancel(key)
     await backend.launch(launch_spec(ExecutionKey("run-1", "rollout-2", "attempt-1")))
     await backend.cleanup({RolloutKey("run-1", "rollout-1")})
+    # A launch repeated by a fresh backend reads the Job and the Secret there (409 AlreadyExists) ...
+    other = ExecutionKey("run-1", "rollout-4", "attempt-1")
+    await backend.launch(launch_spec(other))
+    await make_backend().launch(launch_spec(other))
+    # ... and a Secret left by an earlier Job of the same name is replaced.
+    stale = ExecutionKey("run-1", "rollout-3", "attempt-1")
+    owner = apiserver.job(job_name(other))["metadata"]
+    apiserver.create(
+        "secrets",
+        "agents",
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": job_name(stale),
+                "ownerReferences": [
+                    {"apiVersion": "batch/v1", "kind": "Job", "name": owner["name"], "uid": owner["uid"]}
+                ],
+            },
+            "stringData": {"agent.OPENAI_API_KEY": "old"},
+        },
+    )
+    await backend.launch(launch_spec(stale))
     await log.stop()
     used = {
         ("batch" if r.resource == "jobs" else "", r.resource + (f"/{r.subresource}" if r.subresource else ""), r.verb)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import re
 from typing import Any
 
@@ -10,7 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from k8s_support import TEMPLATE, launch_spec
 
-from services.controller.backends.base import INPUT_ENV, INPUT_ENV_LIMIT, ExecutionKey, PermanentBackendError
+from services.controller.backends.base import (
+    INPUT_ENV,
+    INPUT_ENV_LIMIT,
+    ExecutionKey,
+    LaunchSpec,
+    PermanentBackendError,
+)
+from services.controller.backends.k8s_secret import credentials, secret_manifest
 from services.controller.backends.k8s_template import (
     INPUT_ANNOTATION,
     INPUT_ANNOTATION_LIMIT,
@@ -40,8 +49,39 @@ def template(text: str = TEMPLATE, **kwargs: Any) -> JobTemplate:
     return JobTemplate(text, source="test.yaml", **kwargs)
 
 
-def env_of(container: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", [])}
+def env_of(container: dict[str, Any], spec: LaunchSpec | None = None) -> dict[str, str]:
+    """A container's environment; credentials resolved from the attempt's Secret (`spec` gives its data)."""
+    secret = credentials(spec) if spec is not None else {}
+    env = {}
+    for e in container.get("env", []):
+        if "valueFrom" in e:
+            ref = e["valueFrom"]["secretKeyRef"]
+            assert spec is None or ref["name"] == job_name(spec.key)
+            env[e["name"]] = secret.get(ref["key"], f"<secret {ref['key']}>")
+        else:
+            env[e["name"]] = e["value"]
+    return env
+
+
+def test_credentials_are_secret_references_never_values() -> None:
+    spec = launch_spec(KEY, evaluator_command=["grade"], evaluator_env={"ROLLWIRE_TOKEN": "eval-token"})
+    job = template(SIDECAR_TEMPLATE).render(spec)
+    text = json.dumps(job)
+    assert "agent-token" not in text and "eval-token" not in text
+    assert credentials(spec) == {
+        "agent.OPENAI_API_KEY": "agent-token",
+        "evaluator.ROLLWIRE_TOKEN": "eval-token",
+    }
+    secret = secret_manifest(spec, job_name(KEY), "agents", "default", {"name": job_name(KEY), "uid": "u-1"})
+    validate_manifest(secret, "1.33")
+    assert secret["metadata"]["ownerReferences"][0] == {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "name": job_name(KEY),
+        "uid": "u-1",
+    }
+    assert base64.b64decode(secret["data"]["evaluator.ROLLWIRE_TOKEN"]) == b"eval-token"
+    assert key_of(secret) == KEY
 
 
 # --- names and labels ---
@@ -82,7 +122,8 @@ def test_label_values_keep_valid_ids_and_hash_the_rest() -> None:
 
 
 def test_rendered_job_has_the_backend_owned_fields_and_validates() -> None:
-    job = template(ttl_seconds_after_finished=900).render(launch_spec(KEY, timeout_s=90.5))
+    launch = launch_spec(KEY, timeout_s=90.5)
+    job = template(ttl_seconds_after_finished=900).render(launch)
     validate_manifest(job, "1.33")
     name = job_name(KEY)
     meta = job["metadata"]
@@ -110,7 +151,7 @@ def test_rendered_job_has_the_backend_owned_fields_and_validates() -> None:
     assert pod["automountServiceAccountToken"] is False
     (agent,) = pod["containers"]
     assert agent["image"] == "registry.example/agent:1"
-    env = env_of(agent)
+    env = env_of(agent, launch)
     assert env["OPENAI_API_KEY"] == "agent-token"
     assert env[INPUT_ENV] == '{"question": "2+2"}'
     assert env["ROLLWIRE_INPUT_FILE"] == INPUT_FILE
@@ -150,9 +191,9 @@ def test_env_goes_into_every_container_and_the_command_replaces_the_agents() -> 
     pod = job["spec"]["template"]["spec"]
     containers = {c["name"]: c for c in [*pod["initContainers"], *pod["containers"]]}
     for container in containers.values():
-        assert env_of(container)["OPENAI_API_KEY"] == "agent-token"
-        assert env_of(container)[INPUT_ENV] == '{"question": "2+2"}'
-    assert env_of(containers["agent"])["KEEP"] == "1"
+        assert env_of(container, spec)["OPENAI_API_KEY"] == "agent-token"
+        assert env_of(container, spec)[INPUT_ENV] == '{"question": "2+2"}'
+    assert env_of(containers["agent"], spec)["KEEP"] == "1"
     assert containers["agent"]["command"] == ["python", "-m", "agent"] and "args" not in containers["agent"]
     assert "command" not in containers["sandbox"]
     assert job["metadata"]["labels"]["team"] == "rl-2"
@@ -168,10 +209,10 @@ def test_an_evaluator_runs_after_the_agent_with_its_own_token() -> None:
     agent, evaluator = pod["initContainers"][1], pod["containers"][1]
     assert "readinessProbe" not in agent  # not allowed on init containers
     assert evaluator["command"] == ["python", "-m", "grade"] and evaluator["image"] == "registry.example/agent:1"
-    assert env_of(evaluator)["ROLLWIRE_TOKEN"] == "eval-token"
-    assert "OPENAI_API_KEY" not in env_of(evaluator)
-    assert all("eval-token" not in env_of(c).values() for c in [*pod["initContainers"], pod["containers"][0]])
-    assert env_of(evaluator)[INPUT_ENV] == '{"question": "2+2"}'
+    assert env_of(evaluator, spec)["ROLLWIRE_TOKEN"] == "eval-token"
+    assert "OPENAI_API_KEY" not in env_of(evaluator, spec)
+    assert all("eval-token" not in env_of(c, spec).values() for c in [*pod["initContainers"], pod["containers"][0]])
+    assert env_of(evaluator, spec)[INPUT_ENV] == '{"question": "2+2"}'
 
 
 def test_large_inputs_go_by_file_only_and_huge_ones_are_refused() -> None:

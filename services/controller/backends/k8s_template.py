@@ -16,7 +16,8 @@ namespace; the labels `app.kubernetes.io/managed-by=rollwire`, `rollwire.dev/ins
 (pods also get `app.kubernetes.io/component=agent`, which the NetworkPolicy selects); the exact
 ids as annotations (label values cannot hold every id); `backoffLimit: 0` (Rollwire retries
 attempts itself); `activeDeadlineSeconds` from the timeout; `restartPolicy: Never`; the
-`LaunchSpec.env` variables in every container; and the input, as ROLLWIRE_INPUT when small and
+`LaunchSpec.env` variables in every container, credentials (`k8s_secret.SECRET_ENV`) as
+`secretKeyRef`s to the attempt's Secret, never as values; and the input, as ROLLWIRE_INPUT when small and
 always as the file ROLLWIRE_INPUT_FILE, projected from a pod annotation by the downward API (no
 ConfigMap to create or clean up; the limit is Kubernetes' 256 KiB of annotations per object).
 `ttlSecondsAfterFinished` and `automountServiceAccountToken: false` are set unless the template
@@ -32,9 +33,6 @@ native sidecar (an init container with `restartPolicy: Always`).
 from __future__ import annotations
 
 import copy
-import functools
-import hashlib
-import json
 import logging
 import math
 import re
@@ -52,22 +50,53 @@ from services.controller.backends.base import (
     LaunchSpec,
     PermanentBackendError,
 )
+from services.controller.backends.k8s_names import (  # re-exported: the backend's and tests' names
+    ATTEMPT_ANNOTATION,
+    COMPONENT,
+    INPUT_ANNOTATION,
+    INSTANCE_LABEL,
+    MANAGED_BY,
+    MANAGER,
+    ROLLOUT_ANNOTATION,
+    RUN_ANNOTATION,
+    TemplateError,
+    ids_annotations,
+    job_name,
+    key_labels,
+    key_of,
+    label_problem,
+    label_value,
+    owner_labels,
+    selector,
+    validate_manifest,
+)
+from services.controller.backends.k8s_secret import AGENT, EVALUATOR, SECRET_ENV, secret_key
+
+__all__ = [
+    "ATTEMPT_ANNOTATION",
+    "COMPONENT",
+    "INPUT_ANNOTATION",
+    "INSTANCE_LABEL",
+    "MANAGED_BY",
+    "MANAGER",
+    "ROLLOUT_ANNOTATION",
+    "RUN_ANNOTATION",
+    "JobTemplate",
+    "TemplateError",
+    "deadline_seconds",
+    "job_name",
+    "key_of",
+    "label_problem",
+    "label_value",
+    "owner_labels",
+    "selector",
+    "validate_manifest",
+]
 
 log = logging.getLogger(__name__)
 
 Manifest = dict[str, Any]
 
-MANAGED_BY = "app.kubernetes.io/managed-by"
-MANAGER = "rollwire"
-COMPONENT = "app.kubernetes.io/component"
-INSTANCE_LABEL = "rollwire.dev/instance"
-RUN_LABEL = "rollwire.dev/run"
-ROLLOUT_LABEL = "rollwire.dev/rollout"
-ATTEMPT_LABEL = "rollwire.dev/attempt"
-RUN_ANNOTATION = "rollwire.dev/run-id"
-ROLLOUT_ANNOTATION = "rollwire.dev/rollout-id"
-ATTEMPT_ANNOTATION = "rollwire.dev/attempt-id"
-INPUT_ANNOTATION = "rollwire.dev/input"
 INPUT_VOLUME = "rollwire-input"
 INPUT_DIR = "/var/run/rollwire"
 INPUT_FILE = f"{INPUT_DIR}/input.json"
@@ -75,9 +104,6 @@ INPUT_ANNOTATION_LIMIT = 200 * 1024
 """Largest input (bytes) passed through the pod annotation; Kubernetes allows 256 KiB of annotations."""
 
 EVALUATOR_CONTAINER = "evaluator"
-JOB_NAME_PREFIX = "rw"
-MAX_NAME = 63
-HASH_CHARS = 10
 
 BUILTIN_PLACEHOLDERS = (
     "job_name",
@@ -92,107 +118,8 @@ BUILTIN_PLACEHOLDERS = (
 )
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 _SENTINEL = re.compile(r"__rollwire_placeholder_([A-Za-z_][A-Za-z0-9_]*)__")
-_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_NOT_DNS = re.compile(r"[^a-z0-9-]+")
 # Fields Kubernetes rejects on init containers (the agent becomes one when an evaluator runs).
 _INIT_FORBIDDEN = ("lifecycle", "livenessProbe", "readinessProbe", "startupProbe")
-
-
-class TemplateError(PermanentBackendError):
-    """The Job template cannot be used; the message names the template, the place and the fix."""
-
-
-def _digest(*parts: str) -> str:
-    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:HASH_CHARS]
-
-
-def job_name(key: ExecutionKey) -> str:
-    """The Job name of an attempt: deterministic, a DNS-1123 label of at most 63 characters.
-
-    `rw-<run>-<rollout>-<attempt>` lowercased and cut to fit, then a hash of the exact ids. The
-    hash is always there because the readable part is lossy (case, `_`, cutting) and ambiguous
-    (`a-b`+`c` vs `a`+`b-c`): two attempts never share a name, and the same attempt always gets
-    the same one, so creating it twice hits 409 AlreadyExists instead of running it twice.
-    """
-    digest = _digest(key.run_id, key.rollout_id, key.attempt_id)
-    readable = _NOT_DNS.sub("-", f"{key.run_id}-{key.rollout_id}-{key.attempt_id}".lower()).strip("-")
-    room = MAX_NAME - len(JOB_NAME_PREFIX) - len(digest) - 2
-    readable = re.sub(r"-+", "-", readable)[:room].strip("-")
-    return f"{JOB_NAME_PREFIX}-{readable}-{digest}" if readable else f"{JOB_NAME_PREFIX}-{digest}"
-
-
-def label_value(raw: str) -> str:
-    """`raw` if it is a valid label value, else a readable valid form ending in a hash of `raw`."""
-    if len(raw) <= MAX_NAME and _LABEL_VALUE.match(raw):
-        return raw
-    digest = _digest(raw)
-    clean = re.sub(r"[^A-Za-z0-9_.-]+", "_", raw)[: MAX_NAME - HASH_CHARS - 1].strip("-_.")
-    return f"{clean}-{digest}" if clean else digest
-
-
-def label_problem(key: str, value: str) -> str | None:
-    """Why `key: value` is not a valid Kubernetes label, or None if it is."""
-    prefix, _, name = key.rpartition("/")
-    if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
-        return f"label key {key!r}: the prefix must be a DNS subdomain (lowercase, digits, '-', '.')"
-    if not name or len(name) > MAX_NAME or not _LABEL_NAME.match(name):
-        return f"label key {key!r}: the name must be 1-63 characters of [A-Za-z0-9_.-], alphanumeric at both ends"
-    if len(value) > MAX_NAME or not _LABEL_VALUE.match(value):
-        return (
-            f"label {key!r}: value {value!r} must be at most 63 characters of [A-Za-z0-9_.-], alphanumeric at both ends"
-        )
-    return None
-
-
-def owner_labels(instance: str) -> dict[str, str]:
-    """The labels every Job and pod of one backend instance carries (its watch selector)."""
-    return {MANAGED_BY: MANAGER, INSTANCE_LABEL: label_value(instance)}
-
-
-def selector(instance: str) -> str:
-    """The label selector matching exactly the Jobs and pods of one backend instance."""
-    return ",".join(f"{k}={v}" for k, v in owner_labels(instance).items())
-
-
-def key_of(obj: Mapping[str, Any]) -> ExecutionKey | None:
-    """The execution key of a Job or pod, from its annotations; None for objects not made by Rollwire."""
-    annotations = (obj.get("metadata") or {}).get("annotations") or {}
-    try:
-        return ExecutionKey(
-            annotations[RUN_ANNOTATION], annotations[ROLLOUT_ANNOTATION], annotations[ATTEMPT_ANNOTATION]
-        )
-    except KeyError:
-        return None
-
-
-def validate_manifest(manifest: Manifest, kubernetes_version: str, *, strict: bool = True) -> None:
-    """Check a manifest against the Kubernetes OpenAPI schema (offline, `kubernetes-validate`).
-
-    Raises `TemplateError` naming the field. Without `kubernetes-validate` installed, logs that
-    only the structure was checked. Results are remembered: the same manifest is checked once.
-    """
-    problem = _schema_problem(json.dumps(manifest, sort_keys=True), kubernetes_version, strict)
-    if problem is not None:
-        raise TemplateError(problem)
-
-
-@functools.lru_cache(maxsize=256)
-def _schema_problem(manifest_json: str, kubernetes_version: str, strict: bool) -> str | None:
-    try:
-        import kubernetes_validate
-    except ImportError:
-        log.warning("kubernetes-validate is not installed: manifests are checked for structure only")
-        return None
-    try:
-        kubernetes_validate.validate(json.loads(manifest_json), kubernetes_version, strict=strict)
-    except kubernetes_validate.ValidationError as e:
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.path).lstrip(".") or "(top level)"
-        return f"{where}: {e.message}"
-    except kubernetes_validate.SchemaNotFoundError as e:
-        return str(e.message)
-    return None
 
 
 class JobTemplate:
@@ -373,14 +300,8 @@ class JobTemplate:
         for problem in (label_problem(k, v) for k, v in spec.labels.items()):
             if problem:
                 raise PermanentBackendError(f"launch labels: {problem}")
-        ids = {RUN_ANNOTATION: key.run_id, ROLLOUT_ANNOTATION: key.rollout_id, ATTEMPT_ANNOTATION: key.attempt_id}
-        labels = {
-            **spec.labels,
-            **owner_labels(self.instance),
-            RUN_LABEL: label_value(key.run_id),
-            ROLLOUT_LABEL: label_value(key.rollout_id),
-            ATTEMPT_LABEL: label_value(key.attempt_id),
-        }
+        ids = ids_annotations(key)
+        labels = {**spec.labels, **owner_labels(self.instance), **key_labels(key)}
         meta = job.setdefault("metadata", {})
         meta.update(name=name, namespace=self.namespace)
         meta["labels"] = {**(meta.get("labels") or {}), **labels}
@@ -420,6 +341,7 @@ class JobTemplate:
             agent.pop("args", None)
         input_env = _input_env(spec.input_json)
         agent_env = {**spec.env, **input_env}
+        secret = job_name(spec.key)  # the Secret of the attempt has the Job's name (see k8s_secret)
         if spec.evaluator_command is not None:
             if any(c["name"] == EVALUATOR_CONTAINER for c in containers):
                 raise PermanentBackendError(
@@ -436,12 +358,12 @@ class JobTemplate:
             for field in _INIT_FORBIDDEN:
                 agent.pop(field, None)
                 evaluator.pop(field, None)
-            _set_env(evaluator, {**(spec.evaluator_env or {}), **input_env})
+            _set_env(evaluator, {**(spec.evaluator_env or {}), **input_env}, secret, EVALUATOR)
             pod["initContainers"] = [*(pod.get("initContainers") or []), agent]
             pod["containers"] = [evaluator if c is agent else c for c in containers]
         for container in [*(pod.get("initContainers") or []), *pod["containers"]]:
             if container.get("name") != EVALUATOR_CONTAINER or spec.evaluator_command is None:
-                _set_env(container, agent_env)
+                _set_env(container, agent_env, secret, AGENT)
             mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != INPUT_VOLUME]
             container["volumeMounts"] = [*mounts, {"name": INPUT_VOLUME, "mountPath": INPUT_DIR, "readOnly": True}]
 
@@ -467,10 +389,20 @@ def _input_volume() -> dict[str, Any]:
     }
 
 
-def _set_env(container: dict[str, Any], env: Mapping[str, str]) -> None:
-    """Put `env` into a container, replacing same-named variables of the template."""
+def _set_env(container: dict[str, Any], env: Mapping[str, str], secret: str, role: str) -> None:
+    """Put `env` into a container, replacing same-named variables of the template.
+
+    Credentials (`SECRET_ENV`) are references to the attempt's Secret, never values: the Job
+    spec is readable by whoever may read Jobs.
+    """
     kept = [e for e in container.get("env") or [] if e.get("name") not in env]
-    container["env"] = [*kept, *({"name": k, "value": v} for k, v in env.items())]
+    container["env"] = [*kept, *(_env_var(k, v, secret, role) for k, v in env.items())]
+
+
+def _env_var(name: str, value: str, secret: str, role: str) -> dict[str, Any]:
+    if name not in SECRET_ENV:
+        return {"name": name, "value": value}
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": secret_key(role, name)}}}
 
 
 def _strings(node: Any) -> Iterator[str]:

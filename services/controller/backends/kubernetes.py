@@ -2,43 +2,40 @@
 
     launch   render the Job from the user's template (`k8s_template`), wait for the creation
              rate limit (token bucket), POST it; 409 AlreadyExists is success (the Job name is
-             a function of the attempt, so a repeated launch finds its own Job)
+             a function of the attempt, so a repeated launch finds its own Job); then POST the
+             attempt's Secret (`k8s_secret`: its tokens, owned by the Job), 409 with the same
+             data and owner is success
     watch    two list-then-watch loops (`k8s_watch`): Jobs and pods labelled
              managed-by=rollwire for this instance; every change to a Job or its pods
              re-derives that execution's state (`k8s_state`); failures with an exit code get
              the last lines of the container's log (pods/log) before they are reported
     list     a fresh LIST of Jobs and pods, derived the same way
-    cancel   DELETE the Job with propagationPolicy=Background (its pods go too)
+    cancel   DELETE the Job with propagationPolicy=Background (its pods and Secret go too)
     cleanup  DELETE every Job whose rollout is not kept
 
 The official `kubernetes` client is synchronous: calls run on a small thread pool of the
 backend, and each watch loop in a thread of its own. Responses are read raw
 (`_preload_content=False`) and decoded with msgspec; the client's typed models are not needed.
-Errors are sorted at this boundary into `TemporaryBackendError` (unreachable API server, 429,
-5xx, an exhausted ResourceQuota) and `PermanentBackendError` (forbidden, invalid, unauthorized),
-whose messages say what to fix.
+Errors are sorted at this boundary (`k8s_api`) into `TemporaryBackendError` and
+`PermanentBackendError`, whose messages say what to fix. Settings: `k8s_settings`.
 
-RBAC needed, in the backend's namespace (see infra/k8s/rbac.yaml): jobs create, list, watch,
-delete; pods list, watch; pods/log get.
+RBAC needed, in the backend's namespace (see infra/k8s/rbac.yaml): jobs create, get, list,
+watch, delete; secrets create, get, delete; pods list, watch; pods/log get.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
-import os
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import urllib3.exceptions
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
 from services.controller.backends.base import (
@@ -49,120 +46,22 @@ from services.controller.backends.base import (
     RolloutKey,
     TemporaryBackendError,
 )
+from services.controller.backends.k8s_api import read, translate
+from services.controller.backends.k8s_secret import owner_uid, secret_manifest
+from services.controller.backends.k8s_settings import KubernetesSettings, load_api_client
 from services.controller.backends.k8s_state import Derived, derive
 from services.controller.backends.k8s_template import INPUT_ANNOTATION, JobTemplate, job_name, key_of, selector
 from services.controller.backends.k8s_watch import ListWatch, WatchStats, list_all
 from services.controller.backends.ratelimit import TokenBucket
 
+__all__ = ["KubernetesBackend", "KubernetesSettings", "load_api_client"]
+
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 Objs = list[Obj]  # `list` is also a method name in the class body below
-IN_CLUSTER_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 LOG_LIMIT_BYTES = 64 * 1024
 PARALLEL_DELETES = 16
-
-
-class KubernetesSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """How the Kubernetes backend runs attempts. `from_env` reads them from ROLLWIRE_K8S_* variables.
-
-    `create_rate` is Jobs created per second (None: no limit), with bursts of `create_burst`.
-    `pod_lag_s` is how long the state of a failed Job waits for its pod's news (the reason)
-    before it is reported with only the Job's own reason.
-    `stuck_grace_s` is how long a pod may fail to start (image pull errors, missing Secret)
-    before the execution is reported failed. `resync_s` is the period of the full re-list that
-    repairs lost watch events. `kubernetes_version` is the schema the template is checked against.
-    """
-
-    job_template: str
-    template_source: str = "job template"
-    namespace: str = "default"
-    instance: str = "default"
-    image: str | None = None
-    template_values: dict[str, str] = {}
-    agent_container: str | None = None
-    ttl_seconds_after_finished: int = 3600
-    create_rate: float | None = 10.0
-    create_burst: int = 10
-    capacity: int | None = None
-    resync_s: float = 60.0
-    request_timeout_s: float = 30.0
-    log_tail_lines: int = 50
-    stuck_grace_s: float = 120.0
-    pod_lag_s: float = 2.0
-    api_threads: int = 8
-    kubernetes_version: str = "1.33"
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> KubernetesSettings:
-        """Settings from the environment (the variables are listed in infra/k8s/controller.yaml)."""
-        env = os.environ if environ is None else environ
-        path = env.get("ROLLWIRE_K8S_JOB_TEMPLATE")
-        if not path:
-            raise PermanentBackendError("ROLLWIRE_K8S_JOB_TEMPLATE is not set: give the path of the Job template YAML")
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise PermanentBackendError(
-                f"ROLLWIRE_K8S_JOB_TEMPLATE={path}: cannot read the Job template: {e}"
-            ) from None
-        namespace = env.get("ROLLWIRE_K8S_NAMESPACE") or (
-            IN_CLUSTER_NAMESPACE.read_text().strip() if IN_CLUSTER_NAMESPACE.exists() else "default"
-        )
-        rate = _env_number(env, "ROLLWIRE_K8S_CREATE_RATE", 10.0)
-        capacity = _env_number(env, "ROLLWIRE_K8S_CAPACITY", 0)
-        try:
-            values = json.loads(env.get("ROLLWIRE_K8S_TEMPLATE_VALUES") or "{}")
-            assert isinstance(values, dict) and all(isinstance(v, str) for v in values.values())
-        except (ValueError, AssertionError):
-            raise PermanentBackendError(
-                'ROLLWIRE_K8S_TEMPLATE_VALUES must be a JSON object of strings, e.g. {"service_account": "agents"}'
-            ) from None
-        return cls(
-            job_template=text,
-            template_source=path,
-            namespace=namespace,
-            instance=env.get("ROLLWIRE_K8S_INSTANCE") or "default",
-            image=env.get("ROLLWIRE_K8S_IMAGE") or None,
-            template_values=values,
-            agent_container=env.get("ROLLWIRE_K8S_AGENT_CONTAINER") or None,
-            ttl_seconds_after_finished=int(_env_number(env, "ROLLWIRE_K8S_TTL_S", 3600)),
-            create_rate=rate or None,
-            create_burst=int(_env_number(env, "ROLLWIRE_K8S_CREATE_BURST", 10)),
-            capacity=int(capacity) or None,
-            resync_s=_env_number(env, "ROLLWIRE_K8S_RESYNC_S", 60.0),
-            stuck_grace_s=_env_number(env, "ROLLWIRE_K8S_STUCK_GRACE_S", 120.0),
-        )
-
-
-def _env_number(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw in (None, ""):
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise PermanentBackendError(f"{name}={raw!r} is not a number") from None
-    if value < 0:
-        raise PermanentBackendError(f"{name}={raw!r} must not be negative")
-    return value
-
-
-def load_api_client(pool_size: int = 16) -> k8s.ApiClient:
-    """A client for the cluster this process runs in, or else the one the kubeconfig names."""
-    try:
-        k8s_config.load_incluster_config()
-    except k8s_config.ConfigException:
-        try:
-            k8s_config.load_kube_config()
-        except (k8s_config.ConfigException, OSError) as e:
-            raise PermanentBackendError(
-                f"no Kubernetes credentials: not running in a cluster and no usable kubeconfig "
-                f"(~/.kube/config or $KUBECONFIG): {e}"
-            ) from None
-    configuration = k8s.Configuration.get_default_copy()
-    configuration.connection_pool_maxsize = pool_size
-    return k8s.ApiClient(configuration)
 
 
 class KubernetesBackend:
@@ -217,25 +116,32 @@ class KubernetesBackend:
         self._loops: dict[str, ListWatch] = {}
         self._synced: set[str] = set()
         self._ready = asyncio.Event()
+        self._secured: set[ExecutionKey] = set()  # launched with their Secret in place
         self._closed = False
 
     # --- the interface ---
 
     async def launch(self, spec: LaunchSpec) -> None:
-        """Create the attempt's Job (a 409 AlreadyExists means it exists already: success)."""
+        """Create the attempt's Job, then its Secret owned by the Job (AlreadyExists means done: success).
+
+        The Job comes first so that no Secret is ever without an owner (the garbage collector
+        would not remove it). Its pod waits in CreateContainerConfigError until the Secret exists,
+        which the kubelet retries; a launch cut between the two calls is repeated by the
+        controller and creates the Secret then.
+        """
         self._check_open()
-        if spec.key in self._jobs:
+        key = spec.key
+        if key in self._jobs and key in self._secured:
             return
         manifest = self.template.render(spec)
-        if self.limiter is not None:
-            await self.limiter.acquire()
-        await self._call(
-            f"create Job {manifest['metadata']['name']}",
-            self._batch.create_namespaced_job,
-            self.namespace,
-            manifest,
-            ok_statuses=(409,),
-        )
+        name = manifest["metadata"]["name"]
+        uid = ((self._jobs.get(key) or {}).get("metadata") or {}).get("uid")
+        if uid is None:
+            if self.limiter is not None:
+                await self.limiter.acquire()
+            uid = await self._create_job(name, manifest)
+        await self._ensure_secret(spec, name, uid)
+        self._secured.add(key)
 
     async def list(self) -> list[ExecutionState]:
         """Every execution of this instance, from a fresh LIST of its Jobs and pods."""
@@ -337,11 +243,11 @@ class KubernetesBackend:
             kwargs.setdefault("_request_timeout", self.settings.request_timeout_s)
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor, functools.partial(_read, fn, *args, **kwargs))
+            return await loop.run_in_executor(self._executor, functools.partial(read, fn, *args, **kwargs))
         except ApiException as e:
             if e.status in ok_statuses:
                 return None
-            raise self._translate(what, e) from None
+            raise translate(what, e, self.namespace) from None
         except (urllib3.exceptions.HTTPError, OSError) as e:
             raise TemporaryBackendError(
                 f"{what}: cannot reach the Kubernetes API server: {e}", retry_after=2.0
@@ -349,37 +255,40 @@ class KubernetesBackend:
         except ValueError as e:  # the client's request validation (pydantic) or a malformed answer
             raise PermanentBackendError(f"{what}: the request or its answer is malformed: {e}") from None
 
-    def _translate(self, what: str, error: ApiException) -> Exception:
-        code, message = error.status or 0, _status_message(error)
-        if code == 0:
-            return TemporaryBackendError(f"{what}: cannot reach the Kubernetes API server: {message}", retry_after=2.0)
-        if code == 429:
-            retry = _retry_after(error, 1.0)
-            return TemporaryBackendError(f"{what}: the API server is throttling requests: {message}", retry_after=retry)
-        if code >= 500:
-            return TemporaryBackendError(f"{what}: the API server failed ({code}): {message}", retry_after=2.0)
-        if code == 403 and "exceeded quota" in message:
-            return TemporaryBackendError(
-                f"{what}: the ResourceQuota of namespace {self.namespace} is used up ({message}); "
-                "retrying as running Jobs finish",
-                retry_after=10.0,
+    async def _create_job(self, name: str, manifest: Obj) -> str:
+        """POST the Job (409 AlreadyExists: read the one there); return its uid."""
+        created = await self._call(
+            f"create Job {name}", self._batch.create_namespaced_job, self.namespace, manifest, ok_statuses=(409,)
+        )
+        if created is None:
+            created = await self._call(f"read Job {name}", self._batch.read_namespaced_job, name, self.namespace)
+        return str(msgspec.json.decode(created)["metadata"]["uid"])
+
+    async def _ensure_secret(self, spec: LaunchSpec, name: str, uid: str) -> None:
+        """Create the attempt's Secret owned by Job `uid`; one already there with the same data and owner is fine.
+
+        Another one (left by an earlier Job of the same name whose garbage collection is pending,
+        or holding other credentials) is deleted and created again.
+        """
+        body = secret_manifest(spec, name, self.namespace, self.settings.instance, {"name": name, "uid": uid})
+        for _ in range(3):
+            created = await self._call(
+                f"create Secret {name}", self._core.create_namespaced_secret, self.namespace, body, ok_statuses=(409,)
             )
-        if code == 403:
-            return PermanentBackendError(
-                f"{what}: forbidden: {message}. The controller's service account needs the Role in "
-                f"infra/k8s/rbac.yaml in namespace {self.namespace}"
+            if created is not None:
+                return
+            raw = await self._call(
+                f"read Secret {name}", self._core.read_namespaced_secret, name, self.namespace, ok_statuses=(404,)
             )
-        if code == 401:
-            return PermanentBackendError(
-                f"{what}: unauthorized: {message}; check the kubeconfig or service account token"
+            if raw is None:
+                continue  # deleted meanwhile: create it again
+            existing = msgspec.json.decode(raw)
+            if (existing.get("data") or {}) == body["data"] and owner_uid(existing) == uid:
+                return
+            await self._call(
+                f"delete Secret {name}", self._core.delete_namespaced_secret, name, self.namespace, ok_statuses=(404,)
             )
-        if code == 404:
-            return PermanentBackendError(f"{what}: not found: {message}; does namespace {self.namespace} exist?")
-        if code in (400, 422):
-            return PermanentBackendError(f"{what}: Kubernetes rejected it: {message}; fix the Job template")
-        if code == 409:
-            return TemporaryBackendError(f"{what}: conflict: {message}", retry_after=1.0)
-        return PermanentBackendError(f"{what}: HTTP {code}: {message}")
+        raise TemporaryBackendError(f"create Secret {name}: it was replaced while being created; retrying", 1.0)
 
     async def _delete(self, name: str) -> bool:
         """Delete a Job and its pods; False if it was already gone."""
@@ -559,6 +468,7 @@ class KubernetesBackend:
             timer.cancel()
         self._logs.pop(key, None)
         self._lagging.pop(key, None)
+        self._secured.discard(key)
         last = self._emitted.pop(key, None)
         if last is None or last.deleted:
             return
@@ -577,13 +487,6 @@ class KubernetesBackend:
     def _publish(self, state: ExecutionState) -> None:
         for queue in self._subscribers:
             queue.put_nowait(state)
-
-
-def _read(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call the client; for a raw HTTP response, read its body in the same thread and return the bytes."""
-    result = fn(*args, **kwargs)
-    data = getattr(result, "data", None)
-    return result if data is None else data
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
@@ -610,6 +513,7 @@ def _slim(obj: Obj) -> Obj:
         "metadata": {
             "name": meta.get("name"),
             "namespace": meta.get("namespace"),
+            "uid": meta.get("uid"),
             "resourceVersion": meta.get("resourceVersion"),
             "creationTimestamp": meta.get("creationTimestamp"),
             "annotations": annotations,
@@ -617,18 +521,3 @@ def _slim(obj: Obj) -> Obj:
         "spec": slim_spec,
         "status": obj.get("status") or {},
     }
-
-
-def _status_message(error: ApiException) -> str:
-    try:
-        body = json.loads(error.body or "")
-        return str(body.get("message") or error.reason)
-    except (ValueError, AttributeError):
-        return str(error.reason or error.body or "no message")
-
-
-def _retry_after(error: ApiException, default: float) -> float:
-    try:
-        return float((error.headers or {}).get("Retry-After", default))
-    except (TypeError, ValueError):
-        return default
