@@ -163,3 +163,50 @@ def test_the_job_controller_and_kubelet_simulation(apiserver: FakeApiServer) -> 
     apiserver.set_pod_failed("retried", 2)
     assert len([p for p in apiserver.pods() if p["metadata"]["labels"]["job-name"] == "retried"]) == 2
     assert "conditions" not in apiserver.job("retried")["status"]
+
+
+def secret(name: str, owner: Any = None, **data: str) -> Any:
+    """A Secret manifest (data given as plain text, sent as stringData)."""
+    meta: dict[str, Any] = {"name": name}
+    if owner is not None:
+        meta["ownerReferences"] = [
+            {"apiVersion": "batch/v1", "kind": "Job", "name": owner.metadata.name, "uid": owner.metadata.uid}
+        ]
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "stringData": data}
+
+
+@pytest.mark.parametrize("policy", ["Background", "Foreground", "Orphan"])
+def test_secrets_are_served_and_follow_their_owner_job(policy: str) -> None:
+    with FakeApiServer() as server:
+        batch, core = apis(server)
+        owner = batch.create_namespaced_job("ns", job("j1"))
+        created = core.create_namespaced_secret("ns", secret("s1", owner, token="t-1"))
+        assert created.data == {"token": "dC0x"} and created.type == "Opaque"  # stringData stored as base64
+        assert core.read_namespaced_secret("s1", "ns").metadata.owner_references[0].uid == owner.metadata.uid
+        assert [s.metadata.name for s in core.list_namespaced_secret("ns").items] == ["s1"]
+        with pytest.raises(ApiException) as conflict:
+            core.create_namespaced_secret("ns", secret("s1", owner, token="t-2"))
+        assert conflict.value.status == 409 and json.loads(conflict.value.body)["reason"] == "AlreadyExists"
+        with pytest.raises(ApiException) as invalid:
+            core.create_namespaced_secret("ns", secret("s2", owner, **{"bad key": "x"}))
+        assert invalid.value.status == 422
+        batch.delete_namespaced_job("j1", "ns", propagation_policy=policy)
+        left = core.list_namespaced_secret("ns").items
+        if policy == "Orphan":
+            assert [s.metadata.name for s in left] == ["s1"] and not left[0].metadata.owner_references
+        else:
+            assert left == []
+
+
+def test_a_secret_whose_owner_is_gone_is_collected() -> None:
+    with FakeApiServer() as server:
+        batch, core = apis(server)
+        owner = batch.create_namespaced_job("ns", job("j1"))
+        batch.delete_namespaced_job("j1", "ns", propagation_policy="Background")
+        core.create_namespaced_secret("ns", secret("s1", owner, token="t"))
+        assert core.list_namespaced_secret("ns").items == []
+        core.create_namespaced_secret("ns", secret("s2", token="t"))  # no owner: kept
+        core.delete_namespaced_secret("s2", "ns")
+        with pytest.raises(ApiException) as gone:
+            core.read_namespaced_secret("s2", "ns")
+        assert gone.value.status == 404
