@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 import yaml
+from example_run import EXAMPLES, example_config, run_one_step
 
 from examples.coding import monitor as coding_monitor
 from examples.coding.build import SHIPPED_PROJECT, build
@@ -21,10 +22,9 @@ from examples.coding.testrun import run_tests
 from schemas import CustomEvent, RewardReported
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStore
-from services.controller.backends.base import ExecutionKey
+from services.controller.backends.base import ExecutionKey, LaunchSpec
 from services.controller.backends.k8s_template import JobTemplate, validate_manifest
 from services.tools.monitor import Monitor
-from tests.examples.example_run import EXAMPLES, example_config, run_one_step
 from trainer.clients import GatewayClient, NewRollout, ServiceUrls
 from trainer.config import load_config
 
@@ -85,7 +85,10 @@ def test_the_job_template_and_network_policy_validate_and_confine_the_agent_pods
     policy = yaml.safe_load((EXAMPLES / "coding/k8s/networkpolicy.yaml").read_text())
     template_text = (EXAMPLES / "coding/k8s/job-template.yaml").read_text()
     validate_manifest(policy, "1.33")
-    from tests.k8s.k8s_support import launch_spec
+
+    def launch_spec(key: ExecutionKey, **overrides: Any) -> LaunchSpec:
+        env = {"OPENAI_BASE_URL": "http://gateway:8080/v1", "OPENAI_API_KEY": "agent-token"}
+        return LaunchSpec(key=key, env=env, input_json="{}", timeout_s=600, **overrides)
 
     template = JobTemplate(template_text, image="registry.example/coding-agent:1")
     key = ExecutionKey("r", "ro", "a")
