@@ -12,6 +12,7 @@ import openai
 from fake_vllm import FakeVLLM, prompt_ids
 from gw_harness import GatewayHandle
 
+from schemas import SCHEMA_VERSION
 from services.common.eventstore import EventStore
 
 SYSTEM = {"role": "system", "content": "you are a careful agent " * 20}
@@ -50,7 +51,7 @@ def test_a_conversation_is_recorded_once_and_read_back_whole(
             )
         messages = [*messages, {"role": "assistant", "content": text}, {"role": "tool", "content": f"out {turn} " * 30}]
     raw = _raw_calls(nats_url, run_id, rollout["rollout_id"])
-    assert [c["schema_version"] for c in raw] == [2] * 5
+    assert [c["schema_version"] for c in raw] == [SCHEMA_VERSION] * 5
     assert "prompt_ref" not in raw[0] and all("prompt_ref" in c for c in raw[1:])
     for earlier, call in itertools.pairwise(raw):
         ref = call["prompt_ref"]
