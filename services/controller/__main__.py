@@ -15,10 +15,11 @@ import signal
 import sys
 import time
 
+from services.common.eventstore import EventStore, EventStoreError
+from services.common.settings import run_async
 from services.controller.gateway import GatewayClient
 from services.controller.reconciler import Controller
-from services.controller.settings import SettingsError, build_settings, parse_args
-from services.common.eventstore import EventStore, EventStoreError
+from services.controller.settings import SettingsError, parse
 
 GATEWAY_WAIT_S = 60.0
 
@@ -29,7 +30,7 @@ async def main(argv: list[str] | None = None) -> int:
     logging.getLogger("rollwire").setLevel(os.environ.get("ROLLWIRE_LOG_LEVEL", "INFO").upper())
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        settings = build_settings(parse_args(argv))
+        settings = parse(sys.argv[1:] if argv is None else argv)
     except SettingsError as exc:
         print(f"rollwire controller: {exc}", file=sys.stderr)
         return 2
@@ -63,7 +64,7 @@ async def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """Console entry point."""
-    sys.exit(asyncio.run(main()))
+    sys.exit(run_async(main()))
 
 
 if __name__ == "__main__":

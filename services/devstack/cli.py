@@ -11,11 +11,11 @@ from pathlib import Path
 import typer
 
 from schemas import InvalidId, MalformedEvent
-from services.devstack.embedded import EmbeddedServerError
 from services.common.eventstore import EventStoreError
+from services.devstack.embedded import EmbeddedServerError
+from services.devstack.stack import DEFAULT_GATEWAY_PORT, DEFAULT_NATS_PORT, DEFAULT_PG_PORT, StackConfig, StackError
 from services.projector import cli as projector_cli
 from services.tools import cli as replay_cli
-from services.devstack.stack import DEFAULT_GATEWAY_PORT, DEFAULT_NATS_PORT, DEFAULT_PG_PORT, StackConfig, StackError
 from trainer import cli as trainer_cli
 
 app = typer.Typer(
