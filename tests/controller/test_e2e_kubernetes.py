@@ -134,6 +134,8 @@ async def test_a_kubernetes_run_executes_as_jobs(
         events = (await admin.get(f"/api/rollouts/{evicted}/events", params={"type": "rollout.status"})).json()
         reasons = [e.get("reason") or "" for e in events if e.get("attempt_id") == first]
         assert any("evict" in reason.lower() for reason in reasons), reasons
+        # `preparing` is recorded before the launch: wait for the Job itself before moving its pod.
+        await until(lambda: retry_job in {j["metadata"]["name"] for j in apiserver.jobs(NAMESPACE)})
         apiserver.set_pod_running(retry_job)
         apiserver.set_pod_succeeded(retry_job)
         final = await until(lambda: _state(rollout(evicted), "succeeded"))
