@@ -186,7 +186,7 @@ def test_secrets_are_served_and_follow_their_owner_job(policy: str) -> None:
         assert [s.metadata.name for s in core.list_namespaced_secret("ns").items] == ["s1"]
         with pytest.raises(ApiException) as conflict:
             core.create_namespaced_secret("ns", secret("s1", owner, token="t-2"))
-        assert conflict.value.status == 409 and json.loads(conflict.value.body)["reason"] == "AlreadyExists"
+        assert conflict.value.status == 409 and json.loads(conflict.value.body or "{}")["reason"] == "AlreadyExists"
         with pytest.raises(ApiException) as invalid:
             core.create_namespaced_secret("ns", secret("s2", owner, **{"bad key": "x"}))
         assert invalid.value.status == 422

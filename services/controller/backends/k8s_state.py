@@ -114,6 +114,11 @@ def derive(
         return Derived(msgspec.structs.replace(base, reason="the Job is suspended (spec.suspend)"))
     if pod is None:
         return Derived(base)
+    return _from_pod(base, pod, now, stuck_grace_s)
+
+
+def _from_pod(base: ExecutionState, pod: Obj, now: float, stuck_grace_s: float) -> Derived:
+    """The state of a Job that has not ended, from its newest pod."""
     pod_status = pod.get("status") or {}
     if pod_status.get("phase") == "Unknown":
         return Derived(
