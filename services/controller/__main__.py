@@ -9,16 +9,18 @@ in flight finish, and leaves running executions to the next controller.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
 import time
 
+from services.common import httpserve
+from services.common.eventstore import EventStore, EventStoreError
 from services.controller.gateway import GatewayClient
 from services.controller.reconciler import Controller
-from services.controller.settings import SettingsError, build_settings, parse_args
-from services.common.eventstore import EventStore, EventStoreError
+from services.controller.settings import ControllerSettings, SettingsError, build_settings, parse_args
 
 GATEWAY_WAIT_S = 60.0
 
@@ -54,11 +56,35 @@ async def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, controller.stop)
-        await controller.run()
+        server = await _serve_metrics(settings, controller, store)
+        try:
+            await controller.run()
+        finally:
+            if server is not None:
+                server.close()
         return 0
     finally:
         await gateway.close()
         await store.close()
+
+
+async def _serve_metrics(
+    settings: ControllerSettings, controller: Controller, store: EventStore
+) -> asyncio.Server | None:
+    """`/metrics` and `/healthz` on the configured port (none when no port is set)."""
+    if settings.metrics_port is None:
+        return None
+
+    def health() -> tuple[int, bytes]:
+        ok = controller.started.is_set() and store.nc.is_connected
+        nats, started = store.nc.is_connected, controller.started.is_set()
+        body = {"status": "ok" if ok else "degraded", "nats": nats, "started": started}
+        return (200 if ok else 503), json.dumps(body).encode()
+
+    server = await httpserve.serve("controller", settings.metrics_host, settings.metrics_port, health)
+    port = server.sockets[0].getsockname()[1]
+    print(f"rollwire controller: metrics on http://{settings.metrics_host}:{port}/metrics", flush=True)
+    return server
 
 
 def run() -> None:

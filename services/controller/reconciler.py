@@ -63,6 +63,8 @@ import msgspec
 from schemas import RunStarted
 from schemas.ids import ROLLOUT_ATTEMPT, ROLLOUT_CREATED, ROLLOUT_STATUS, RUN_SUBJECT
 from schemas.runs import RunSpec
+from services.common.eventstore import EventStore, EventStoreError, StoredEvent
+from services.controller import metrics
 from services.controller.backends.base import (
     ExecutionBackend,
     ExecutionKey,
@@ -93,7 +95,6 @@ from services.controller.gateway import (
 )
 from services.controller.settings import ControllerSettings
 from services.controller.view import NOT_LAUNCHED, Attempt, Rollout, RunSpecError, fold, spec_from_event
-from services.common.eventstore import EventStore, EventStoreError, StoredEvent
 
 log = logging.getLogger("rollwire.controller")
 
@@ -194,6 +195,7 @@ class Controller:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.started = asyncio.Event()
         self.stats: Counter[str] = Counter()
+        metrics.watch(self.executions, self.owner)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -725,6 +727,9 @@ class Controller:
         idem = f"rollwire-controller:{key.rollout_id}:{attempt_id or '-'}:{status}"
         began = time.monotonic()
         seq = await self.gateway.set_status(key.rollout_id, status, attempt_id=attempt_id, reason=reason, key=idem)
+        spec = self.specs.get(key.run_id)
+        backend = spec.backend if isinstance(spec, RunSpec) else "unknown"
+        metrics.status_written(key.run_id, key.rollout_id, backend, status, reason)
         log.debug("rollout %s -> %s in %.0f ms", key.rollout_id, status, (time.monotonic() - began) * 1000)
         self._awaiting[key] = (seq, time.time() + ECHO_TIMEOUT_S)
 
@@ -814,6 +819,8 @@ class Controller:
                 await self._end(key, with_attempt, f"cannot launch attempt {grant.sequence}: {exc}")
                 return
         self.stats["launched"] += 1
+        queued = view.status_time if view.status in ("queuing", "requeuing") else None
+        metrics.launched(key.run_id, key.rollout_id, bid, grant.sequence, queued)
         log.debug(
             "rollout %s attempt %s launched in %.0f ms (start attempt %.0f ms)",
             key.rollout_id,

@@ -42,6 +42,8 @@ class ControllerSettings(msgspec.Struct, frozen=True, kw_only=True):
     resync_s: float = 5.0
     kill_grace_s: float = 30.0
     max_inflight: int = 128
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
 
 
 def _positive(name: str, raw: str | None, default: float) -> float:
@@ -54,6 +56,14 @@ def _positive(name: str, raw: str | None, default: float) -> float:
     if value <= 0:
         raise SettingsError(f"{name} must be positive, got {raw}")
     return value
+
+
+def _port(raw: str | None) -> int | None:
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit() or int(raw) > 65535:
+        raise SettingsError(f"ROLLWIRE_CONTROLLER_PORT / --metrics-port={raw!r} is not a port number (0 to 65535)")
+    return int(raw)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -78,6 +88,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--durable", help="name of the durable NATS consumer (ROLLWIRE_CONTROLLER_DURABLE)")
     parser.add_argument("--resync-s", help="period of the full reconcile in seconds (ROLLWIRE_CONTROLLER_RESYNC_S)")
+    parser.add_argument("--metrics-host", help="address of /metrics and /healthz (ROLLWIRE_CONTROLLER_HOST)")
+    parser.add_argument(
+        "--metrics-port",
+        help="port of /metrics and /healthz (ROLLWIRE_CONTROLLER_PORT; 0: any free port; default off)",
+    )
     return parser.parse_args(argv)
 
 
@@ -103,6 +118,7 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str] | None = Non
         raise SettingsError(str(exc)) from None
     data_dir = Path(env.get("ROLLWIRE_DATA_DIR") or ".rollwire")
     executions_dir = Path(args.executions_dir or env.get("ROLLWIRE_EXECUTIONS_DIR") or data_dir / "executions")
+    metrics_port = _port(getattr(args, "metrics_port", None) or env.get("ROLLWIRE_CONTROLLER_PORT"))
     capacity = _positive("ROLLWIRE_LOCAL_CAPACITY", args.local_capacity or env.get("ROLLWIRE_LOCAL_CAPACITY"), 32)
     return ControllerSettings(
         gateway_url=gateway_url,
@@ -114,6 +130,8 @@ def build_settings(args: argparse.Namespace, env: Mapping[str, str] | None = Non
         backends=backends,
         executions_dir=executions_dir,
         local_capacity=int(capacity),
+        metrics_host=getattr(args, "metrics_host", None) or env.get("ROLLWIRE_CONTROLLER_HOST") or "127.0.0.1",
+        metrics_port=metrics_port,
         resync_s=_positive(
             "ROLLWIRE_CONTROLLER_RESYNC_S", args.resync_s or env.get("ROLLWIRE_CONTROLLER_RESYNC_S"), 5.0
         ),

@@ -41,7 +41,7 @@ async def main(argv: list[str] | None = None) -> None:
         max_model_len=args.max_model_len,
         threads=args.threads,
     )
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False))
     await server.serve()
 
 

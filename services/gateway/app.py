@@ -18,12 +18,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas import PhaseChanged
 from services.common.eventstore import EventStore, StoredEvent
-from services.gateway import api, bodies
+from services.common.metrics import ObservedApp
+from services.gateway import api, bodies, metrics
 from services.gateway.auth import Authenticator, TokenSigner
 from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, translate, unavailable
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import IdempotencyCache
+from services.gateway.models_route import list_models
 from services.gateway.openapi import openapi_document
 from services.gateway.phase import PhaseGate
 from services.gateway.proxy import PREFIX, Proxy
@@ -86,7 +88,8 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
         )
         await state.start()
         app.state.gateway = gateway
-        app.state.proxy = Proxy(gateway)
+        app.state.proxy = metrics.observe_proxy(Proxy(gateway))
+        metrics.watch_idempotency(gateway.idempotency.__len__, gateway.idempotency.nbytes)
         try:
             yield
         finally:
@@ -101,6 +104,7 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
         title="Rollwire gateway", version="1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
     )
     app.add_middleware(_ProxyFirst)
+    app.add_middleware(ObservedApp, service="gateway", route_of=metrics.proxy_route)  # type: ignore[arg-type]
 
     @app.exception_handler(Exception)
     async def _errors(request: Request, exc: Exception) -> Response:
@@ -132,6 +136,7 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
         app.add_exception_handler(exc_type, _errors)  # type: ignore[arg-type]
     api.register(app)
     app.add_api_route("/api/phase", set_phase, methods=["POST"])
+    app.add_api_route("/api/models", list_models, methods=["GET"])
 
     document: list[bytes] = []  # built on first request (all routes are added by then), then served as is
 

@@ -29,6 +29,7 @@ import msgspec
 
 from schemas import ModelRequestRecorded, new_id
 from services.common.eventstore import EventStoreUnavailable
+from services.gateway import metrics
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, forbidden, not_found, translate, unauthorized, unavailable
@@ -320,10 +321,15 @@ class Proxy:
 
     async def _record(self, events: list[ModelRequestRecorded]) -> None:
         store = self.gw.store
-        if len(events) == 1:
-            await store.append(events[0])
-        else:
-            await store.append_many(events)
+        try:
+            if len(events) == 1:
+                await store.append(events[0])
+            else:
+                await store.append_many(events)
+        except BaseException:
+            metrics.record_failed()
+            raise
+        metrics.recorded(events)
 
     async def _record_failure(self, call: Call, error: str, weights: str | None = None) -> None:
         with contextlib.suppress(EventStoreUnavailable):

@@ -159,7 +159,7 @@ def test_metrics_and_health_routes() -> None:
     status.postgres_up, status.nats_up, status.stream_seq = True, True, 10
     status.applied(7, 7, 0.01)
     assert b"200 OK" in route(status, "GET", "/healthz") and b'"lag_events":3' in route(status, "GET", "/healthz")
-    assert b'rollwire_projector_lag_events{stream="S"} 3' in route(status, "GET", "/metrics")
+    assert b'rollwire_projector_lag_events{stream="S"} 3.0' in route(status, "GET", "/metrics")
     status.postgres_up = False
     assert b"503" in route(status, "GET", "/healthz")
     assert b"404" in route(status, "GET", "/nope") and b"405" in route(status, "POST", "/metrics")
