@@ -33,7 +33,7 @@ _KINDS = (
     ("lost", ("deleted", "removed", "vanished", "died", "stopped reporting", "no execution")),
     ("cancelled", ("cancelled",)),
     ("config", ("sets no command",)),
-    ("exit_code", ("exit code", "exit status", "failed")),
+    ("exit_code", ("exit code", "exited with code", "exit status", "killed by", "failed")),
 )
 MAX_TRACKED = 100_000
 
@@ -64,7 +64,7 @@ def kind_of(backend: str) -> str:
 
 def reason_kind(reason: str | None) -> str:
     """The bounded kind of a failure reason (see `REASONS`)."""
-    text = (reason or "").lower()
+    text = (reason or "").split("\n", 1)[0].lower()  # the backend's words, not the log lines after them
     for kind, needles in _KINDS:
         if any(needle in text for needle in needles):
             return kind
