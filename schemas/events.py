@@ -18,6 +18,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
+from schemas.bounds import Count, Int32, Positive, check_int
 from schemas.ids import (
     CUSTOM_EVENT,
     MODEL,
@@ -37,6 +38,7 @@ RolloutStatus = Literal["queuing", "preparing", "running", "requeuing", "succeed
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 Mode = Literal["train", "val"]
 CallStatus = Literal["ok", "failed", "aborted"]
+CallApi = Literal["chat", "responses", "messages"]
 Phase = Literal["rollout", "update"]
 RewardSource = Literal["agent", "evaluator", "admin"]
 
@@ -96,9 +98,13 @@ class RolloutCreated(Event, frozen=True, kw_only=True, tag="rollout.created"):
     group_id: str | None = None
     mode: Mode = "train"
     metadata: dict[str, Any] = {}
-    max_attempts: int = 1
+    max_attempts: Positive = 1
     config: dict[str, Any] = {}
     """Executor-facing settings of this rollout (Agent Lightning's `RolloutConfig`: timeout, local, k8s)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("max_attempts", self.max_attempts, 1, optional=False)
 
     @property
     def subject(self) -> str:
@@ -120,9 +126,13 @@ class RolloutStatusChanged(Event, frozen=True, kw_only=True, tag="rollout.status
 class AttemptStarted(Event, frozen=True, kw_only=True, tag="attempt.started"):
     """A new attempt of a rollout began (`attempt_id` in the envelope; `sequence` counts from 1)."""
 
-    sequence: int
+    sequence: Positive
     executor: str | None = None
     expires_at: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("sequence", self.sequence, 1, optional=False)
 
     @property
     def subject(self) -> str:
@@ -135,23 +145,31 @@ class ModelRequestRecorded(Event, frozen=True, kw_only=True, tag="model_request"
     `prompt_ids` are the tokens the engine consumed, `response_ids` the tokens it sampled and
     `logprobs[i]` the behaviour log-probability of `response_ids[i]`. Only calls with
     `status == "ok"` are training data; failed and aborted calls are kept for inspection.
+    `api` is the API the harness called (`chat`, `responses`, `messages`); `request` and
+    `response` are always in chat-completions form (what the engine was asked and answered).
     """
 
     call_id: str
     mode: Mode = "train"
     status: CallStatus = "ok"
-    choice_index: int = 0
+    choice_index: Count = 0
     model: str = ""
-    weights_version: int | None = None
-    prompt_ids: list[int] = []
-    response_ids: list[int] = []
+    weights_version: Int32 | None = None
+    prompt_ids: list[Count] = []
+    response_ids: list[Count] = []
     logprobs: list[float] = []
     finish_reason: str | None = None
     request: dict[str, Any] = {}
     response: dict[str, Any] = {}
-    usage: dict[str, int] = {}
+    usage: dict[str, Count] = {}
     latency_s: float = 0.0
     error: str | None = None
+    api: CallApi = "chat"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("choice_index", self.choice_index, 0, optional=False)
+        check_int("weights_version", self.weights_version)
 
     @property
     def subject(self) -> str:
@@ -163,8 +181,12 @@ class RewardReported(Event, frozen=True, kw_only=True, tag="reward"):
 
     value: float
     name: str | None = None
-    step: int | None = None
+    step: Int32 | None = None
     source: RewardSource = "agent"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("step", self.step)
 
     @property
     def subject(self) -> str:
@@ -192,12 +214,13 @@ class ModelRegistered(Event, frozen=True, kw_only=True, tag="model.registered"):
     name: str
     base_url: str
     served_model: str | None = None
-    weights_version: int | None = None
+    weights_version: Int32 | None = None
     api_key: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_id("name", self.name)
+        check_int("weights_version", self.weights_version)
 
     @property
     def subject(self) -> str:
@@ -222,7 +245,11 @@ class PhaseChanged(Event, frozen=True, kw_only=True, tag="phase"):
     """Collocated-async phase switch: `update` holds new calls, `rollout` serves `weights_version`."""
 
     phase: Phase
-    weights_version: int | None = None
+    weights_version: Int32 | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("weights_version", self.weights_version)
 
     @property
     def subject(self) -> str:

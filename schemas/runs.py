@@ -10,10 +10,41 @@ from typing import Literal
 
 import msgspec
 
+from schemas.bounds import Count, Positive
 from schemas.ids import check_id
 
 Backend = Literal["local", "kubernetes"]
 RewardFrom = Literal["agent", "evaluator"]
+
+
+class CallLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What one model call through the proxy may ask for; a call over a limit is refused with a 400.
+
+    Each choice of a call is recorded with the call's whole request, so `n` multiplies what a call
+    writes; `max_tokens` bounds what one answer may cost; tools and messages bound the request.
+    """
+
+    max_n: Positive = 8
+    max_tokens: Positive = 32_768
+    max_tools: Count = 128
+    max_messages: Positive = 2_048
+
+
+class AttemptBudget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What one attempt may spend through the proxy (None: no limit).
+
+    `calls`: model calls; `tokens`: prompt + response tokens of its recorded calls; `wall_s`:
+    seconds since the attempt started. A call over budget is refused and recorded as a
+    `budget_exceeded` custom event of the attempt.
+    """
+
+    calls: Positive | None = None
+    tokens: Positive | None = None
+    wall_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.wall_s is not None and not self.wall_s > 0:
+            raise msgspec.ValidationError("wall_s must be positive - at `$.budget.wall_s`")
 
 
 class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -23,6 +54,7 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     directory per attempt); `job_template` is a Kubernetes Job template (YAML text with
     placeholders) for the kubernetes backend. `evaluator_command`, when set, runs after the agent
     exits, in the same workspace, with an evaluator token; `reward_from` says whose rewards count.
+    `limits` bounds each model call and `budget` each attempt (enforced by the proxy).
     """
 
     run_id: str
@@ -31,13 +63,15 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     command: list[str] = []
     job_template: str | None = None
     image: str | None = None
-    concurrency: int = 8
+    concurrency: Positive = 8
     timeout_s: float = 600.0
-    max_attempts: int = 1
+    max_attempts: Positive = 1
     retry_backoff_s: float = 1.0
     evaluator_command: list[str] | None = None
     reward_from: RewardFrom = "agent"
     env: dict[str, str] = {}
+    limits: CallLimits = msgspec.field(default_factory=CallLimits)
+    budget: AttemptBudget = msgspec.field(default_factory=AttemptBudget)
 
     def __post_init__(self) -> None:
         check_id("run_id", self.run_id)

@@ -689,7 +689,7 @@ async def start_run(request: Request) -> Response:
     async def command(key: str | None) -> Result:
         existing = await gw.store.last(RUN_SUBJECT.format(run=spec.run_id))  # the stream: no Postgres for a write
         if existing is not None and isinstance(existing.event, RunStarted):
-            if existing.event.config != config:
+            if _same_spec(existing.event.config) != config:
                 raise ApiError(
                     409,
                     f"run {spec.run_id} was already started with a different spec; a run's spec never changes: "
@@ -707,6 +707,14 @@ async def start_run(request: Request) -> Response:
         return 201, encode({"run_id": spec.run_id, "spec": config, "seq": ack.seq})
 
     return await _keyed(request, "admin", body, command)
+
+
+def _same_spec(config: dict[str, Any]) -> dict[str, Any]:
+    """A stored spec with the fields added since it was written at their defaults (so it compares equal)."""
+    try:
+        return msgspec.to_builtins(msgspec.convert(config, RunSpec))  # type: ignore[no-any-return]
+    except (msgspec.ValidationError, InvalidId):
+        return config
 
 
 async def get_run(request: Request, run_id: str) -> Response:

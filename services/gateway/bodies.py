@@ -14,6 +14,7 @@ from typing import Any, Literal
 import msgspec
 
 from schemas import RolloutStatus
+from schemas.bounds import Int32, Positive
 
 
 class NewRollout(msgspec.Struct, kw_only=True):
@@ -27,7 +28,7 @@ class NewRollout(msgspec.Struct, kw_only=True):
     is_train: bool | None = None
     metadata: dict[str, Any] | None = None
     config: dict[str, Any] | None = None
-    max_attempts: int | None = None
+    max_attempts: Positive | None = None
 
 
 class RolloutBatch(msgspec.Struct, kw_only=True):
@@ -65,7 +66,7 @@ class EventBody(msgspec.Struct, kw_only=True):
     type: Literal["reward", "custom"] | None = None
     value: float | None = None
     name: str | None = None
-    step: int | None = None
+    step: Int32 | None = None
     payload: dict[str, Any] | None = None
     event_type: str | None = None
     data: dict[str, Any] | None = None
@@ -76,7 +77,7 @@ class AglModel(msgspec.Struct, kw_only=True):
 
     model: str
     endpoint: str
-    version: int = 0
+    version: Int32 = 0
 
 
 class ModelBody(msgspec.Struct, kw_only=True):
@@ -86,7 +87,7 @@ class ModelBody(msgspec.Struct, kw_only=True):
     base_url: str
     run_id: str | None = None
     served_model: str | None = None
-    weights_version: int | None = None
+    weights_version: Int32 | None = None
     api_key: str | None = None
 
 
@@ -95,4 +96,4 @@ class PhaseBody(msgspec.Struct, kw_only=True):
 
     phase: Literal["rollout", "update"]
     run_id: str | None = None
-    weights_version: int | None = None
+    weights_version: Int32 | None = None

@@ -33,6 +33,7 @@ _FRONT_ENDS = {
     ("openai", "chat/completions"): "chat_completions",
     ("openai", "responses"): "responses",
     ("anthropic", "messages"): "anthropic_messages",
+    ("anthropic", "messages/count_tokens"): "anthropic_count_tokens",
     ("openai", "models"): "models",
     ("anthropic", "models"): "models",
 }

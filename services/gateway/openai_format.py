@@ -30,6 +30,7 @@ class ChoiceRecord(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     role: str = "assistant"
     content: list[str] = msgspec.field(default_factory=list)
+    reasoning: list[str] = msgspec.field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = msgspec.field(default_factory=dict)
     message: dict[str, Any] | None = None
 
@@ -38,6 +39,8 @@ class ChoiceRecord(msgspec.Struct, kw_only=True):
         if self.message is not None:
             return {"message": self.message}
         message: dict[str, Any] = {"role": self.role, "content": "".join(self.content) if self.content else None}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
         return {"message": message}
@@ -155,6 +158,9 @@ class StreamFold:
             record.role = delta["role"]
         if isinstance(delta.get("content"), str):
             record.content.append(delta["content"])
+        reasoning = reasoning_of(delta)
+        if reasoning:
+            record.reasoning.append(reasoning)
         for call in delta.get("tool_calls") or []:
             if not isinstance(call, dict):
                 continue
@@ -190,6 +196,15 @@ def strip_chunk(chunk: dict[str, Any], wants: Wants) -> bool:
         if not wants.logprobs and "logprobs" in choice:
             choice["logprobs"] = None
     return True
+
+
+def reasoning_of(message: dict[str, Any]) -> str:
+    """The reasoning text of a message or delta (vLLM's `reasoning_content`, newer `reasoning`)."""
+    for key in ("reasoning_content", "reasoning"):
+        value = message.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return ""
 
 
 def finishes(chunk: dict[str, Any]) -> bool:

@@ -1,101 +1,88 @@
-"""The OpenAI-compatible proxy: one agent's model calls, forwarded and recorded token by token.
+"""The proxy: each attempt's OpenAI and Anthropic base URLs, every model call forwarded and recorded.
 
-    POST /proxy/rollout/{rid}/attempt/{aid}/mode/{train|val}/openai/v1/chat/completions
-    GET  /proxy/rollout/{rid}/attempt/{aid}/mode/{train|val}/openai/v1/models
+    /proxy/rollout/{rid}/attempt/{aid}/mode/{train|val}/openai/v1/
+        POST chat/completions, POST responses, GET models
+    /proxy/rollout/{rid}/attempt/{aid}/mode/{train|val}/anthropic/
+        HEAD, POST v1/messages, POST v1/messages/count_tokens, GET v1/models
 
 This is the hot path, so it is a plain ASGI handler (no routing or validation framework in the
 way), admission is checked against the in-memory state (`state.py`), the upstream is one pooled
-`UpstreamClient` (`upstream.py`, a lean HTTP/1.1 client), and JSON goes through msgspec.
+`UpstreamClient` (`upstream.py`), and JSON goes through msgspec.
 
-For each call: check the attempt token and that the attempt is live (403 foreign, 404 unknown,
-409 finished; nothing is forwarded otherwise), refuse with 503 when NATS is down, pass the phase
-gate, forward with token ids and logprobs requested, append one `ModelRequestRecorded` per choice,
-and only after JetStream acknowledged it return the response (or, when streaming, the chunks that
-finish the choices and `[DONE]`), so every call the harness saw is a call the trainer will see.
-A client that disconnects gets the upstream call cancelled and the call recorded as `aborted`.
-Upstream errors are recorded as `failed` and passed on with their status; timeouts become 504.
+A path is parsed into a `Route` (attempt, mode, which API, the rest), the call is admitted
+(403 foreign token, 404 unknown attempt, 409 finished attempt or wrong mode, 503 NATS down;
+nothing is forwarded otherwise), and the route's front end (`frontends/`) turns the request into
+the engine's chat-completions body and a translator for the answer. `pipeline.py` forwards,
+records and answers. Every refusal is written in the API's own error shape.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
 from schemas import ModelRequestRecorded, new_id
-from services.common.eventstore import EventStoreUnavailable
-from services.gateway import metrics
+from schemas.ids import MODEL_REQUEST
+from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_json
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, forbidden, not_found, translate, unauthorized, unavailable
-from services.gateway.openai_format import (
-    ChoiceRecord,
-    StreamFold,
-    Wants,
-    finishes,
-    int_usage,
-    prepare_request,
-    read_completion,
-    strip_chunk,
-    strip_completion,
-)
+from services.gateway.frontends import chat, messages, responses
+from services.gateway.frontends.base import Api, error_body
+from services.gateway.frontends.canonical import Conversation, TranslationError, Turn, history
+from services.gateway.openai_format import prepare_request
+from services.gateway.pipeline import Call, Pipeline
 from services.gateway.readmodel import RolloutView
 from services.gateway.state import ModelEntry
-from services.gateway.upstream import UpstreamError, UpstreamResponse
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+from services.gateway.upstream import UpstreamError
 
 PREFIX = "/proxy/rollout/"
-WEIGHTS_HEADER = "x-rollwire-weights-version"
-_JSON_HEADERS = [(b"content-type", b"application/json")]
-_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+APIS = ("openai", "anthropic")
+SERVED = (
+    "this proxy serves OpenAI's API under .../openai/v1/ (POST chat/completions, POST responses, GET models) "
+    "and Anthropic's Messages API under .../anthropic/ (POST v1/messages, POST v1/messages/count_tokens, "
+    "GET v1/models, HEAD)"
+)
 _encode = msgspec.json.Encoder().encode
 _decode_obj = msgspec.json.Decoder(dict[str, Any]).decode
-_decode_any = msgspec.json.Decoder().decode
 
 
-class Upstream(msgspec.Struct):
-    """An upstream answer read in full: status, the weights version header, body bytes."""
+class Route(msgspec.Struct, frozen=True):
+    """A parsed proxy path: whose attempt, which mode, which API, and the rest of the path."""
 
-    status: int
-    weights: str | None
-    content: bytes
-
-
-class Call(msgspec.Struct, kw_only=True):
-    """One admitted call: who, where to, and what the client asked for."""
-
-    view: RolloutView
+    rollout_id: str
     attempt_id: str
     mode: str
-    model: ModelEntry
-    body: dict[str, Any]
-    wants: Wants
-    started: float
+    api: Api
+    rest: str
 
 
-async def _send_json(send: Send, status: int, payload: bytes, headers: dict[str, str] | None = None) -> None:
-    extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS + extra})
-    await send({"type": "http.response.body", "body": payload})
+def parse_route(path: str) -> Route:
+    """The route of a `/proxy/rollout/...` path (404 naming the served APIs when it is not one)."""
+    parts = path[len(PREFIX) :].split("/")
+    # rid / attempt / aid / mode / m / api [/ v1] / rest...
+    if len(parts) < 6 or parts[1] != "attempt" or parts[3] != "mode":
+        raise not_found(
+            f"unknown proxy path; use /proxy/rollout/{{rid}}/attempt/{{aid}}/mode/{{train|val}}/...: {SERVED}"
+        )
+    rollout_id, attempt_id, mode, api = parts[0], parts[2], parts[4], parts[5]
+    if mode not in ("train", "val"):
+        raise not_found(f"unknown proxy mode {mode!r}; use train or val")
+    if api == "openai" and parts[6:7] == ["v1"]:
+        return Route(rollout_id, attempt_id, mode, "openai", "/".join(parts[7:]))
+    if api == "anthropic":
+        return Route(rollout_id, attempt_id, mode, "anthropic", "/".join(parts[6:]).rstrip("/"))
+    raise not_found(f"the proxy does not serve {'/'.join(parts[5:])!r}: {SERVED}")
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return value.decode("latin-1")  # type: ignore[no-any-return]
-    return None
+def _api_of(path: str) -> Api:
+    return "anthropic" if "/anthropic/" in path or path.endswith("/anthropic") else "openai"
 
 
-def _openai_error(status: int, message: str, kind: str = "upstream_error") -> bytes:
-    return _encode({"error": {"message": message, "type": kind, "code": status}})
+Handler = Callable[["Proxy", Scope, Receive, Send, Route], Awaitable[None]]
 
 
 class Proxy:
@@ -103,6 +90,7 @@ class Proxy:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        self.pipeline = Pipeline(gateway)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
@@ -113,478 +101,261 @@ class Proxy:
             await send(message)
 
         try:
-            await self._dispatch(scope, receive, tracked)
+            route = parse_route(scope["path"])
+            handler = ROUTES.get((route.api, scope["method"], route.rest))
+            if handler is None:
+                raise not_found(f"the proxy does not serve {scope['method']} {route.rest or '/'}: {SERVED}")
+            await handler(self, scope, receive, tracked, route)
         except Exception as exc:
-            error = translate(exc)
-            if started:  # a stream already began: nothing more can be said over HTTP
-                if error is None:
-                    raise
-                return
-            if error is None:
-                error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
-            await _send_json(send, error.status, error.body(), error.headers)
-            if error.status == 500:
-                raise
+            await self._refuse(exc, scope, send, started)
 
-    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
-        parts = scope["path"][len(PREFIX) :].split("/")
-        # rid / attempt / aid / mode / m / openai / v1 / rest...
-        if len(parts) < 8 or parts[1] != "attempt" or parts[3] != "mode" or parts[5:7] != ["openai", "v1"]:
-            raise not_found("unknown proxy path; use /proxy/rollout/{rid}/attempt/{aid}/mode/{train|val}/openai/v1/")
-        rollout_id, attempt_id, mode, rest = parts[0], parts[2], parts[4], "/".join(parts[7:])
-        if mode not in ("train", "val"):
-            raise not_found(f"unknown proxy mode {mode!r}; use train or val")
-        method = scope["method"]
-        if rest == "chat/completions" and method == "POST":
-            view = await self._admit(scope, rollout_id, attempt_id, mode)
-            await self._chat(scope, receive, send, view, attempt_id, mode)
-        elif rest == "models" and method == "GET":
-            view = await self._admit(scope, rollout_id, attempt_id, mode)
-            await self._models(send, view, rollout_id)
-        else:
-            raise not_found(f"the proxy serves POST chat/completions and GET models, not {method} {rest}")
+    async def _refuse(self, exc: Exception, scope: Scope, send: Send, started: bool) -> None:
+        if isinstance(exc, TranslationError):
+            exc = ApiError(exc.status, exc.message, field=exc.field)
+        error = translate(exc)
+        if started:  # a stream already began: nothing more can be said over HTTP
+            if error is None:
+                raise exc
+            return
+        if error is None:
+            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+        body = error_body(_api_of(scope["path"]), error.status, error.message, **error.extra)
+        await send_json(send, error.status, body, error.headers)
+        if error.status == 500:
+            raise exc
 
     # ---- admission -----------------------------------------------------------------------------
 
-    async def _admit(self, scope: Scope, rollout_id: str, attempt_id: str, mode: str) -> RolloutView:
+    async def admit(self, scope: Scope, route: Route) -> RolloutView:
+        """The rollout of a call this token may make now (401/403/404/409/503 otherwise)."""
         gw = self.gw
-        principal: Principal | None = gw.auth.principal(_header(scope, b"authorization"), _header(scope, b"x-api-key"))
+        principal: Principal | None = gw.auth.principal(header(scope, b"authorization"), header(scope, b"x-api-key"))
         if principal is None:
-            raise unauthorized()
+            raise unauthorized("missing or invalid token: send `Authorization: Bearer <token>` or `x-api-key: <token>`")
         if isinstance(principal, AttemptScope):
             if principal.role != "agent":
                 raise forbidden("an evaluator token cannot call the model through the proxy")
-            if (principal.rollout_id, principal.attempt_id) != (rollout_id, attempt_id):
+            if (principal.rollout_id, principal.attempt_id) != (route.rollout_id, route.attempt_id):
                 raise forbidden(
                     f"this token belongs to rollout {principal.rollout_id} attempt "
-                    f"{principal.attempt_id}, not rollout {rollout_id} attempt {attempt_id}"
+                    f"{principal.attempt_id}, not rollout {route.rollout_id} attempt {route.attempt_id}"
                 )
-        view = await gw.rollout_for(principal, rollout_id)
+        view = await gw.rollout_for(principal, route.rollout_id)
         if isinstance(principal, AttemptScope) and principal.run_id != view.run_id:
             raise forbidden(f"this token belongs to run {principal.run_id}")
-        attempt = view.attempt(attempt_id)
+        attempt = view.attempt(route.attempt_id)
         if attempt is None:
-            view = await gw.rollout_for(principal, rollout_id, refresh=True)
-            attempt = view.attempt(attempt_id)
+            view = await gw.rollout_for(principal, route.rollout_id, refresh=True)
+            attempt = view.attempt(route.attempt_id)
             if attempt is None:
-                raise not_found(f"rollout {rollout_id} has no attempt {attempt_id}")
+                raise not_found(f"rollout {route.rollout_id} has no attempt {route.attempt_id}")
         if attempt.ended:
             raise ApiError(
                 409,
-                f"attempt {attempt_id} of rollout {rollout_id} has ended ({view.status}); "
+                f"attempt {route.attempt_id} of rollout {route.rollout_id} has ended ({view.status}); "
                 "its calls are no longer accepted",
                 current={"status": view.status, "attempt_id": view.attempt_id},
             )
-        if mode != view.mode:
-            raise ApiError(409, f"rollout {rollout_id} is a {view.mode} rollout; use mode/{view.mode} in the URL")
+        if route.mode != view.mode:
+            raise ApiError(409, f"rollout {route.rollout_id} is a {view.mode} rollout; use mode/{view.mode} in the URL")
         if not gw.store.nc.is_connected:
             raise unavailable("the event store (NATS) is unavailable, so the call cannot be recorded; retry later")
         return view
 
-    def _choose(self, view: RolloutView, requested: Any) -> ModelEntry:
+    def models(self, view: RolloutView) -> list[ModelEntry]:
+        """The endpoints a call of this rollout may use (503 when none is registered)."""
         models = self.gw.state.models_for(view.run_id, self.gw.settings.default_run)
         if not models:
             raise unavailable(
                 f"no model endpoint is registered for run {view.run_id}; register one with POST /api/models"
             )
+        return models
+
+    def choose(self, view: RolloutView, requested: Any) -> ModelEntry:
+        """The endpoint for a call: those named by `requested` if any, else the run's; one per rollout."""
+        models = self.models(view)
         matching = [m for m in models if requested in (m.name, m.served_model)]
         pool = sorted(matching or models, key=lambda m: m.name)
         # A rollout sticks to one endpoint (its prefix cache), spread by a hash of its id.
         digest = hashlib.blake2b(view.rollout_id.encode(), digest_size=8).digest()
         return pool[int.from_bytes(digest, "big") % len(pool)]
 
-    # ---- models --------------------------------------------------------------------------------
-
-    async def _models(self, send: Send, view: RolloutView, rollout_id: str) -> None:
-        model = self._choose(view, None)
-        headers = {"authorization": f"Bearer {model.api_key}"} if model.api_key else {}
+    async def json_body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
+        """The request body as a JSON object (413 too large, 422 not an object)."""
+        body = await read_body(scope, receive, self.gw.settings.max_body_bytes)
         try:
-            response = await self.gw.upstream.request("GET", f"{model.base_url}/models", b"", headers)
-            status, content = response.status, await response.read()
-        except TimeoutError:
-            raise ApiError(504, f"the model endpoint {model.base_url} timed out") from None
-        except UpstreamError as exc:
-            raise ApiError(502, f"the model endpoint {model.base_url} failed: {exc}") from None
-        await _send_json(send, status, content)
-
-    # ---- chat completions ----------------------------------------------------------------------
-
-    async def _chat(
-        self, scope: Scope, receive: Receive, send: Send, view: RolloutView, attempt_id: str, mode: str
-    ) -> None:
-        gw = self.gw
-        body = await self._read_body(scope, receive)
-        try:
-            request = _decode_obj(body)
+            return _decode_obj(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ApiError(422, f"the request body is not a JSON object: {exc}", field="body") from None
-        if not isinstance(request.get("messages"), list):
-            raise ApiError(422, 'chat completions need a list of "messages"', field="messages")
-        model = self._choose(view, request.get("model"))
-        await gw.gate.enter(view.run_id)
-        try:
-            upstream_body, wants = prepare_request(request, model.upstream_model)
-            call = Call(
-                view=view,
-                attempt_id=attempt_id,
-                mode=mode,
-                model=model,
-                body=request,
-                wants=wants,
-                started=time.perf_counter(),
-            )
-            payload = _encode(upstream_body)
-            if request.get("stream"):
-                await self._stream(call, payload, receive, send)
-            else:
-                await self._complete(call, payload, receive, send)
-        finally:
-            gw.gate.leave(view.run_id)
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.gw.settings.max_body_bytes
-        declared = _header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
-        chunks = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ApiError(499, "the client disconnected before sending its request")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    def call(self, view: RolloutView, route: Route, model: ModelEntry, **fields: Any) -> Call:
+        """A call of this route to `model` (the front end supplies payload, request and translator)."""
+        return Call(view=view, attempt_id=route.attempt_id, mode=route.mode, model=model, **fields)
 
-    def _headers(self, call: Call) -> dict[str, str]:
-        headers = {"content-type": "application/json"}
-        if call.model.api_key:
-            headers["authorization"] = f"Bearer {call.model.api_key}"
-        return headers
+    async def previous(self, view: RolloutView, attempt_id: str, response_id: Any) -> list[Turn]:
+        """The turns of this attempt's recorded call `resp_<call_id>` and its answer (404 if none)."""
+        call_id = response_id[5:] if isinstance(response_id, str) and response_id.startswith("resp_") else None
+        if call_id:
+            subject = MODEL_REQUEST.format(run=view.run_id, rollout=view.rollout_id)
+            async for stored in self.gw.store.read(subject):
+                event = stored.event
+                if (
+                    isinstance(event, ModelRequestRecorded)
+                    and event.call_id == call_id
+                    and event.attempt_id == attempt_id
+                    and event.choice_index == 0
+                    and event.status == "ok"
+                ):
+                    return history(event.request, event.response)
+        raise ApiError(
+            404,
+            f"previous response {response_id!r} was not found among this attempt's calls",
+            field="previous_response_id",
+        )
 
-    def _weights(self, call: Call, raw: str | None) -> int | None:
-        if raw is not None and raw.lstrip("-").isdigit():
-            return int(raw)
-        if call.model.weights_version is not None:
-            return call.model.weights_version
-        phase = self.gw.state.phases.get(call.view.run_id)
-        return phase.weights_version if phase else None
-
-    def _events(
+    async def forward(
         self,
-        call: Call,
-        *,
-        status: str,
-        prompt_ids: list[int],
-        records: list[ChoiceRecord],
-        usage: Any,
-        weights: int | None,
-        error: str | None = None,
-        model: str | None = None,
-    ) -> list[ModelRequestRecorded]:
+        view: RolloutView,
+        route: Route,
+        conv: Conversation,
+        api: str,
+        translator_for: Any,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """Send a canonical conversation through the pipeline (the Responses and Messages front ends)."""
+        model = self.choose(view, conv.model)
+        recorded = conv.chat_body()
+        upstream, _ = prepare_request(recorded, model.upstream_model)
         call_id = new_id()
-        latency = time.perf_counter() - call.started
-        view = call.view
-        common: dict[str, Any] = {
-            "run_id": view.run_id,
-            "rollout_id": view.rollout_id,
-            "attempt_id": call.attempt_id,
-            "call_id": call_id,
-            "mode": call.mode,
-            "status": status,
-            "model": model or call.model.upstream_model,
-            "weights_version": weights,
-            "prompt_ids": prompt_ids,
-            "request": call.body,
-            "usage": int_usage(usage),
-            "latency_s": latency,
-            "error": error,
-        }
-        if not records:
-            return [ModelRequestRecorded(event_id=f"{call_id}-0", **common)]
-        return [
-            ModelRequestRecorded(
-                event_id=f"{call_id}-{r.index}",
-                choice_index=r.index,
-                response_ids=r.token_ids,
-                logprobs=r.logprobs,
-                finish_reason=r.finish_reason,
-                response=r.response(),
-                **common,
-            )
-            for r in records
-        ]
-
-    async def _record(self, events: list[ModelRequestRecorded]) -> None:
-        store = self.gw.store
-        try:
-            if len(events) == 1:
-                await store.append(events[0])
-            else:
-                await store.append_many(events)
-        except BaseException:
-            metrics.record_failed()
-            raise
-        metrics.recorded(events)
-
-    async def _record_failure(self, call: Call, error: str, weights: str | None = None) -> None:
-        with contextlib.suppress(EventStoreUnavailable):
-            await self._record(
-                self._events(
-                    call,
-                    status="failed",
-                    prompt_ids=[],
-                    records=[],
-                    usage=None,
-                    weights=self._weights(call, weights),
-                    error=error,
-                )
-            )
-
-    async def _post(self, call: Call, payload: bytes) -> Upstream:
-        url = f"{call.model.base_url}/chat/completions"
-        response = await self.gw.upstream.request("POST", url, payload, self._headers(call))
-        try:
-            content = await response.read()
-        except BaseException:
-            response.close()  # abandoned mid-answer (client gone, timeout): the connection is closed
-            raise
-        return Upstream(response.status, response.headers.get(WEIGHTS_HEADER), content)
-
-    async def _complete(self, call: Call, payload: bytes, receive: Receive, send: Send) -> None:
-        me = asyncio.current_task()
-        assert me is not None
-        gone = False
-
-        async def cancel_on_disconnect() -> None:
-            nonlocal gone
-            await _disconnected(receive)
-            gone = True
-            me.cancel()  # closes the upstream connection: the engine stops generating
-
-        watcher = asyncio.get_running_loop().create_task(cancel_on_disconnect())
-        error: BaseException | None = None
-        upstream: Upstream | None = None
-        try:
-            upstream = await self._post(call, payload)
-        except asyncio.CancelledError:
-            if not gone:
-                raise
-        except UpstreamError as exc:
-            error = exc
-        finally:
-            watcher.cancel()
-        if gone:
-            me.uncancel()
-            with contextlib.suppress(EventStoreUnavailable):
-                await self._record(
-                    self._events(
-                        call,
-                        status="aborted",
-                        prompt_ids=[],
-                        records=[],
-                        usage=None,
-                        weights=self._weights(call, None),
-                        error="the client disconnected before the answer",
-                    )
-                )
-            return
-        await self._answer(call, upstream, error, send)
-
-    async def _answer(self, call: Call, upstream: Upstream | None, error: BaseException | None, send: Send) -> None:
-        """Record a non-streamed call and answer the client (the answer only after the record is acked)."""
-        if isinstance(error, TimeoutError):
-            await self._record_failure(call, "the model endpoint timed out")
-            await _send_json(send, 504, _openai_error(504, "the model endpoint timed out", "timeout"))
-            return
-        if error is not None or upstream is None:
-            await self._record_failure(call, f"the model endpoint failed: {error!r}")
-            await _send_json(send, 502, _openai_error(502, f"the model endpoint failed: {error!r}"))
-            return
-        if upstream.status >= 400:
-            await self._pass_error(call, upstream, send)
-            return
-        try:
-            answer = _decode_obj(upstream.content)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            await self._record_failure(
-                call, "the model endpoint answered with something that is not JSON", upstream.weights
-            )
-            await _send_json(send, 502, _openai_error(502, "the model endpoint answered with invalid JSON"))
-            return
-        prompt_ids, records = read_completion(answer)
-        events = self._events(
-            call,
-            status="ok",
-            prompt_ids=prompt_ids,
-            records=records,
-            usage=answer.get("usage"),
-            weights=self._weights(call, upstream.weights),
-            model=answer.get("model"),
+        call = self.call(
+            view,
+            route,
+            model,
+            call_id=call_id,
+            api=api,
+            payload=_encode(upstream),
+            recorded_request=recorded,
+            stream=conv.stream,
+            translator=translator_for(call_id, conv.model or model.name),
         )
+        await self.pipeline.run(call, receive, send)
+
+
+# ---- routes --------------------------------------------------------------------------------------
+
+
+async def _chat(proxy: Proxy, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+    view = await proxy.admit(scope, route)
+    request = await proxy.json_body(scope, receive)
+    if not isinstance(request.get("messages"), list):
+        raise ApiError(422, 'chat completions need a list of "messages"', field="messages")
+    model = proxy.choose(view, request.get("model"))
+    payload, translator = chat.prepare(request, model.upstream_model)
+    call = proxy.call(
+        view,
+        route,
+        model,
+        call_id=new_id(),
+        api="chat",
+        payload=payload,
+        recorded_request=request,
+        stream=bool(request.get("stream")),
+        translator=translator,
+    )
+    await proxy.pipeline.run(call, receive, send)
+
+
+async def _responses(proxy: Proxy, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+    view = await proxy.admit(scope, route)
+    request = await proxy.json_body(scope, receive)
+    prior: list[Turn] = []
+    if request.get("previous_response_id") is not None:
+        prior = await proxy.previous(view, route.attempt_id, request["previous_response_id"])
+    conv = responses.conversation(request, prior)
+    await proxy.forward(
+        view,
+        route,
+        conv,
+        "responses",
+        lambda call_id, name: responses.ResponsesTranslator(request, call_id, name),
+        receive,
+        send,
+    )
+
+
+async def _messages(proxy: Proxy, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+    view = await proxy.admit(scope, route)
+    conv = messages.conversation(await proxy.json_body(scope, receive))
+    await proxy.forward(view, route, conv, "messages", messages.MessagesTranslator, receive, send)
+
+
+async def _count_tokens(proxy: Proxy, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+    view = await proxy.admit(scope, route)
+    request = await proxy.json_body(scope, receive)
+    conv = messages.conversation({"max_tokens": 1, **request})
+    model = proxy.choose(view, conv.model)
+    headers = {"content-type": "application/json"} | (
+        {"authorization": f"Bearer {model.api_key}"} if model.api_key else {}
+    )
+    body = _encode(messages.count_body(conv, model.upstream_model))
+    try:
+        response = await proxy.gw.upstream.request("POST", f"{model.base_url}/chat/completions", body, headers)
+        status, content = response.status, await response.read()
+    except (UpstreamError, TimeoutError) as exc:
+        raise ApiError(502, f"the model endpoint {model.base_url} failed: {exc}") from None
+    ids = _decode_obj(content).get("prompt_token_ids") if status < 400 else None
+    if not isinstance(ids, list):
+        raise ApiError(502, f"the model endpoint answered {status} without prompt_token_ids; tokens cannot be counted")
+    await send_json(send, 200, _encode({"input_tokens": len(ids)}))
+
+
+async def _openai_models(proxy: Proxy, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+    view = await proxy.admit(scope, route)
+    data = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "rollwire"} for name in await _model_ids(proxy, view)
+    ]
+    await send_json(send, 200, _encode({"object": "list", "data": data}))
+
+
+async def _anthropic_models(proxy: Proxy, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+    view = await proxy.admit(scope, route)
+    ids = await _model_ids(proxy, view)
+    data = [{"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"} for name in ids]
+    page = {"data": data, "has_more": False, "first_id": ids[0] if ids else None, "last_id": ids[-1] if ids else None}
+    await send_json(send, 200, _encode(page))
+
+
+async def _model_ids(proxy: Proxy, view: RolloutView) -> list[str]:
+    """Every model a call of this rollout may name: each endpoint's own list, then the registered names."""
+    ids: list[str] = []
+    for model in sorted(proxy.models(view), key=lambda m: m.name):
+        headers = {"authorization": f"Bearer {model.api_key}"} if model.api_key else {}
         try:
-            await self._record(events)
-        except EventStoreUnavailable:
-            raise unavailable("the call could not be recorded (NATS unavailable); retry it") from None
-        wants = call.wants
-        if wants.token_ids and wants.logprobs:
-            out = upstream.content
-        else:
-            strip_completion(answer, wants)
-            out = _encode(answer)
-        await _send_json(send, 200, out)
-
-    async def _pass_error(self, call: Call, upstream: Upstream, send: Send) -> None:
-        text = upstream.content.decode(errors="replace")
-        await self._record_failure(call, f"HTTP {upstream.status}: {text[:2000]}", upstream.weights)
-        try:
-            body = _decode_any(upstream.content)
-        except msgspec.DecodeError:
-            body = None
-        if isinstance(body, dict) and "error" in body:
-            payload = upstream.content
-        else:
-            payload = _openai_error(upstream.status, text[:2000] or f"the model endpoint answered {upstream.status}")
-        await _send_json(send, upstream.status, payload)
-
-    async def _stream(self, call: Call, payload: bytes, receive: Receive, send: Send) -> None:
-        url = f"{call.model.base_url}/chat/completions"
-        try:
-            response = await self.gw.upstream.request("POST", url, payload, self._headers(call))
-        except TimeoutError:
-            await self._record_failure(call, "the model endpoint timed out")
-            await _send_json(send, 504, _openai_error(504, "the model endpoint timed out", "timeout"))
-            return
-        except UpstreamError as exc:
-            await self._record_failure(call, f"the model endpoint failed: {exc}")
-            await _send_json(send, 502, _openai_error(502, f"the model endpoint failed: {exc}"))
-            return
-        finished = False
-        try:
-            if response.status >= 400:
-                content = await response.read()
-                finished = True
-                upstream = Upstream(response.status, response.headers.get(WEIGHTS_HEADER), content)
-                await self._pass_error(call, upstream, send)
-                return
-            finished = await self._pump(call, response, receive, send)
-        finally:
-            # A finished stream returns its connection to the pool; an abandoned one closes it,
-            # which is how the engine learns to stop generating.
-            if finished:
-                response.release()
-            else:
-                response.close()
-
-    async def _pump(self, call: Call, response: UpstreamResponse, receive: Receive, send: Send) -> bool:
-        """Relay the stream; record the call; True when it ended normally."""
-        fold = StreamFold()
-        held: list[bytes] = []
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        relay = asyncio.ensure_future(_relay(response, fold, held, call.wants, send))
-        watch = asyncio.ensure_future(_disconnected(receive))
-        try:
-            await asyncio.wait((relay, watch), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-        weights = self._weights(call, response.headers.get(WEIGHTS_HEADER))
-        if not relay.done():
-            relay.cancel()
-            with contextlib.suppress(BaseException):
-                await relay
-            with contextlib.suppress(EventStoreUnavailable):
-                await self._record(
-                    self._events(
-                        call,
-                        status="aborted",
-                        prompt_ids=fold.prompt_ids,
-                        records=fold.records(),
-                        usage=fold.usage,
-                        weights=weights,
-                        error="the client disconnected mid-stream",
-                        model=fold.model,
-                    )
-                )
-            return False
-        error = relay.exception()
-        if error is not None:
-            timed_out = isinstance(error, TimeoutError)
-            message = (
-                "the model endpoint timed out mid-stream"
-                if timed_out
-                else f"the model endpoint failed mid-stream: {error!r}"
-            )
-            await self._record_failure(call, message, response.headers.get(WEIGHTS_HEADER))
-            await _send_sse_error(send, 504 if timed_out else 502, message)
-            return False
-        events = self._events(
-            call,
-            status="ok",
-            prompt_ids=fold.prompt_ids,
-            records=fold.records(),
-            usage=fold.usage,
-            weights=weights,
-            model=fold.model,
-        )
-        try:
-            await self._record(events)
-        except EventStoreUnavailable:
-            await _send_sse_error(send, 503, "the call could not be recorded (NATS unavailable); retry it")
-            return False
-        held.append(b"data: [DONE]\n\n")
-        await send({"type": "http.response.body", "body": b"".join(held)})
-        return True
+            response = await proxy.gw.upstream.request("GET", f"{model.base_url}/models", b"", headers)
+            status, content = response.status, await response.read()
+            listed = _decode_obj(content).get("data") if status < 400 else None
+        except (UpstreamError, TimeoutError, msgspec.DecodeError, msgspec.ValidationError):
+            listed = None  # an endpoint that cannot list still serves its registered names
+        for entry in listed if isinstance(listed, list) else []:
+            if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                ids.append(entry["id"])
+        ids += [model.name, model.upstream_model]
+    return list(dict.fromkeys(ids))
 
 
-async def _disconnected(receive: Receive) -> None:
-    """Return when the client goes away (the request body was already read)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
+async def _head(proxy: Proxy, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b""})
 
 
-async def _send_sse_error(send: Send, status: int, message: str) -> None:
-    await send({"type": "http.response.body", "body": b"data: " + _openai_error(status, message) + b"\n\n"})
-
-
-async def _relay(response: UpstreamResponse, fold: StreamFold, held: list[bytes], wants: Wants, send: Send) -> None:
-    """Forward SSE events as they arrive, folding each; hold back the ones that finish a choice."""
-    passthrough = wants.token_ids and wants.logprobs and wants.usage_chunk
-    buffer = b""
-    async for raw in response.iter_chunks():
-        buffer += raw
-        if b"\r\n" in buffer:
-            buffer = buffer.replace(b"\r\n", b"\n")
-        if b"\n\n" not in buffer:
-            continue
-        *events, buffer = buffer.split(b"\n\n")
-        out: list[bytes] = []
-        for event in events:
-            data = b"".join(line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:"))
-            if not data or data == b"[DONE]":
-                continue
-            try:
-                chunk = _decode_obj(data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-            fold.feed(chunk)
-            if fold.model is None and isinstance(chunk.get("model"), str):
-                fold.model = chunk["model"]
-            keep = True
-            if not passthrough:
-                keep = strip_chunk(chunk, wants)
-                data = _encode(chunk)
-            if not keep:
-                continue
-            line = b"data: " + data + b"\n\n"
-            if finishes(chunk) or (not chunk.get("choices") and chunk.get("usage")):
-                held.append(line)
-            else:
-                out.append(line)
-        if out:
-            await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+ROUTES: dict[tuple[str, str, str], Handler] = {
+    ("openai", "POST", "chat/completions"): _chat,
+    ("openai", "POST", "responses"): _responses,
+    ("openai", "GET", "models"): _openai_models,
+    ("anthropic", "POST", "v1/messages"): _messages,
+    ("anthropic", "POST", "v1/messages/count_tokens"): _count_tokens,
+    ("anthropic", "GET", "v1/models"): _anthropic_models,
+    ("anthropic", "HEAD", ""): _head,
+    ("anthropic", "GET", ""): _head,
+}

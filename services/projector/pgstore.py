@@ -140,10 +140,24 @@ class PositionMoved(RuntimeError):
         self.stored = stored
 
 
-def is_poison(exc: BaseException) -> bool:
-    """True when Postgres refused the data itself (retrying the same rows cannot succeed)."""
-    state = getattr(exc, "sqlstate", None)
-    return isinstance(exc, asyncpg.PostgresError) and isinstance(state, str) and state[:2] in POISON_CLASSES
+def is_poison(exc: BaseException, conn: asyncpg.Connection | None = None) -> bool:
+    """True when the data itself was refused, so retrying the same rows cannot succeed.
+
+    Decided by what happened, not by which library raised: Postgres refusing a value (data,
+    integrity, limit classes), or the driver failing to encode one on a live connection (an
+    integer out of a column's range raises OverflowError or asyncpg's DataError client-side),
+    is the event's fault. A lost connection, a timeout or any other Postgres error is temporary.
+    """
+    if isinstance(exc, PositionMoved) or (conn is not None and conn.is_closed()):
+        return False
+    if isinstance(exc, asyncpg.PostgresError):
+        state = getattr(exc, "sqlstate", None)
+        return isinstance(state, str) and state[:2] in POISON_CLASSES
+    if isinstance(exc, (OSError, TimeoutError, asyncpg.PostgresConnectionError)):
+        return False
+    if isinstance(exc, asyncpg.InterfaceError) and not isinstance(exc, asyncpg.DataError):
+        return False
+    return isinstance(exc, (ValueError, TypeError, ArithmeticError))
 
 
 def _loads(text: str | None) -> Any:
@@ -456,11 +470,12 @@ async def apply_isolating(
     """`apply_batch`, splitting the batch around events Postgres refuses, which become dead letters."""
     try:
         return await apply_batch(conn, stream, items, expected, on_plan)
-    except asyncpg.PostgresError as exc:
-        if not is_poison(exc):
+    except Exception as exc:
+        if not is_poison(exc, conn):
             raise
         if len(items) == 1:
-            reason = f"rejected by Postgres ({exc.sqlstate}): {exc}"
+            code = getattr(exc, "sqlstate", None) or type(exc).__name__
+            reason = f"rejected by Postgres ({code}): {exc}"
             return await dead_letter(conn, stream, items[0], reason, expected)
     middle = len(items) // 2
     first = await apply_isolating(conn, stream, items[:middle], expected)

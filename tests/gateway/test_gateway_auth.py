@@ -89,7 +89,7 @@ def test_token_stops_working_when_the_attempt_ends(gateway: GatewayHandle, fake_
     gateway.admin.patch(f"/api/rollouts/{rid}", json={"status": "succeeded"})
     started = fake_vllm.started
     finished = httpx.post(chat, json=CHAT, headers=headers)
-    assert finished.status_code == 409 and finished.json()["current"]["status"] == "succeeded"
+    assert finished.status_code == 409 and finished.json()["error"]["current"]["status"] == "succeeded"
     events = httpx.post(attempt["events_url"], json={"type": "reward", "value": 1}, headers=headers)
     assert events.status_code == 409
     assert fake_vllm.started == started, "a refused call must never be forwarded"
@@ -129,7 +129,7 @@ async def test_status_written_by_another_service_ends_the_attempt(
             if refused.status_code == 409:
                 break
             await asyncio.sleep(0.02)
-        assert refused.status_code == 409 and refused.json()["current"]["status"] == "failed"
+        assert refused.status_code == 409 and refused.json()["error"]["current"]["status"] == "failed"
 
 
 def test_an_agent_token_reads_only_its_live_attempt(gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str) -> None:

@@ -142,7 +142,7 @@ async def test_async_client_concurrent(gateway: GatewayHandle, fake_vllm: FakeVL
         sample = served[tuple(call["prompt_ids"])]
         assert call["response_ids"] == sample["token_ids"] and call["logprobs"] == pytest.approx(sample["logprobs"])
     models = await client.models.list()
-    assert [m.id for m in models.data] == ["fake-model"]
+    assert [m.id for m in models.data] == ["fake-model", "fake"]  # the endpoint's list, then the registered name
     await client.close()
 
 
@@ -221,7 +221,7 @@ def test_malformed_proxy_requests_are_4xx(gateway: GatewayHandle, fake_vllm: Fak
     assert httpx.post(chat, content=b"[1, 2]", headers=headers).status_code == 422
     assert httpx.post(chat, content=b"{nope", headers=headers).status_code == 422
     missing = httpx.post(chat, json={"model": "m"}, headers=headers)
-    assert missing.status_code == 422 and missing.json()["field"] == "messages"
+    assert missing.status_code == 422 and missing.json()["error"]["field"] == "messages"
     assert httpx.post(chat, content=b"{" + b" " * 1_100_000 + b"}", headers=headers).status_code == 413
     admin = {"authorization": f"Bearer {gateway.settings.admin_token}"}
     bad_id = httpx.post(
@@ -229,6 +229,6 @@ def test_malformed_proxy_requests_are_4xx(gateway: GatewayHandle, fake_vllm: Fak
         json={"messages": []},
         headers=admin,
     )
-    assert bad_id.status_code == 422 and bad_id.json()["field"] == "rollout_id"
+    assert bad_id.status_code == 422 and bad_id.json()["error"]["field"] == "rollout_id"
     assert httpx.get(attempt["proxy_base_url"] + "/embeddings", headers=headers).status_code == 404
     assert fake_vllm.started == 0

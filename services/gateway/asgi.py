@@ -1,0 +1,58 @@
+"""Plain ASGI helpers for the proxy's hot path: headers, bodies, JSON answers, disconnects."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from services.gateway.errors import ApiError
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+async def send_json(send: Send, status: int, payload: bytes, headers: dict[str, str] | None = None) -> None:
+    """A complete JSON response."""
+    extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS + extra})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """A request header's value (names are lower-case in ASGI)."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")  # type: ignore[no-any-return]
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body; 413 past `limit` bytes (checked on the declared length first)."""
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(499, "the client disconnected before sending its request")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def disconnected(receive: Receive) -> None:
+    """Return when the client goes away (the request body was already read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

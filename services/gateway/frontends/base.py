@@ -1,0 +1,110 @@
+"""What a front end provides to the recording pipeline, and each API's error shape.
+
+A front end turns its API's request into the engine's chat-completions body (through the
+canonical `Conversation`, or as-is for Chat Completions) and gives the pipeline a `Translator`
+that writes the engine's answer back in its API's format: a whole response, or a stream whose
+closing part is held until the call is recorded. Errors use the API's own shape, so each SDK's
+exception carries the reason: OpenAI's `{"error": {"message", "type", "code"}}` and Anthropic's
+`{"type": "error", "error": {"type", "message"}}`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+from services.gateway.openai_format import ChoiceRecord, StreamFold
+
+Api = Literal["openai", "anthropic"]
+_encode = msgspec.json.Encoder().encode
+
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def error_body(api: Api, status: int, message: str, kind: str | None = None, **extra: Any) -> bytes:
+    """An error response body in the API's own shape; `extra` fields ride inside the error object."""
+    if api == "anthropic":
+        error = {"type": kind or _ANTHROPIC_TYPES.get(status, "api_error"), "message": message, **extra}
+        return _encode({"type": "error", "error": error})
+    return _encode(
+        {
+            "error": {
+                "message": message,
+                "type": kind or _OPENAI_TYPES.get(status, "upstream_error"),
+                "code": status,
+                **extra,
+            }
+        }
+    )
+
+
+def upstream_message(content: bytes, status: int) -> str:
+    """The message of an engine's error body (OpenAI-shaped or not)."""
+    try:
+        body = msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message") or body["error"])
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return body["error"]
+    return content.decode(errors="replace")[:2000] or f"the model endpoint answered {status}"
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    """One named server-sent event."""
+    return b"event: " + event.encode() + b"\ndata: " + _encode(data) + b"\n\n"
+
+
+class Translator(Protocol):
+    """Writes the engine's answer in one API's format (see the module docstring)."""
+
+    api: Api
+
+    def complete(self, answer: dict[str, Any], content: bytes, records: list[ChoiceRecord]) -> bytes:
+        """The body of a non-streamed 200 answer."""
+        ...
+
+    def begin(self) -> bytes:
+        """Bytes that open a stream (sent before the engine's first chunk; may be empty)."""
+        ...
+
+    def chunk(self, chunk: dict[str, Any], data: bytes) -> tuple[bytes, bytes]:
+        """One engine chunk (already folded): (bytes to send now, bytes to hold until recorded)."""
+        ...
+
+    def end(self, fold: StreamFold) -> bytes:
+        """The bytes that close a stream, sent after the call is recorded."""
+        ...
+
+    def upstream_error(self, status: int, content: bytes) -> bytes:
+        """The body passed on for an engine's error answer."""
+        ...
+
+    def stream_error(self, status: int, message: str) -> bytes:
+        """An error event that ends a stream."""
+        ...

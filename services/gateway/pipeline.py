@@ -1,0 +1,359 @@
+"""The one recording pipeline every front end's call goes through: forward, record, then answer.
+
+A front end hands over a `Call`: the engine's chat-completions body (token ids and logprobs
+requested), the request to record, and a `Translator` for its API. The pipeline posts the body
+to the chosen endpoint, folds the answer (whole or streamed), appends one `ModelRequestRecorded`
+per choice, and only after JetStream acknowledged it sends the answer (or, when streaming, the
+part that finishes it), so every call the harness saw is a call the trainer will see. A client
+that disconnects gets the upstream call cancelled and the call recorded as `aborted`; upstream
+errors are recorded as `failed` and passed on with their status; timeouts become 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import msgspec
+
+from schemas import ModelRequestRecorded
+from services.common.eventstore import EventStoreUnavailable
+from services.gateway import metrics
+from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send_json
+from services.gateway.context import Gateway
+from services.gateway.errors import unavailable
+from services.gateway.frontends.base import Translator, error_body
+from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion
+from services.gateway.readmodel import RolloutView
+from services.gateway.state import ModelEntry
+from services.gateway.upstream import UpstreamError, UpstreamResponse
+
+WEIGHTS_HEADER = "x-rollwire-weights-version"
+_decode_obj = msgspec.json.Decoder(dict[str, Any]).decode
+
+
+class Upstream(msgspec.Struct):
+    """An upstream answer read in full: status, the weights version header, body bytes."""
+
+    status: int
+    weights: str | None
+    content: bytes
+
+
+class Call(msgspec.Struct, kw_only=True):
+    """One admitted call: who, where to, what to send and record, and how to answer."""
+
+    view: RolloutView
+    attempt_id: str
+    mode: str
+    model: ModelEntry
+    call_id: str
+    api: str
+    payload: bytes
+    recorded_request: dict[str, Any]
+    stream: bool
+    translator: Translator
+    started: float = 0.0
+
+
+class Outcome(msgspec.Struct, kw_only=True):
+    """What a call produced, to record."""
+
+    status: str
+    prompt_ids: list[int] = msgspec.field(default_factory=list)
+    records: list[ChoiceRecord] = msgspec.field(default_factory=list)
+    usage: Any = None
+    weights: str | None = None
+    error: str | None = None
+    model: str | None = None
+
+
+class Pipeline:
+    """Forwards, records and answers calls (see the module docstring)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def run(self, call: Call, receive: Receive, send: Send) -> None:
+        """Serve one call behind the run's phase gate."""
+        gate = self.gw.gate
+        await gate.enter(call.view.run_id)
+        try:
+            call.started = time.perf_counter()
+            if call.stream:
+                await self._stream(call, receive, send)
+            else:
+                await self._complete(call, receive, send)
+        finally:
+            gate.leave(call.view.run_id)
+
+    # ---- recording -----------------------------------------------------------------------------
+
+    def _weights(self, call: Call, raw: str | None) -> int | None:
+        if raw is not None and raw.lstrip("-").isdigit():
+            return int(raw)
+        if call.model.weights_version is not None:
+            return call.model.weights_version
+        phase = self.gw.state.phases.get(call.view.run_id)
+        return phase.weights_version if phase else None
+
+    def events(self, call: Call, outcome: Outcome) -> list[ModelRequestRecorded]:
+        """One `model_request` event per choice (one event without choices for a failed call)."""
+        view, call_id = call.view, call.call_id
+        common: dict[str, Any] = {
+            "run_id": view.run_id,
+            "rollout_id": view.rollout_id,
+            "attempt_id": call.attempt_id,
+            "call_id": call_id,
+            "mode": call.mode,
+            "status": outcome.status,
+            "model": outcome.model or call.model.upstream_model,
+            "weights_version": self._weights(call, outcome.weights),
+            "prompt_ids": outcome.prompt_ids,
+            "request": call.recorded_request,
+            "usage": int_usage(outcome.usage),
+            "latency_s": time.perf_counter() - call.started,
+            "error": outcome.error,
+            "api": call.api,
+        }
+        if not outcome.records:
+            return [ModelRequestRecorded(event_id=f"{call_id}-0", **common)]
+        return [
+            ModelRequestRecorded(
+                event_id=f"{call_id}-{r.index}",
+                choice_index=r.index,
+                response_ids=r.token_ids,
+                logprobs=r.logprobs,
+                finish_reason=r.finish_reason,
+                response=r.response(),
+                **common,
+            )
+            for r in outcome.records
+        ]
+
+    async def record(self, call: Call, outcome: Outcome) -> None:
+        """Append the call's events (raises `EventStoreUnavailable`)."""
+        events = self.events(call, outcome)
+        try:
+            if len(events) == 1:
+                await self.gw.store.append(events[0])
+            else:
+                await self.gw.store.append_many(events)
+        except BaseException:
+            metrics.record_failed()
+            raise
+        metrics.recorded(events)
+
+    async def _record_quietly(self, call: Call, outcome: Outcome) -> None:
+        with contextlib.suppress(EventStoreUnavailable):
+            await self.record(call, outcome)
+
+    async def _fail(self, call: Call, send: Send, status: int, message: str, kind: str | None = None) -> None:
+        await self._record_quietly(call, Outcome(status="failed", error=message))
+        await send_json(send, status, error_body(call.translator.api, status, message, kind))
+
+    # ---- non-streamed --------------------------------------------------------------------------
+
+    def _headers(self, call: Call) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        if call.model.api_key:
+            headers["authorization"] = f"Bearer {call.model.api_key}"
+        return headers
+
+    async def _post(self, call: Call) -> Upstream:
+        url = f"{call.model.base_url}/chat/completions"
+        response = await self.gw.upstream.request("POST", url, call.payload, self._headers(call))
+        try:
+            content = await response.read()
+        except BaseException:
+            response.close()  # abandoned mid-answer (client gone, timeout): the connection is closed
+            raise
+        return Upstream(response.status, response.headers.get(WEIGHTS_HEADER), content)
+
+    async def _complete(self, call: Call, receive: Receive, send: Send) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        gone = False
+
+        async def cancel_on_disconnect() -> None:
+            nonlocal gone
+            await disconnected(receive)
+            gone = True
+            me.cancel()  # closes the upstream connection: the engine stops generating
+
+        watcher = asyncio.get_running_loop().create_task(cancel_on_disconnect())
+        error: BaseException | None = None
+        upstream: Upstream | None = None
+        try:
+            upstream = await self._post(call)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+        except UpstreamError as exc:
+            error = exc
+        finally:
+            watcher.cancel()
+        if gone:
+            me.uncancel()
+            await self._record_quietly(
+                call, Outcome(status="aborted", error="the client disconnected before the answer")
+            )
+            return
+        await self._answer(call, upstream, error, send)
+
+    async def _answer(self, call: Call, upstream: Upstream | None, error: BaseException | None, send: Send) -> None:
+        """Record a non-streamed call and answer the client (the answer only after the record is acked)."""
+        if isinstance(error, TimeoutError):
+            await self._fail(call, send, 504, "the model endpoint timed out", "timeout")
+            return
+        if error is not None or upstream is None:
+            await self._fail(call, send, 502, f"the model endpoint failed: {error!r}")
+            return
+        if upstream.status >= 400:
+            await self._pass_error(call, upstream, send)
+            return
+        try:
+            answer = _decode_obj(upstream.content)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            await self._fail(call, send, 502, "the model endpoint answered with invalid JSON")
+            return
+        prompt_ids, records = read_completion(answer)
+        outcome = Outcome(
+            status="ok",
+            prompt_ids=prompt_ids,
+            records=records,
+            usage=answer.get("usage"),
+            weights=upstream.weights,
+            model=answer.get("model"),
+        )
+        try:
+            await self.record(call, outcome)
+        except EventStoreUnavailable:
+            raise unavailable("the call could not be recorded (NATS unavailable); retry it") from None
+        await send_json(send, 200, call.translator.complete(answer, upstream.content, records))
+
+    async def _pass_error(self, call: Call, upstream: Upstream, send: Send) -> None:
+        text = upstream.content.decode(errors="replace")
+        await self._record_quietly(
+            call, Outcome(status="failed", error=f"HTTP {upstream.status}: {text[:2000]}", weights=upstream.weights)
+        )
+        await send_json(send, upstream.status, call.translator.upstream_error(upstream.status, upstream.content))
+
+    # ---- streamed ------------------------------------------------------------------------------
+
+    async def _stream(self, call: Call, receive: Receive, send: Send) -> None:
+        url = f"{call.model.base_url}/chat/completions"
+        try:
+            response = await self.gw.upstream.request("POST", url, call.payload, self._headers(call))
+        except TimeoutError:
+            await self._fail(call, send, 504, "the model endpoint timed out", "timeout")
+            return
+        except UpstreamError as exc:
+            await self._fail(call, send, 502, f"the model endpoint failed: {exc}")
+            return
+        finished = False
+        try:
+            if response.status >= 400:
+                content = await response.read()
+                finished = True
+                await self._pass_error(
+                    call, Upstream(response.status, response.headers.get(WEIGHTS_HEADER), content), send
+                )
+                return
+            finished = await self._pump(call, response, receive, send)
+        finally:
+            # A finished stream returns its connection to the pool; an abandoned one closes it,
+            # which is how the engine learns to stop generating.
+            if finished:
+                response.release()
+            else:
+                response.close()
+
+    async def _pump(self, call: Call, response: UpstreamResponse, receive: Receive, send: Send) -> bool:
+        """Relay the stream; record the call; True when it ended normally."""
+        fold = StreamFold()
+        held: list[bytes] = []
+        translator = call.translator
+        opening = translator.begin()
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        if opening:
+            await send({"type": "http.response.body", "body": opening, "more_body": True})
+        relay = asyncio.ensure_future(_relay(response, fold, held, translator, send))
+        watch = asyncio.ensure_future(disconnected(receive))
+        try:
+            await asyncio.wait((relay, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        weights = response.headers.get(WEIGHTS_HEADER)
+        seen = Outcome(
+            status="ok",
+            prompt_ids=fold.prompt_ids,
+            records=fold.records(),
+            usage=fold.usage,
+            weights=weights,
+            model=fold.model,
+        )
+        if not relay.done():
+            relay.cancel()
+            with contextlib.suppress(BaseException):
+                await relay
+            seen.status, seen.error = "aborted", "the client disconnected mid-stream"
+            await self._record_quietly(call, seen)
+            return False
+        error = relay.exception()
+        if error is not None:
+            timed_out = isinstance(error, TimeoutError)
+            message = (
+                "the model endpoint timed out mid-stream"
+                if timed_out
+                else f"the model endpoint failed mid-stream: {error!r}"
+            )
+            await self._record_quietly(call, Outcome(status="failed", error=message, weights=weights))
+            await send(
+                {"type": "http.response.body", "body": translator.stream_error(504 if timed_out else 502, message)}
+            )
+            return False
+        try:
+            await self.record(call, seen)
+        except EventStoreUnavailable:
+            message = "the call could not be recorded (NATS unavailable); retry it"
+            await send({"type": "http.response.body", "body": translator.stream_error(503, message)})
+            return False
+        held.append(translator.end(fold))
+        await send({"type": "http.response.body", "body": b"".join(held)})
+        return True
+
+
+async def _relay(
+    response: UpstreamResponse, fold: StreamFold, held: list[bytes], translator: Translator, send: Send
+) -> None:
+    """Forward SSE events as they arrive, folding each; hold back what the translator holds."""
+    buffer = b""
+    async for raw in response.iter_chunks():
+        buffer += raw
+        if b"\r\n" in buffer:
+            buffer = buffer.replace(b"\r\n", b"\n")
+        if b"\n\n" not in buffer:
+            continue
+        *events, buffer = buffer.split(b"\n\n")
+        out: list[bytes] = []
+        for event in events:
+            data = b"".join(line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:"))
+            if not data or data == b"[DONE]":
+                continue
+            try:
+                chunk = _decode_obj(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            fold.feed(chunk)
+            if fold.model is None and isinstance(chunk.get("model"), str):
+                fold.model = chunk["model"]
+            now, later = translator.chunk(chunk, data)
+            if now:
+                out.append(now)
+            if later:
+                held.append(later)
+        if out:
+            await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
