@@ -103,12 +103,31 @@ class ExecutionsCollector(Collector):
             labels=["backend", "state"],
         )  # fmt: skip
         if self.source is not None:
-            for (backend, state), count in sorted(Tally(self.source()).items()):
+            counts = Tally({(backend, phase): 0 for backend in BACKENDS for phase in PHASES})
+            counts.update(self.source())
+            for (backend, state), count in sorted(counts.items()):
                 family.add_metric([backend, state], count)
         yield family
 
 
 EXECUTIONS = ExecutionsCollector()
+
+
+BACKENDS = ("local", "kubernetes")
+STATUSES = ("running", "succeeded", "failed", "requeuing", "cancelled")
+PHASES = ("pending", "running", "succeeded", "failed", "unknown")
+
+
+def _initialize() -> None:
+    """Every bounded label set at 0 from the start, so increase() and the dashboard see them before they move."""
+    for backend in BACKENDS:
+        LAUNCHES.labels(backend)
+        RETRIES.labels(backend)
+        QUEUE_TO_RUNNING.labels(backend)
+        for status in STATUSES:
+            STATUS_CHANGES.labels(backend, status)
+        for reason in REASONS:
+            FAILURES.labels(backend, reason)
 
 
 def watch(executions: dict[Any, dict[str, Any]], owner: dict[Any, str]) -> None:
@@ -117,6 +136,7 @@ def watch(executions: dict[Any, dict[str, Any]], owner: dict[Any, str]) -> None:
     `executions` is `{rollout: {attempt: ExecutionState}}`, `owner` is `{ExecutionKey: backend}`.
     """
     install(*FAMILIES, EXECUTIONS)
+    _initialize()
 
     def pairs() -> Iterator[tuple[str, str]]:
         for attempts in list(executions.values()):

@@ -170,6 +170,12 @@ def hold_ended(started: float) -> None:
 def watch_idempotency(entries: Callable[[], int], nbytes: Callable[[], int]) -> None:
     """Export the gateway's families; read the idempotency cache's size at each scrape (newest app wins)."""
     install(*FAMILIES)
+    for kind in set(_FRONT_ENDS.values()):  # bounded label sets at 0 from the start
+        PROXY_CALLS.labels(kind, "200")
+        PROXY_DURATION.labels(kind)
+        PROXY_TTFT.labels(kind)
+    for status in ("ok", "failed", "aborted"):
+        RECORDED.labels(status)
     IDEMPOTENCY_ENTRIES.set_function(lambda: float(entries()))
     IDEMPOTENCY_BYTES.set_function(lambda: float(nbytes()))
 
