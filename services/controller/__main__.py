@@ -17,6 +17,7 @@ import sys
 import time
 
 from services.common import httpserve
+from services.common.accesslog import AccessLogError, access_format
 from services.common.eventstore import EventStore, EventStoreError
 from services.controller.gateway import GatewayClient
 from services.controller.reconciler import Controller
@@ -32,7 +33,8 @@ async def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         settings = build_settings(parse_args(argv))
-    except SettingsError as exc:
+        access_format()
+    except (SettingsError, AccessLogError) as exc:
         print(f"rollwire controller: {exc}", file=sys.stderr)
         return 2
     try:

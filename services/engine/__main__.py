@@ -11,6 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
+from services.common.accesslog import AccessLogError, access_format
 from services.engine.server import create_app
 from services.engine.tiny_model import ensure_tiny_model
 
@@ -32,6 +33,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def main(argv: list[str] | None = None) -> None:
     """Load the model and serve until SIGINT/SIGTERM (uvicorn finishes open requests first)."""
     args = parse_args(argv)
+    try:
+        access_format()
+    except AccessLogError as exc:
+        raise SystemExit(f"rollwire engine: {exc}") from None
     model_dir = args.model if args.model is not None else ensure_tiny_model()
     app = create_app(
         model_dir,

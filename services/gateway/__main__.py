@@ -17,6 +17,7 @@ import sys
 import msgspec
 import uvicorn
 
+from services.common.accesslog import AccessLogError, access_format
 from services.common.eventstore import EventStore, EventStoreError
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings, SettingsError, settings_from_env
@@ -59,7 +60,8 @@ async def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         settings = build_settings(args)
-    except SettingsError as exc:
+        access_format()
+    except (SettingsError, AccessLogError) as exc:
         print(f"rollwire gateway: {exc}", file=sys.stderr)
         return 2
     try:

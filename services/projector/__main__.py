@@ -20,6 +20,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from schemas.ids import STREAM_NAME
+from services.common.accesslog import AccessLogError, access_format
 from services.projector.http import serve
 from services.projector.migrate import MigrationError
 from services.projector.service import Projector, ProjectorSettings, tune_gc
@@ -67,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> ProjectorSettings:
 
 async def main(settings: ProjectorSettings) -> None:
     """Serve metrics, project until a signal arrives, drain and exit."""
+    try:
+        access_format()
+    except AccessLogError as exc:
+        raise SystemExit(f"error: {exc}") from None
     try:
         detok = Detokenizer.from_specs(settings.tokenizers)
     except TokenizerError as exc:

@@ -76,7 +76,7 @@ def wandb_records(path: Path) -> list[Any]:
         assert zlib.crc32(bytes([kind]) + chunk) == crc
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
             record.ParseFromString(pending)
             records.append(record)
     return records
