@@ -4,8 +4,8 @@
     {"ts": 1764712345.1, "service": "gateway", "method": "POST", "path": "/api/rollouts", "status": 201, ...}
 
 `ROLLWIRE_ACCESS_LOG` switches the format: `text` (the default, key=value), `json` (one JSON object
-a line) or `off`. Lines go to stderr through the `rollwire.access` logger, which has its own
-handler, so a service's other logging setup neither hides nor duplicates them. The rollout and
+a line) or `off`. Lines are written straight to stderr (not through `logging`: a line per request
+is on the hot path, and a service's logging setup should neither hide nor duplicate them). The rollout and
 attempt come from the path (`/api/rollouts/{id}/attempt/{aid}/...`, `/proxy/rollout/{id}/attempt/{aid}/...`);
 the query string is left out (it can carry filters nobody asked to keep).
 """
@@ -13,17 +13,16 @@ the query string is left out (it can carry filters nobody asked to keep).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import sys
 import time
+from typing import TextIO
 from urllib.parse import quote
 
 FORMATS = ("text", "json", "off")
 MAX_PATH_CHARS = 512
 _ROLLOUT = re.compile(r"/rollouts?/([^/]+)(?:/attempts?/([^/]+))?")
-_logger = logging.getLogger("rollwire.access")
 
 
 class AccessLogError(ValueError):
@@ -38,15 +37,6 @@ def access_format(env: dict[str, str] | None = None) -> str:
     return raw
 
 
-def _ensure_handler() -> None:
-    if not _logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        _logger.addHandler(handler)
-        _logger.setLevel(logging.INFO)
-        _logger.propagate = False
-
-
 def ids_in(path: str) -> tuple[str | None, str | None]:
     """(rollout id, attempt id) named by a request path, where it names them."""
     found = _ROLLOUT.search(path)
@@ -58,13 +48,12 @@ def ids_in(path: str) -> tuple[str | None, str | None]:
 class AccessLog:
     """Writes the access line of each request in the configured format."""
 
-    def __init__(self, service: str, fmt: str | None = None) -> None:
+    def __init__(self, service: str, fmt: str | None = None, stream: TextIO | None = None) -> None:
         self.service = service
         self.format = fmt if fmt is not None else access_format()
         if self.format not in FORMATS:
             raise AccessLogError(f"access log format {self.format!r}: use one of {', '.join(FORMATS)}")
-        if self.format != "off":
-            _ensure_handler()
+        self.stream = stream
 
     @property
     def enabled(self) -> bool:
@@ -73,7 +62,9 @@ class AccessLog:
 
     def line(self, method: str, path: str, status: int, latency_s: float) -> str:
         """The access line of one request (no trailing newline)."""
-        path = quote(path[:MAX_PATH_CHARS], safe="/:@!$&'()*+,;=-._~")  # no spaces or newlines from a client
+        path = path[:MAX_PATH_CHARS]
+        if not (path.isprintable() and path.isascii()) or " " in path:  # no spaces or newlines from a client
+            path = quote(path, safe="/:@!$&'()*+,;=-._~%")
         rollout, attempt = ids_in(path)
         latency_ms = round(latency_s * 1000, 2)
         if self.format == "json":
@@ -96,4 +87,4 @@ class AccessLog:
     def write(self, method: str, path: str, status: int, latency_s: float) -> None:
         """Log one request (nothing when switched off)."""
         if self.format != "off":
-            _logger.info(self.line(method, path, status, latency_s))
+            (self.stream or sys.stderr).write(self.line(method, path, status, latency_s) + "\n")

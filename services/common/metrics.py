@@ -93,6 +93,7 @@ class ObservedApp:
         self.service = service
         self.route_of = route_of
         self.access = access_log if access_log is not None else AccessLog(service)
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}  # label lookups, made once
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -120,8 +121,13 @@ class ObservedApp:
                 route = METRICS_PATH
             if method not in _METHODS:
                 method = "other"
-            HTTP_REQUESTS.labels(self.service, method, route, str(status)).inc()
-            HTTP_DURATION.labels(self.service, method, route).observe(elapsed)
+            key = (method, route, str(status))
+            children = self._children.get(key)
+            if children is None:
+                children = (HTTP_REQUESTS.labels(self.service, *key), HTTP_DURATION.labels(self.service, method, route))
+                self._children[key] = children
+            children[0].inc()
+            children[1].observe(elapsed)
             self.access.write(scope["method"], path, status, elapsed)
 
 

@@ -135,12 +135,23 @@ def observe_proxy(proxy: ASGIApp) -> ASGIApp:
         try:
             await proxy(scope, receive, watch)
         finally:
-            PROXY_CALLS.labels(kind, str(status)).inc()
-            PROXY_DURATION.labels(kind).observe(time.perf_counter() - began)
+            calls = _calls.get((kind, status))
+            if calls is None:
+                calls = _calls[(kind, status)] = PROXY_CALLS.labels(kind, str(status))
+            calls.inc()
+            timers = _timers.get(kind)
+            if timers is None:
+                timers = _timers[kind] = (PROXY_DURATION.labels(kind), PROXY_TTFT.labels(kind))
+            timers[0].observe(time.perf_counter() - began)
             if first_token is not None:
-                PROXY_TTFT.labels(kind).observe(first_token)
+                timers[1].observe(first_token)
 
     return observed
+
+
+# Label children looked up once (bounded: front ends x statuses), not on every call.
+_calls: dict[tuple[str, int], Any] = {}
+_timers: dict[str, tuple[Any, Any]] = {}
 
 
 def recorded(events: Sequence[Any]) -> None:

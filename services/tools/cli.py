@@ -18,12 +18,12 @@ import typer
 
 from schemas import InvalidId, MalformedEvent
 from services.common.eventstore import EventStore, EventStoreError
+from services.devstack.stack import DEFAULT_NATS_PORT
 from services.tools.export import EXPORT_FORMATS, ExportUnavailable, export_run
 from services.tools.plot import PlotUnavailable
 from services.tools.render import FORMATS
 from services.tools.source import ReplayError, RunNotFound, run_exists
 from services.tools.tail import TAIL_FORMATS, BadTime, line, parse_since
-from services.devstack.stack import DEFAULT_NATS_PORT
 from trainer.core import AdapterConfigError, MalformedCall
 
 T = TypeVar("T")
