@@ -41,6 +41,8 @@ from agl_env import agl_python, setup  # noqa: E402
 from services.devstack.embedded import NatsServer, free_port  # noqa: E402
 
 ADMIN = "bench-admin"
+# The fake upstream's text pieces are "t<id> ": the first one in Chat Completions, Responses or Messages SSE.
+FIRST_TOKEN = (b'"content":"t', b'"delta":"t', b'"text":"t')
 RUN = "bench"
 
 
@@ -84,7 +86,7 @@ class Conn:
             while True:
                 size = int((await self.reader.readline()).strip(), 16)
                 data = await self.reader.readexactly(size + 2)
-                if not first and b'"content":"t' in data:
+                if not first and any(marker in data for marker in FIRST_TOKEN):
                     first = time.perf_counter() - started
                 if size == 0:
                     break

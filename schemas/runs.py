@@ -21,7 +21,8 @@ class CallLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """What one model call through the proxy may ask for; a call over a limit is refused with a 400.
 
     Each choice of a call is recorded with the call's whole request, so `n` multiplies what a call
-    writes; `max_tokens` bounds what one answer may cost; tools and messages bound the request.
+    writes; `max_tokens` bounds what one answer may cost (a larger request is lowered to it, not
+    refused); tools and messages bound the request.
     """
 
     max_n: Positive = 8
@@ -55,6 +56,8 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     placeholders) for the kubernetes backend. `evaluator_command`, when set, runs after the agent
     exits, in the same workspace, with an evaluator token; `reward_from` says whose rewards count.
     `limits` bounds each model call and `budget` each attempt (enforced by the proxy).
+    `model_aliases` maps model names a harness sends (Claude Code's `claude-sonnet-4-5`) to a
+    model registered for the run; a name neither registered nor aliased goes to any of the run's.
     """
 
     run_id: str
@@ -72,6 +75,7 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     env: dict[str, str] = {}
     limits: CallLimits = msgspec.field(default_factory=CallLimits)
     budget: AttemptBudget = msgspec.field(default_factory=AttemptBudget)
+    model_aliases: dict[str, str] = {}
 
     def __post_init__(self) -> None:
         check_id("run_id", self.run_id)

@@ -1,31 +1,39 @@
-"""The CPU training backend: a transformers causal LM updated with torch in this process.
+"""The training backend protocol, and the factory that builds the one a run's `[backend] kind` names.
 
-`CpuBackend.update(samples)` takes one optimizer step per `updates_per_step` over the samples of a
-step (built by `trainer.core`, weights fixed for the whole step): micro-batches packed by tokens,
-the clipped policy loss of `trainer.loss` summed over them (so the gradient is the full step's),
-then gradient clipping and AdamW. `save_weights` writes a directory the engine can load
-(`model.safetensors`, `config.json`, the tokenizer files), one per weights version.
+A backend owns the policy's weights and optimizer. The loop only ever calls:
 
-The GPU backend (verl + vLLM) comes later behind the same interface: `update`, `save_weights`,
-`state`/`load_state`.
+    update(samples)        `updates_per_step` optimizer steps on one step's samples -> UpdateMetrics
+    save_weights(dir)      a directory the serving engines load (safetensors; see `WeightsLayout`)
+    load_weights(dir)      replace the weights by a saved version (resuming)
+    state() / load_state() optimizer and RNG state for a checkpoint
+    is_main, follow(), close()   multi-rank training: rank 0 runs the loop and calls the methods
+                           above; every other rank calls `follow()`, which runs the same collective
+                           work on the samples rank 0 hands out, until rank 0 calls `close()`
+
+Backends:
+
+- `cpu` (`trainer.cpu_backend.CpuBackend`): torch + transformers in this process.
+- `verl` (`trainer.verl_backend.VerlBackend`): verl's FSDP2 training engine, one process per GPU
+  under torchrun (several nodes through torchrun's rendezvous), our loss passed to it exactly.
+
+Both train every weight or, with `lora_rank > 0`, LoRA adapters (`trainer.lora`): one adapter for
+all calls, or one per agent role (`lora_adapters`), on one base model.
 """
 
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
-import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from trainer.config import AlgorithmSection
-from trainer.core import Sample, plan_micro_batches
-from trainer.forward import forward_logits
-from trainer.loss import LossMetrics, PolicyLossConfig, collate, policy_loss, token_logprobs
+from trainer.core import Sample
+from trainer.loss import LossMetrics
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -37,6 +45,7 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "added_tokens.json",
 )
+ADAPTERS_DIR = "adapters"  # LoRA: <weights dir>/adapters/<adapter name>/ (peft format)
 
 
 class UpdateMetrics(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,9 +69,78 @@ class UpdateMetrics(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float
 
 
-def _mean(parts: Sequence[LossMetrics], field: str) -> float:
-    total = sum(p.tokens for p in parts)
-    return sum(float(getattr(p, field) or 0.0) * p.tokens for p in parts) / total if total else 0.0
+class TrainingBackend(Protocol):
+    """What the loop needs of a backend (see the module docstring)."""
+
+    is_main: bool
+
+    def update(self, samples: Sequence[Sample]) -> UpdateMetrics:
+        """Optimizer steps on one step's samples."""
+        ...
+
+    def save_weights(self, out_dir: Path) -> Path:
+        """Write the weights the engines serve next."""
+        ...
+
+    def load_weights(self, model_dir: Path) -> None:
+        """Replace the weights by a saved version."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """Optimizer and RNG state for a checkpoint."""
+        ...
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore what `state` returned."""
+        ...
+
+    def follow(self) -> None:
+        """On a rank other than 0: take part in rank 0's calls until it closes."""
+        ...
+
+    def close(self) -> None:
+        """Release the backend (rank 0 also releases the ranks following it)."""
+        ...
+
+
+def combine(
+    parts: Sequence[LossMetrics], *, samples: int, micro: int, steps: int, grad_norm: float, seconds: float
+) -> UpdateMetrics:
+    """One `UpdateMetrics` from the micro-batches' `LossMetrics` of an update (token-weighted means)."""
+
+    def mean(field: str, of: Sequence[LossMetrics] = parts) -> float:
+        total = sum(p.tokens for p in of)
+        return sum(float(getattr(p, field) or 0.0) * p.tokens for p in of) / total if total else 0.0
+
+    kl = [p for p in parts if p.kl_ref is not None]
+    return UpdateMetrics(
+        loss=sum(p.loss for p in parts) / max(steps, 1),
+        tokens=sum(p.tokens for p in parts) // max(steps, 1),
+        samples=samples,
+        micro_batches=micro,
+        optimizer_steps=steps,
+        clip_fraction=mean("clip_fraction"),
+        dual_clip_fraction=mean("dual_clip_fraction"),
+        ratio_mean=mean("ratio_mean"),
+        approx_kl=mean("approx_kl"),
+        entropy=mean("entropy"),
+        kl_ref=mean("kl_ref", kl) if kl else None,
+        grad_norm=grad_norm,
+        seconds=seconds,
+    )
+
+
+def contributes(sample: Sample, *, with_kl: bool) -> bool:
+    """Whether a sample has a gradient: sampled tokens with weight, and an advantage or a KL term.
+
+    A sample with advantage 0 (a group whose rewards were all equal) has no policy gradient, so it
+    is not run at all; and a step where no sample contributes takes no optimizer step, since AdamW
+    would still move every weight along its momentum. Loss weights were fixed over the whole step,
+    so leaving such samples out changes nothing in the others' contribution.
+    """
+    if sample.response_tokens == 0 or sample.token_weight <= 0.0:
+        return False
+    return sample.advantage != 0.0 or with_kl
 
 
 def copy_tokenizer_files(source: Path, target: Path) -> None:
@@ -72,119 +150,25 @@ def copy_tokenizer_files(source: Path, target: Path) -> None:
             shutil.copyfile(source / name, target / name)
 
 
-class CpuBackend:
-    """A causal LM and its AdamW optimizer, updated on this machine's CPU (see the module docstring)."""
+def replace_dir(staging: Path, out_dir: Path) -> Path:
+    """Move a fully written `staging` directory to `out_dir` (replacing it), so readers never see half a save."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    staging.rename(out_dir)
+    return out_dir
 
-    def __init__(self, model_dir: Path, algorithm: AlgorithmSection, *, seed: int = 0, threads: int | None = None):
-        if threads:
-            torch.set_num_threads(threads)
-        torch.manual_seed(seed)
-        self.model_dir = Path(model_dir)
-        self.algorithm = algorithm
-        self.loss_config = PolicyLossConfig(**msgspec.to_builtins(algorithm.loss))
-        self.model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        self.model.train()
-        self.reference: PreTrainedModel | None = None
-        if self.loss_config.kl_coef > 0.0:
-            self.reference = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-            self.reference.eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=algorithm.lr, weight_decay=algorithm.weight_decay, betas=(0.9, 0.99)
-        )
-        pad = self.model.config.pad_token_id
-        self.pad_id = int(pad) if isinstance(pad, int) else 0
 
-    def _micro_batch(self, samples: Sequence[Sample]) -> tuple[torch.Tensor, LossMetrics]:
-        batch = collate(samples, pad_id=self.pad_id)
-        logits = forward_logits(self.model, batch.input_ids, batch.attention_mask)  # [B, T, V]
-        temperature = self.algorithm.loss_temperature
-        logprobs = token_logprobs(logits, batch.input_ids, temperature=temperature)  # [B, T-1]
-        ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logits = forward_logits(self.reference, batch.input_ids, batch.attention_mask)
-                ref = token_logprobs(ref_logits, batch.input_ids, temperature=temperature)
-        return policy_loss(logprobs, batch, self.loss_config, ref_logprobs=ref, logits=logits.detach())
+def build_backend(config: TrainConfig) -> TrainingBackend:
+    """The backend `[backend] kind` names, loaded from `[model] path` (verl is imported only when chosen)."""
+    settings = config.backend
+    match settings.kind:
+        case "cpu":
+            from trainer.cpu_backend import CpuBackend
 
-    def _contributes(self, sample: Sample) -> bool:
-        """Whether a sample has a gradient: sampled tokens with weight, and an advantage or a KL term.
+            return CpuBackend(
+                Path(config.model.path), config.algorithm, seed=config.run.seed, settings=settings
+            )
+        case "verl":
+            from trainer.verl_backend import VerlBackend
 
-        A sample with advantage 0 (a group whose rewards were all equal) has no policy gradient,
-        so it is not run at all; and a step where no sample contributes takes no optimizer step,
-        since AdamW would still move every weight along its momentum.
-        """
-        if sample.response_tokens == 0 or sample.token_weight <= 0.0:
-            return False
-        return sample.advantage != 0.0 or self.reference is not None
-
-    def update(self, samples: Sequence[Sample]) -> UpdateMetrics:
-        """`updates_per_step` optimizer steps on the step's samples; returns the token-weighted metrics.
-
-        Loss weights were fixed over the whole step, so leaving out samples without a gradient
-        changes nothing in the others' contribution.
-        """
-        start = time.monotonic()
-        trained = [s for s in samples if self._contributes(s)]
-        parts: list[LossMetrics] = []
-        grad_norm = 0.0
-        steps = 0
-        micro = 0
-        if trained:
-            sizes = [len(s.tokens) for s in trained]
-            plan = plan_micro_batches(sizes, workers=1, max_tokens=self.algorithm.micro_batch_tokens)[0]
-            for _ in range(self.algorithm.updates_per_step):
-                self.optimizer.zero_grad(set_to_none=True)
-                for indices in plan:
-                    loss, metrics = self._micro_batch([trained[i] for i in indices])
-                    loss.backward()
-                    parts.append(metrics)
-                    micro += 1
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.algorithm.grad_clip)
-                grad_norm = float(norm)
-                self.optimizer.step()
-                steps += 1
-        kl = [p for p in parts if p.kl_ref is not None]
-        return UpdateMetrics(
-            loss=sum(p.loss for p in parts) / max(steps, 1),
-            tokens=sum(p.tokens for p in parts) // max(steps, 1),
-            samples=len(trained),
-            micro_batches=micro,
-            optimizer_steps=steps,
-            clip_fraction=_mean(parts, "clip_fraction"),
-            dual_clip_fraction=_mean(parts, "dual_clip_fraction"),
-            ratio_mean=_mean(parts, "ratio_mean"),
-            approx_kl=_mean(parts, "approx_kl"),
-            entropy=_mean(parts, "entropy"),
-            kl_ref=_mean(kl, "kl_ref") if kl else None,
-            grad_norm=grad_norm,
-            seconds=time.monotonic() - start,
-        )
-
-    def save_weights(self, out_dir: Path) -> Path:
-        """Write the current weights as a loadable model directory (safetensors) at `out_dir`."""
-        out_dir = Path(out_dir)
-        staging = out_dir.with_name(f".{out_dir.name}.partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        self.model.save_pretrained(staging, safe_serialization=True)
-        copy_tokenizer_files(self.model_dir, staging)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        staging.rename(out_dir)
-        return out_dir
-
-    def load_weights(self, model_dir: Path) -> None:
-        """Replace the current weights by those saved in `model_dir` (same architecture)."""
-        loaded = AutoModelForCausalLM.from_pretrained(Path(model_dir), dtype=torch.float32)
-        self.model.load_state_dict(loaded.state_dict())
-
-    def state(self) -> dict[str, Any]:
-        """The optimizer state and torch RNG state, for a checkpoint (weights are saved separately)."""
-        return {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        """Restore what `state` returned."""
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-
-    def parameters_snapshot(self) -> dict[str, torch.Tensor]:
-        """A copy of every parameter (tests compare before and after an update)."""
-        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+            return VerlBackend(Path(config.model.path), config.algorithm, seed=config.run.seed, settings=settings)
+    raise ValueError(f"backend.kind: {settings.kind!r}; choose one of: cpu, verl")

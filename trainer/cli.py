@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 
 from trainer.clients import ServiceUrls
-from trainer.config import ConfigError, StackSection
+from trainer.config import ConfigError, StackSection, TrainConfig
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
@@ -38,6 +38,7 @@ def train(
     """Train a model with RL through its agent harness, as CONFIG.toml describes."""
     import msgspec
 
+    from services.common.vllm import ReplicaError
     from services.devstack.stack import StackError
     from trainer.checkpoint import CheckpointError
     from trainer.clients import GatewayError
@@ -54,6 +55,9 @@ def train(
             loaded = msgspec.structs.replace(loaded, run=msgspec.structs.replace(loaded.run, steps=steps))
     except ConfigError as exc:
         raise _fail(str(exc), 2) from None
+    if follows_rank0():
+        _follow(loaded)
+        return
     try:
         with contextlib.ExitStack() as stack:
             if loaded.stack.embedded:
@@ -65,8 +69,21 @@ def train(
             with StepDisplay(loaded.run.steps) as display:
                 rows = asyncio.run(Trainer(loaded, urls, on_step=display.step).run())
         print(f"{len(rows)} steps done; metrics in {loaded.run_dir / 'metrics.csv'}")
-    except (StackError, GatewayError, DatasetError, TrainingError, CheckpointError, ConfigError) as exc:
+    except (StackError, GatewayError, DatasetError, TrainingError, CheckpointError, ConfigError, ReplicaError) as exc:
         raise _fail(str(exc)) from None
+
+
+def follows_rank0() -> bool:
+    """Whether this process is a torchrun rank other than 0: it trains, rank 0 runs the loop."""
+    return int(os.environ.get("RANK", "0")) != 0
+
+
+def _follow(config: TrainConfig) -> None:
+    """A rank other than 0: build the backend and do rank 0's calls until it closes."""
+    from trainer.backend import build_backend
+
+    backend = build_backend(config)
+    backend.follow()
 
 
 def _external_urls(stack: StackSection) -> ServiceUrls:

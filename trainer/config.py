@@ -4,7 +4,10 @@
     [data]       path (JSONL, one rollout input per line), tasks_per_step, rollouts_per_task, shuffle
     [agent]      command (argv), env, timeout_s, concurrency, max_attempts
     [model]      path (a saved transformers model directory), served_name
-    [backend]    kind ("cpu"), threads
+    [backend]    kind ("cpu" | "verl"), threads, dtype, gradient_checkpointing, lora_rank, lora_alpha,
+                 lora_target_modules, lora_adapters (agent role -> adapter name)
+    [engine]     kind ("embedded" | "vllm"); vllm: executable, urls (attach) or replicas (start), port,
+                 dtype, gpu_memory_utilization, extra_args
     [algorithm]  lr, weight_decay, grad_clip, updates_per_step, micro_batch_tokens, loss_temperature
     [algorithm.adapter]  the adapter's switches (`trainer.core.AdapterConfig`)
     [algorithm.loss]     clip_low, clip_high, ratio_cap, kl_coef (`trainer.loss.PolicyLossConfig`)
@@ -19,6 +22,7 @@ Relative paths are resolved against the config file's directory.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -29,11 +33,13 @@ from typing import Any, Literal, get_args
 
 import msgspec
 
+from schemas.runs import RewardFrom
 from trainer.core import AdapterConfig, AdapterConfigError
 
 Mode = Literal["sync", "async"]
 BackendKind = Literal["cpu", "verl"]
-AVAILABLE_BACKENDS: tuple[str, ...] = ("cpu",)
+AVAILABLE_BACKENDS: tuple[str, ...] = get_args(BackendKind)
+Dtype = Literal["float32", "bfloat16"]
 
 
 class ConfigError(ValueError):
@@ -68,7 +74,11 @@ class DataSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`[agent]`: the harness command the controller runs once per rollout attempt.
 
-    A leading `python` in `command` stands for the Python running the trainer (its virtualenv).
+    A leading `python` in `command` (and `evaluator_command`) stands for the Python running the
+    trainer (its virtualenv). `{config_dir}` in `command`, `evaluator_command` and `env` values is
+    the config file's directory, so a config can name the scripts next to it. `evaluator_command`
+    runs after the agent exited 0, in its workspace, with an evaluator token; with
+    `reward_from = "evaluator"` only the evaluator's reward counts (the gateway refuses the agent's).
     """
 
     command: list[str]
@@ -76,6 +86,8 @@ class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     timeout_s: float = 600.0
     concurrency: int = 32
     max_attempts: int = 1
+    evaluator_command: list[str] | None = None
+    reward_from: RewardFrom = "agent"
 
 
 class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -86,10 +98,47 @@ class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`[backend]`: where updates run (`cpu`: torch + transformers in this process)."""
+    """`[backend]`: where updates run and what is trained.
+
+    `kind`: `cpu` (torch + transformers in this process) or `verl` (verl's FSDP2 engine; one
+    process per GPU under torchrun, rank 0 runs the loop). `dtype` is the parameter dtype of the
+    forward pass (`bfloat16` on GPUs; master weights and the optimizer stay float32 under verl).
+    `lora_rank > 0` trains a LoRA adapter (peft) on `lora_target_modules` instead of every weight;
+    the adapter is what is saved and served. `lora_adapters` maps an agent role to the adapter
+    that trains its calls (several roles may share one; empty: one adapter, `default`, for all).
+    """
 
     kind: BackendKind = "cpu"
     threads: int | None = None
+    dtype: Dtype = "float32"
+    gradient_checkpointing: bool = False
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_target_modules: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    lora_adapters: dict[str, str] = {}
+
+
+EngineKind = Literal["embedded", "vllm"]
+
+
+class EngineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[engine]`: what serves the policy. `embedded` is Rollwire's CPU engine (the stack's);
+    `vllm` attaches to running `vllm serve` replicas (`urls`) or starts `replicas` of them from
+    `executable` (vLLM's own environment) on ports from `port`, one GPU each. Every replica is
+    registered with the gateway and reloaded inside the phase gate (`services.common.vllm`).
+    """
+
+    kind: EngineKind = "embedded"
+    executable: str = "vllm"
+    urls: list[str] = []
+    replicas: int = 1
+    port: int = 8100
+    dtype: str = "bfloat16"
+    gpu_memory_utilization: float = 0.85
+    extra_args: list[str] = []
+    startup_timeout_s: float = 900.0
 
 
 class LossSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -176,6 +225,7 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     model: ModelSection
     run: RunSection = RunSection()
     backend: BackendSection = BackendSection()
+    engine: EngineSection = EngineSection()
     algorithm: AlgorithmSection = AlgorithmSection()
     async_: AsyncSection = msgspec.field(default_factory=AsyncSection, name="async")
     stack: StackSection = StackSection()
@@ -273,12 +323,48 @@ def _check(config: TrainConfig) -> None:
     need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
     need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
     need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
-    if config.backend.kind not in AVAILABLE_BACKENDS:
-        raise ConfigError(
-            f"backend.kind: {config.backend.kind!r} is not available in this install; "
-            f"choose one of: {', '.join(AVAILABLE_BACKENDS)} (the GPU backend comes later)"
+    need(
+        config.agent.evaluator_command is None or bool(config.agent.evaluator_command),
+        "agent.evaluator_command",
+        "must name the program to run, as a list of strings, or be left out",
+    )
+    need(
+        config.agent.reward_from == "agent" or bool(config.agent.evaluator_command),
+        "agent.reward_from",
+        "is 'evaluator' but agent.evaluator_command is not set",
+    )
+    backend = config.backend
+    need(
+        backend.kind != "verl" or importlib.util.find_spec("verl") is not None,
+        "backend.kind",
+        "'verl' needs verl installed beside Rollwire: pip install 'rollwire[verl]'",
+    )
+    need(backend.threads is None or backend.threads >= 1, "backend.threads", "must be at least 1")
+    need(backend.lora_rank >= 0, "backend.lora_rank", "must be >= 0 (0 trains every weight)")
+    need(backend.lora_alpha > 0, "backend.lora_alpha", "must be positive")
+    need(bool(backend.lora_target_modules), "backend.lora_target_modules", "must name at least one module")
+    need(
+        not backend.lora_adapters or backend.lora_rank > 0,
+        "backend.lora_adapters",
+        "needs backend.lora_rank > 0 (adapters per role are LoRA adapters)",
+    )
+    for role, name in backend.lora_adapters.items():
+        need(
+            bool(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name)),
+            f"backend.lora_adapters.{role}",
+            "must be an adapter name of letters, digits, '_' or '-'",
         )
-    need(config.backend.threads is None or config.backend.threads >= 1, "backend.threads", "must be at least 1")
+    engine = config.engine
+    need(engine.replicas >= 1, "engine.replicas", "must be at least 1")
+    need(0.0 < engine.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization", "must be in (0, 1]")
+    need(
+        engine.kind == "vllm" or not engine.urls, "engine.urls", "attaches to vLLM servers: set engine.kind = \"vllm\""
+    )
+    need(
+        engine.kind == "vllm" or len(set(backend.lora_adapters.values())) <= 1,
+        "backend.lora_adapters",
+        "several adapters are served by vLLM only: set engine.kind = \"vllm\"",
+    )
     algo = config.algorithm
     need(algo.lr > 0, "algorithm.lr", "must be positive")
     need(algo.weight_decay >= 0, "algorithm.weight_decay", "must be >= 0")
@@ -316,6 +402,27 @@ def _resolve(base: Path, value: str) -> str:
     return str(path if path.is_absolute() else (base / path))
 
 
+CONFIG_DIR = "{config_dir}"
+
+
+def _agent_commands(agent: AgentSection, base_dir: Path | None) -> AgentSection:
+    """`python` as this interpreter and `{config_dir}` as the config's directory in the agent's settings."""
+    where = str(base_dir.resolve()) if base_dir is not None else "."
+
+    def command(argv: list[str] | None) -> list[str] | None:
+        if argv is None:
+            return None
+        argv = [part.replace(CONFIG_DIR, where) for part in argv]
+        return [sys.executable, *argv[1:]] if argv[0] == "python" else argv
+
+    return msgspec.structs.replace(
+        agent,
+        command=command(agent.command) or [],
+        evaluator_command=command(agent.evaluator_command),
+        env={key: value.replace(CONFIG_DIR, where) for key, value in agent.env.items()},
+    )
+
+
 def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None) -> TrainConfig:
     """A checked `TrainConfig` from plain data (a parsed TOML document); paths resolved against `base_dir`."""
     try:
@@ -323,9 +430,7 @@ def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None
     except msgspec.ValidationError as exc:
         raise _decode_error(exc) from None
     _check(config)
-    if config.agent.command[0] == "python":
-        command = [sys.executable, *config.agent.command[1:]]
-        config = msgspec.structs.replace(config, agent=msgspec.structs.replace(config.agent, command=command))
+    config = msgspec.structs.replace(config, agent=_agent_commands(config.agent, base_dir))
     if base_dir is not None:
         config = msgspec.structs.replace(
             config,

@@ -41,9 +41,9 @@ import msgspec
 from schemas.events import TERMINAL_STATUSES, CustomEvent
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStore
-from trainer.backend import CpuBackend, UpdateMetrics
+from trainer.backend import TrainingBackend, UpdateMetrics, build_backend
 from trainer.checkpoint import InFlightGroup, RunDir, TrainerState
-from trainer.clients import EngineClient, GatewayClient, NewRollout, ServiceUrls
+from trainer.clients import GatewayClient, NewRollout, ServiceUrls
 from trainer.config import TrainConfig, config_to_mapping
 from trainer.core import (
     TRAIN_STEP_EVENT,
@@ -55,6 +55,7 @@ from trainer.core import (
     sample_row,
 )
 from trainer.dataset import TaskOrder, load_jsonl
+from trainer.engines import ServingEngine, connect_engine, register_replicas
 from trainer.loggers import open_sinks, tensorboard_dir
 from trainer.metrics import MetricsLog
 from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group
@@ -157,7 +158,7 @@ class Trainer:
         self.tasks = load_jsonl(Path(config.data.path))
         self.order = TaskOrder(len(self.tasks), config.run.seed, config.data.shuffle)
         self.metrics: MetricsLog | None = None
-        self.backend: CpuBackend | None = None
+        self.backend: TrainingBackend | None = None
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -167,9 +168,7 @@ class Trainer:
         self.run_dir.ensure()
         (self.run_dir.root / "config.json").write_text(json.dumps(config_to_mapping(config), indent=2))
         resumed = self.run_dir.latest_checkpoint() if config.run.resume else None
-        self.backend = CpuBackend(
-            Path(config.model.path), config.algorithm, seed=config.run.seed, threads=config.backend.threads
-        )
+        self.backend = build_backend(config)
         if resumed is not None:
             state, backend_state = resumed
             self.backend.load_weights(self.run_dir.weights(state.weights_version))
@@ -198,6 +197,8 @@ class Trainer:
             timeout_s=agent.timeout_s,
             max_attempts=agent.max_attempts,
             env=dict(agent.env),
+            evaluator_command=list(agent.evaluator_command) if agent.evaluator_command else None,
+            reward_from=agent.reward_from,
         )
         return msgspec.to_builtins(spec)  # type: ignore[no-any-return]
 
@@ -208,7 +209,7 @@ class Trainer:
         state = await asyncio.to_thread(self._prepare)
         store = await EventStore.connect(self.urls.nats_url)
         gateway = GatewayClient(self.urls.gateway_url, self.urls.admin_token)
-        engine = EngineClient(self.urls.engine_base)
+        engine = await connect_engine(self.config, self.urls)
         watch = StatusWatch(store, self.run_id)
         rows: list[Row] = []
         in_flight = list(state.in_flight)
@@ -233,22 +234,14 @@ class Trainer:
             await store.close()
             if self.metrics is not None:
                 self.metrics.close()
+            if self.backend is not None:
+                await asyncio.to_thread(self.backend.close)
         return rows
 
-    async def _serve(self, engine: EngineClient, gateway: GatewayClient, version: int) -> None:
-        """Make the engine serve the run's current weights and route the run's calls to it."""
-        served = await engine.served_model()
-        await engine.reload(str(self.run_dir.weights(version).resolve()), version)
-        await gateway.register_model(
-            self.run_id,
-            name=self.config.model.served_name,
-            base_url=f"{self.urls.engine_base}/v1",
-            served_model=served,
-            weights_version=None,  # the engine stamps each response with the version it ran on
-            # The engine's address is part of the key: a resumed run's engine may listen elsewhere,
-            # and the same key would be taken for a repeat of the old registration.
-            key=f"{self.run_id}-model-{self.config.model.served_name}-{_digest(self.urls.engine_base)}",
-        )
+    async def _serve(self, engine: ServingEngine, gateway: GatewayClient, version: int) -> None:
+        """Make every engine replica serve the run's current weights and route the run's calls to them."""
+        await engine.load(self.run_dir.weights(version).resolve(), version)
+        await register_replicas(gateway, engine, self.run_id, self.config.model.served_name)
         # No idempotency key: a resumed run must reopen a gate its crash may have left closed.
         await gateway.set_phase(self.run_id, "rollout", version, key=None)
 
@@ -278,76 +271,24 @@ class Trainer:
         in_flight: list[InFlightGroup],
         store: EventStore,
         gateway: GatewayClient,
-        engine: EngineClient,
+        engine: ServingEngine,
         watch: StatusWatch,
         started: float,
     ) -> tuple[TrainerState, list[InFlightGroup], Row]:
-        config = self.config
-        assert self.backend is not None and self.metrics is not None
+        """One step of the module docstring: declare, wait, replay, update and serve, checkpoint."""
+        assert self.metrics is not None
         step_start = time.monotonic()
         version = state.weights_version
-        fresh, consumed = self._declare(state, in_flight)
-        if fresh:
-            declared = [
-                NewRollout(
-                    rollout_id=rollout_id,
-                    group_id=group.group_id,
-                    input=self.tasks[self.order.index(group.task_index)],
-                    metadata={"task_index": group.task_index, "step": step},
-                )
-                for group in fresh
-                for rollout_id in group.rollout_ids
-            ]
-            key = f"{self.run_id}-declare-{fresh[0].task_index}-{fresh[-1].task_index}"
-            for record in await gateway.create_rollouts(self.run_id, declared, key=key):
-                status = record.get("state")
-                if status in TERMINAL_STATUSES:  # declared before a crash, already over
-                    watch.ended[str(record["rollout_id"])] = str(status)
-            in_flight = in_flight + fresh
-        need = config.data.tasks_per_step if config.run.mode == "sync" else config.min_groups()
+        in_flight, consumed = await self._top_up(step, state, in_flight, gateway, watch)
+        need = self.config.data.tasks_per_step if self.config.run.mode == "sync" else self.config.min_groups()
         ended = await watch.wait_groups(in_flight, need)
         in_flight = [g for g in in_flight if g not in ended]
         waited = time.monotonic()
-
-        replayed = [await replay_group(store, self.run_id, group) for group in ended]
-        rollouts = [r for g in replayed for r in g.rollouts]
-        if replayed and not rollouts:
-            reasons = sorted({reason for g in replayed for reason in g.skipped.values()})
-            if step == 1 or state.step == 0:
-                raise TrainingError(
-                    f"no rollout of step {step} succeeded ({', '.join(reasons)}); check the agent command "
-                    "and its logs under the stack's data dir (executions/)"
-                )
-        if config.run.mode == "async":
-            rollouts, stale = drop_stale_calls(rollouts, version, config.async_.max_staleness)
-        else:
-            stale = 0
-        batch = build_step(rollouts, config.adapter)
-        await self._record_step(store, step, version, rollouts)
-        await asyncio.to_thread(self._write_samples, step, rollouts, batch)
-        replayed_at = time.monotonic()
-
-        update: UpdateMetrics | None = None
-        new_version = version
-        times: dict[str, float] = {"wait": waited - step_start, "replay": replayed_at - waited}
-        await gateway.set_phase(self.run_id, "update", version, key=f"{self.run_id}-update-{step}")
-        mark = time.monotonic()
-        times["drain"] = mark - replayed_at
-        if batch.samples:
-            update = await asyncio.to_thread(self.backend.update, batch.samples)
-            times["update"] = time.monotonic() - mark
-            mark = time.monotonic()
-        if update is not None and update.optimizer_steps:  # else nothing changed: no new version
-            new_version = version + 1
-            path = await asyncio.to_thread(self.backend.save_weights, self.run_dir.weights(new_version))
-            times["save"] = time.monotonic() - mark
-            mark = time.monotonic()
-            await engine.reload(str(path.resolve()), new_version)
-        await gateway.set_phase(self.run_id, "rollout", new_version, key=f"{self.run_id}-rollout-{step}")
+        replayed, batch, stale = await self._gather(step, state, ended, store)
+        times: dict[str, float] = {"wait": waited - step_start, "replay": time.monotonic() - waited}
+        update, new_version = await self._train_and_serve(step, version, batch, gateway, engine, times)
         done = time.monotonic()
-        times["reload"] = done - mark
         times["step"] = done - step_start
-
         state = TrainerState(
             run_id=self.run_id,
             step=step,
@@ -363,6 +304,82 @@ class Trainer:
         if self.on_step is not None:
             self.on_step(row)
         return state, in_flight, row
+
+    async def _top_up(
+        self, step: int, state: TrainerState, in_flight: list[InFlightGroup], gateway: GatewayClient,
+        watch: StatusWatch,
+    ) -> tuple[list[InFlightGroup], int]:
+        """Declare the groups that bring the run up to its target in flight; returns them all and the task count."""
+        fresh, consumed = self._declare(state, in_flight)
+        if not fresh:
+            return in_flight, consumed
+        declared = [
+            NewRollout(
+                rollout_id=rollout_id,
+                group_id=group.group_id,
+                input=self.tasks[self.order.index(group.task_index)],
+                metadata={"task_index": group.task_index, "step": step},
+            )
+            for group in fresh
+            for rollout_id in group.rollout_ids
+        ]
+        key = f"{self.run_id}-declare-{fresh[0].task_index}-{fresh[-1].task_index}"
+        for record in await gateway.create_rollouts(self.run_id, declared, key=key):
+            status = record.get("state")
+            if status in TERMINAL_STATUSES:  # declared before a crash, already over
+                watch.ended[str(record["rollout_id"])] = str(status)
+        return in_flight + fresh, consumed
+
+    async def _gather(
+        self, step: int, state: TrainerState, ended: Sequence[InFlightGroup], store: EventStore
+    ) -> tuple[list[ReplayedGroup], StepBatch, int]:
+        """Replay the ended groups and build the step's samples; records what was trained and writes the samples."""
+        config = self.config
+        replayed = [await replay_group(store, self.run_id, group) for group in ended]
+        rollouts = [r for g in replayed for r in g.rollouts]
+        if replayed and not rollouts and (step == 1 or state.step == 0):
+            reasons = sorted({reason for g in replayed for reason in g.skipped.values()})
+            raise TrainingError(
+                f"no rollout of step {step} succeeded ({', '.join(reasons)}); check the agent command "
+                "and its logs under the stack's data dir (executions/)"
+            )
+        stale = 0
+        if config.run.mode == "async":
+            rollouts, stale = drop_stale_calls(rollouts, state.weights_version, config.async_.max_staleness)
+        batch = build_step(rollouts, config.adapter)
+        await self._record_step(store, step, state.weights_version, rollouts)
+        await asyncio.to_thread(self._write_samples, step, rollouts, batch)
+        return replayed, batch, stale
+
+    async def _train_and_serve(
+        self, step: int, version: int, batch: StepBatch, gateway: GatewayClient, engine: ServingEngine,
+        times: dict[str, float],
+    ) -> tuple[UpdateMetrics | None, int]:
+        """Inside the phase gate: update, save v+1 and make every replica serve it; returns the update and version.
+
+        A replica that fails to load the new weights fails the step with the engine's error, and the
+        gate stays closed: no call runs on weights the trainer cannot vouch for.
+        """
+        assert self.backend is not None
+        update: UpdateMetrics | None = None
+        new_version = version
+        mark = time.monotonic()
+        await gateway.set_phase(self.run_id, "update", version, key=f"{self.run_id}-update-{step}")
+        times["drain"] = time.monotonic() - mark
+        mark = time.monotonic()
+        if batch.samples:
+            update = await asyncio.to_thread(self.backend.update, batch.samples)
+            times["update"] = time.monotonic() - mark
+            mark = time.monotonic()
+        if update is not None and update.optimizer_steps:  # else nothing changed: no new version
+            new_version = version + 1
+            path = await asyncio.to_thread(self.backend.save_weights, self.run_dir.weights(new_version))
+            times["save"] = time.monotonic() - mark
+            mark = time.monotonic()
+            await engine.load(path.resolve(), new_version)
+        await gateway.set_phase(self.run_id, "rollout", new_version, key=f"{self.run_id}-rollout-{step}")
+        times["reload"] = time.monotonic() - mark
+        return update, new_version
 
     async def _record_step(self, store: EventStore, step: int, version: int, rollouts: Sequence[RolloutCalls]) -> None:
         """A `train_step` custom event on each rollout this step trains: what `rollwire replay --step` reads.

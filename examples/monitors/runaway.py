@@ -3,7 +3,9 @@
 An agent stuck in a loop (the same failing command again and again, a conversation that never
 ends) burns GPU time and, once it gets a reward, teaches the policy to ramble. This monitor counts
 each rollout's calls and tokens (prompt + response of every call) and publishes one `flag` custom
-event per rule the first time a rollout crosses a limit; the trajectory viewer shows it.
+event per rule the first time a rollout crosses a limit; the trajectory viewer shows it. It also
+reports every call the proxy refused because an attempt spent its budget (the run spec's `budget`;
+the proxy records a `budget_exceeded` event) as a `budget-exceeded` flag.
 
     python examples/monitors/runaway.py --nats-url nats://127.0.0.1:14222 --max-calls 50 --max-tokens 200000
 
@@ -18,7 +20,7 @@ import argparse
 
 import msgspec
 
-from schemas import TERMINAL_STATUSES, ModelRequestRecorded, RolloutStatusChanged
+from schemas import TERMINAL_STATUSES, CustomEvent, ModelRequestRecorded, RolloutStatusChanged
 from schemas.ids import MODEL_REQUEST
 from services.common.eventstore import StoredEvent
 from services.tools.monitor import Monitor, monitor_main
@@ -26,6 +28,7 @@ from services.tools.monitor import Monitor, monitor_main
 NAME = "runaway"
 PATTERN = "rl.*.rollout.*.model_request"
 STATUS_PATTERN = "rl.*.rollout.*.status"
+BUDGET_PATTERN = "rl.*.rollout.*.event.budget_exceeded"
 
 
 class Usage(msgspec.Struct):
@@ -56,6 +59,9 @@ async def _usage_of(monitor: Monitor, stored: StoredEvent, event: ModelRequestRe
 async def handle(monitor: Monitor, stored: StoredEvent) -> None:
     """Count the call; flag the rollout when this call takes it over a limit."""
     event = stored.event
+    if isinstance(event, CustomEvent) and event.name == "budget_exceeded":
+        await _report_budget(monitor, event)
+        return
     if isinstance(event, RolloutStatusChanged) and event.status in TERMINAL_STATUSES:
         _usage.pop((event.run_id, event.rollout_id or ""), None)
         return
@@ -77,10 +83,26 @@ async def handle(monitor: Monitor, stored: StoredEvent) -> None:
             print(f"flag {rule} run={event.run_id} rollout={event.rollout_id}: {detail}", flush=True)
 
 
+async def _report_budget(monitor: Monitor, event: CustomEvent) -> None:
+    """The proxy refused a call of this attempt: its budget is spent."""
+    payload = event.payload
+    used = f"{payload.get('used')} of {payload.get('limit')}"
+    detail = f"attempt {event.attempt_id} spent its {payload.get('budget')} budget ({used})"
+    appended = await monitor.flag(
+        event,
+        rule="budget-exceeded",
+        severity="warning",
+        detail=detail,
+        key=f"{event.attempt_id}-{payload.get('budget')}",
+    )
+    if not appended.duplicate:
+        print(f"flag budget-exceeded run={event.run_id} rollout={event.rollout_id}: {detail}", flush=True)
+
+
 def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-calls", type=int, default=50, help="calls per rollout (default %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=200_000, help="prompt+response tokens per rollout")
 
 
 if __name__ == "__main__":
-    monitor_main(NAME, handle, pattern=[PATTERN, STATUS_PATTERN], doc=__doc__ or "", extra=_options)
+    monitor_main(NAME, handle, pattern=[PATTERN, STATUS_PATTERN, BUDGET_PATTERN], doc=__doc__ or "", extra=_options)

@@ -51,6 +51,7 @@ class AttemptGrant(msgspec.Struct, frozen=True, kw_only=True):
     token: str
     proxy_base_url: str
     events_url: str
+    anthropic_base_url: str = ""
     sequence: int = 0
     seq: int = 0
 

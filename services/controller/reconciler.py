@@ -59,11 +59,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
+import nats.errors
 
 from schemas import RunStarted
 from schemas.ids import ROLLOUT_ATTEMPT, ROLLOUT_CREATED, ROLLOUT_STATUS, RUN_SUBJECT
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStore, EventStoreError, StoredEvent
+from services.common.outage import Outage
 from services.controller import metrics
 from services.controller.backends.base import (
     ExecutionBackend,
@@ -97,6 +99,15 @@ from services.controller.settings import ControllerSettings
 from services.controller.view import NOT_LAUNCHED, Attempt, Rollout, RunSpecError, fold, spec_from_event
 
 log = logging.getLogger("rollwire.controller")
+TEMPORARY_ERRORS: tuple[type[Exception], ...] = (
+    GatewayUnavailable,
+    TemporaryBackendError,
+    EventStoreError,
+    nats.errors.Error,
+    ConnectionError,
+    TimeoutError,
+)
+"""Failures retried with backoff; those of an outage (all but the backend's) are logged once per outage."""
 
 ATTEMPT_KEY = "rollwire-controller:{rollout}:{created}:{sequence}"
 ECHO_TIMEOUT_S = 5.0
@@ -134,6 +145,8 @@ def attempt_env(rollout: Rollout, spec: RunSpec, grant: AttemptGrant) -> dict[st
         **spec.env,
         "OPENAI_BASE_URL": grant.proxy_base_url,
         "OPENAI_API_KEY": grant.token,
+        "ANTHROPIC_BASE_URL": grant.anthropic_base_url,
+        "ANTHROPIC_API_KEY": grant.token,
         "ROLLWIRE_TOKEN": grant.token,
         "ROLLWIRE_EVENTS_URL": grant.events_url,
         "ROLLWIRE_RUN_ID": rollout.run_id,
@@ -147,9 +160,12 @@ def attempt_env(rollout: Rollout, spec: RunSpec, grant: AttemptGrant) -> dict[st
     return env
 
 
+AGENT_ONLY = ("OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL")
+
+
 def evaluator_env(agent: dict[str, str], token: str) -> dict[str, str]:
     """The evaluator's environment: the agent's, minus the agent's token and proxy, plus its own token."""
-    env = {k: v for k, v in agent.items() if k not in ("OPENAI_API_KEY", "OPENAI_BASE_URL")}
+    env = {k: v for k, v in agent.items() if k not in AGENT_ONLY}
     env["ROLLWIRE_TOKEN"] = token
     return env
 
@@ -186,6 +202,8 @@ class Controller:
         self._awaiting: dict[RolloutKey, tuple[int, float]] = {}
         self._retry_at: dict[RolloutKey, float] = {}
         self._failures: Counter[RolloutKey] = Counter()
+        self._stream_outage = Outage(log, "the event stream (NATS)")
+        self._gateway_outage = Outage(log, "the gateway or the event stream")
         self._startable: dict[str, dict[RolloutKey, None]] = {}
         self._starting: Counter[str] = Counter()
         self._starting_backend: Counter[str] = Counter()
@@ -301,11 +319,12 @@ class Controller:
                 async for stored in self.store.subscribe(
                     self.filters, durable=self.settings.durable, after_seq=self.high_seq
                 ):
+                    self._stream_outage.ok()
                     self._apply(stored)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("event subscription failed (%r); resubscribing in 1s", exc, exc_info=True)
+                self._stream_outage.failed(exc, "following events; resubscribing every second")
                 await asyncio.sleep(1.0)
 
     async def _drop_stale_durable(self) -> None:
@@ -637,6 +656,7 @@ class Controller:
         try:
             await coro
             self._failures.pop(key, None)
+            self._gateway_outage.ok()
         except GatewayConflict as exc:
             log.info("rollout %s moved on (%s); re-reading it", key.rollout_id, exc)
             await self._safe_refresh(key)
@@ -649,10 +669,13 @@ class Controller:
             else:
                 log.error("gateway refused a command for rollout %s: %s", key.rollout_id, exc)
                 self._retry_later(key, 60.0)
-        except (GatewayUnavailable, TemporaryBackendError, EventStoreError) as exc:
+        except TEMPORARY_ERRORS as exc:
             delay = getattr(exc, "retry_after", None) or min(30.0, 0.5 * 2 ** self._failures[key])
             self._failures[key] += 1
-            log.warning("rollout %s: %s; retrying in %.1fs", key.rollout_id, exc, delay)
+            if isinstance(exc, TemporaryBackendError):
+                log.warning("rollout %s: %s; retrying in %.1fs", key.rollout_id, exc, delay)
+            else:  # an outage: one line for all rollouts, not one traceback each
+                self._gateway_outage.failed(exc, f"rollouts are retried with backoff, first in {delay:.1f}s")
             self._retry_later(key, delay)
         except PermanentBackendError as exc:
             log.error("rollout %s: %s", key.rollout_id, exc)

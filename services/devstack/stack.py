@@ -6,7 +6,9 @@ Everything runs as child processes of one foreground command, with no Docker:
 2. check every port first, so a busy port fails before anything starts;
 3. start nats-server (JetStream) and Postgres from their wheels, data under the data dir;
 4. start each service (`python -m services.<name>`), wait for its health check;
-5. on Ctrl-C / SIGTERM stop them in reverse order.
+5. supervise them: a child that dies is restarted with backoff (`supervise.py`); only repeated
+   fast failure stops the stack;
+6. on Ctrl-C / SIGTERM stop them in reverse order.
 
 Secrets (the admin token and the token-signing key) are generated once and kept in the data dir,
 so agents' tokens stay valid across restarts; `ROLLWIRE_ADMIN_TOKEN` / `ROLLWIRE_SECRET` override.
@@ -26,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import IO
 
@@ -33,6 +36,7 @@ import httpx
 
 from services.devstack import endpoints_file
 from services.devstack.embedded import EmbeddedServerError, NatsServer, PostgresServer, free_port, port_in_use
+from services.devstack.supervise import Supervisor, Unit
 
 DEFAULT_NATS_PORT = 14222
 DEFAULT_PG_PORT = 15432
@@ -136,6 +140,7 @@ class Stack:
         self.postgres: PostgresServer | None = None
         self.children: list[ChildService] = []
         self.endpoints: Endpoints | None = None
+        self._env: dict[str, str] = {}
 
     # ---- start -----------------------------------------------------------------------------
 
@@ -225,6 +230,7 @@ class Stack:
             "ROLLWIRE_PUBLIC_URL": f"http://127.0.0.1:{ports['gateway']}",
             "PYTHONUNBUFFERED": "1",
         }
+        self._env = env
         for spec in self._service_specs(ports):
             self._start_child(spec, env)
             if spec.endpoint:
@@ -272,7 +278,11 @@ class Stack:
         return [known[name] for name in self.config.services if name in known]
 
     def _tokenizer_args(self) -> list[str]:
-        """`--tokenizer DIR` of the engine's model, so the projection (and the viewer) has call text."""
+        """The engine model's tokenizer, scoped to that model, so the projection (and the viewer) has call text.
+
+        Scoped by the name the engine answers with (its directory's name) and the registered name:
+        calls of any other model are not decoded with it.
+        """
         if "engine" not in self.config.services:
             return []
         model = self.config.engine_model
@@ -280,7 +290,8 @@ class Stack:
             from services.engine.tiny_model import tiny_model_dir  # torch: only with the engine
 
             model = tiny_model_dir()
-        return ["--tokenizer", str(model)]
+        names = dict.fromkeys((Path(model).resolve().name, DEFAULT_MODEL_NAME))
+        return [arg for name in names for arg in ("--tokenizer", f"{name}={model}")]
 
     def _register_engine(self, endpoints: Endpoints) -> None:
         """Register the embedded engine as the default model, so any run's proxy calls reach it."""
@@ -288,9 +299,16 @@ class Stack:
         register_model(endpoints.gateway_url, endpoints.admin_token, DEFAULT_MODEL_NAME, endpoints.engine_url)
 
     def _start_child(self, spec: ChildService, env: dict[str, str]) -> None:
+        self._spawn(spec, env)
+        self.children.append(spec)
+        if spec.health_url:
+            self._wait_healthy(spec, timeout=120.0)
+
+    def _spawn(self, spec: ChildService, env: dict[str, str]) -> None:
         logs = self.data_dir / "logs"
         logs.mkdir(exist_ok=True)
-        spec.log = open(logs / f"{spec.name}.log", "ab")
+        if spec.log is None:
+            spec.log = open(logs / f"{spec.name}.log", "ab")
         spec.proc = subprocess.Popen(
             [sys.executable, "-m", f"services.{spec.name}", *spec.args],
             stdout=spec.log,
@@ -298,9 +316,19 @@ class Stack:
             env=env,
             start_new_session=True,
         )
-        self.children.append(spec)
-        if spec.health_url:
-            self._wait_healthy(spec, timeout=120.0)
+
+    def units(self) -> list[Unit]:
+        """Every process of the stack, for the supervisor (`supervise.py`): servers first, then services."""
+        out: list[Unit] = []
+        servers: list[NatsServer | PostgresServer] = [s for s in (self.nats, self.postgres) if s is not None]
+        for server in servers:
+            name = "nats" if isinstance(server, NatsServer) else "postgres"
+            log = server.data_dir / f"{name}.log"
+            out.append(Unit(name, partial(_proc_of, server), partial(_restart_server, server), log))
+        for child in self.children:
+            log = self.data_dir / "logs" / f"{child.name}.log"
+            out.append(Unit(child.name, partial(_proc_of, child), partial(self._spawn, child, self._env), log))
+        return out
 
     def _wait_healthy(self, spec: ChildService, timeout: float) -> None:
         assert spec.proc is not None and spec.health_url is not None
@@ -353,6 +381,15 @@ class Stack:
             self._lock_file = None
 
 
+def _proc_of(owner: NatsServer | PostgresServer | ChildService) -> subprocess.Popen[bytes] | None:
+    return owner.proc
+
+
+def _restart_server(server: NatsServer | PostgresServer) -> None:
+    server.proc = None  # it died: start it again on its port and data dir
+    server.start()
+
+
 def run_foreground(config: StackConfig, say: Callable[[str], None] = print) -> int:
     """`rollwire up`: start the stack, print its endpoints and `ready`, run until a signal."""
     stopping = False
@@ -368,11 +405,11 @@ def run_foreground(config: StackConfig, say: Callable[[str], None] = print) -> i
         for line in endpoints.lines:
             say(line)
         say("ready")
+        supervisor = Supervisor(stack.units(), say)
         while not stopping:
-            dead = stack.dead_child()
-            if dead is not None:
-                assert dead.proc is not None
-                say(f"{dead.name} exited with code {dead.proc.returncode}; stopping (log: {stack.data_dir}/logs)")
+            reason = supervisor.tick()
+            if reason is not None:
+                say(reason)
                 return 1
             time.sleep(0.2)
         say("stopping")

@@ -110,8 +110,14 @@ async def _create(gw: Gateway, items: list[bodies.NewRollout], key: str | None) 
     prepared: list[tuple[RolloutCreated, RolloutStatusChanged] | RolloutView] = []
     for index, item in enumerate(items):
         run_id = _id(f"rollouts[{index}].run_id", item.run_id or gw.settings.default_run)
-        if item.rollout_id is not None:
-            rollout_id = _id(f"rollouts[{index}].rollout_id", item.rollout_id)
+        # A key names its rollouts forever (not only within JetStream's duplicate window or this
+        # process's cache): a create whose rollout already exists answers it and appends nothing.
+        rollout_id = (
+            _id(f"rollouts[{index}].rollout_id", item.rollout_id)
+            if item.rollout_id is not None
+            else (derive_id(key, "rollout", str(index)) if key else None)
+        )
+        if rollout_id is not None:
             existing_run = await gw.state.locate(rollout_id)
             if existing_run is not None:
                 if existing_run != run_id:
@@ -125,7 +131,7 @@ async def _create(gw: Gateway, items: list[bodies.NewRollout], key: str | None) 
                     prepared.append(existing)
                     continue
         else:
-            rollout_id = derive_id(key, "rollout", str(index)) if key else new_id()
+            rollout_id = new_id()
         mode = item.mode or ("val" if item.is_train is False else "train")
         spec = gw.state.runs.get(run_id)
         max_attempts = item.max_attempts or (int(spec[0].get("max_attempts", 1)) if spec else 1)
@@ -439,13 +445,15 @@ async def start_attempt(request: Request, rollout_id: str) -> Response:
 def _attempt_json(gw: Gateway, view: RolloutView, attempt_id: str, sequence: int, seq: int) -> dict[str, Any]:
     base = gw.settings.base_url
     rid = view.rollout_id
+    proxy = f"{base}/proxy/rollout/{rid}/attempt/{attempt_id}/mode/{view.mode}"
     return {
         "rollout_id": rid,
         "run_id": view.run_id,
         "attempt_id": attempt_id,
         "sequence": sequence,
         "token": gw.auth.signer.issue("agent", view.run_id, rid, attempt_id),
-        "proxy_base_url": f"{base}/proxy/rollout/{rid}/attempt/{attempt_id}/mode/{view.mode}/openai/v1",
+        "proxy_base_url": f"{proxy}/openai/v1",
+        "anthropic_base_url": f"{proxy}/anthropic",
         "events_url": f"{base}/api/rollouts/{rid}/attempt/{attempt_id}/events",
         "seq": seq,
     }
@@ -659,6 +667,20 @@ def _agl_model_name(model: str, endpoint: str) -> str:
     return f"{slug}-{derive_id(model, endpoint, length=10)}"
 
 
+async def list_models(request: Request) -> Response:
+    """`GET /api/models?run_id=` (admin): the registered endpoints (their `api_key` left out)."""
+    gw = _gw(request)
+    gw.admin(request)
+    run_id = request.query_params.get("run_id")
+    models = [
+        {"name": m.name, "run_id": run, "base_url": m.base_url, "served_model": m.upstream_model,
+         "weights_version": m.weights_version, "has_api_key": m.api_key is not None, "seq": m.seq}
+        for (run, _), m in sorted(gw.state.models.items())
+        if run_id is None or run == run_id
+    ]  # fmt: skip
+    return json_response({"models": models})
+
+
 async def delete_models(request: Request) -> Response:
     """`DELETE /api/models?name=&run_id=` (admin); without `name`, every model (Agent Lightning's shape)."""
     gw = _gw(request)
@@ -739,10 +761,21 @@ async def get_run(request: Request, run_id: str) -> Response:
 
 
 async def healthz(request: Request) -> Response:
-    """`GET /healthz`: 200 when NATS is connected, else 503 (`degraded`), so probes and orchestrators act on it."""
+    """`GET /healthz`: 200 when NATS is connected and (with the Postgres reader) reads are answered,
+    else 503 (`degraded`), so probes and orchestrators act on it within a second."""
     gw = _gw(request)
     connected = gw.store.nc.is_connected
-    return json_response({"status": "ok" if connected else "degraded", "nats": connected}, 200 if connected else 503)
+    body: dict[str, Any] = {"nats": connected}
+    ping = getattr(gw.reader, "ping", None)  # the Postgres reader: can reads be answered?
+    healthy = connected
+    if ping is not None:
+        try:
+            await ping(1.0)
+            body["reads"] = True
+        except Exception:
+            body["reads"] = healthy = False
+    body["status"] = "ok" if healthy else "degraded"
+    return json_response(body, 200 if healthy else 503)
 
 
 BODIES: dict[Callable[..., Any], Any] = {
@@ -772,5 +805,6 @@ def register(app: FastAPI) -> None:
     add("/api/rollouts/{rollout_id}/events", list_events, methods=["GET"])
     add("/api/models", register_models, methods=["POST"])
     add("/api/models", delete_models, methods=["DELETE"])
+    add("/api/models", list_models, methods=["GET"])
     add("/api/runs", start_run, methods=["POST"])
     add("/api/runs/{run_id}", get_run, methods=["GET"])

@@ -21,11 +21,11 @@ from services.common.eventstore import EventStore, StoredEvent
 from services.common.metrics import ObservedApp
 from services.gateway import api, bodies, metrics
 from services.gateway.auth import Authenticator, TokenSigner
+from services.gateway.budgets import Budgets
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, translate, unavailable
+from services.gateway.errors import CLIENT_ERRORS, ApiError, internal, translate, unavailable
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import IdempotencyCache
-from services.gateway.models_route import list_models
 from services.gateway.openapi import openapi_document
 from services.gateway.phase import PhaseGate
 from services.gateway.proxy import PREFIX, Proxy
@@ -70,7 +70,7 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = await EventStore.connect(settings.nats_url, stream=settings.stream, name="rollwire-gateway")
-        state = GatewayState(store, cache_size=settings.cache_size)
+        state = GatewayState(store, cache_bytes=settings.cache_bytes)
         gate = PhaseGate(settings.phase_hold_timeout_s)
         state.on_event(lambda stored: _follow_phase(gate, stored))
         upstream = UpstreamClient(
@@ -82,9 +82,10 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
             state=state,
             reader=reader or StreamRolloutReader(store),
             auth=Authenticator(settings.admin_token, TokenSigner(settings.secret)),
-            idempotency=IdempotencyCache(settings.idempotency_cache_size),
+            idempotency=IdempotencyCache(settings.idempotency_cache_bytes),
             gate=gate,
             upstream=upstream,
+            budgets=Budgets(store, settings.budget_cache_bytes),
         )
         await state.start()
         app.state.gateway = gateway
@@ -110,7 +111,7 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
     async def _errors(request: Request, exc: Exception) -> Response:
         error = translate(exc)
         if error is None:
-            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+            error = internal(exc)
         return Response(error.body(), status_code=error.status, media_type="application/json", headers=error.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -132,11 +133,12 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
             media_type="application/json",
         )
 
-    for exc_type in (ApiError,):
+    # Handled by type (not only as `Exception`, whose handler Starlette runs and then re-raises
+    # into the server's log): a client's error is an answer, not a traceback.
+    for exc_type in CLIENT_ERRORS:
         app.add_exception_handler(exc_type, _errors)  # type: ignore[arg-type]
     api.register(app)
     app.add_api_route("/api/phase", set_phase, methods=["POST"])
-    app.add_api_route("/api/models", list_models, methods=["GET"])
 
     document: list[bytes] = []  # built on first request (all routes are added by then), then served as is
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from schemas import Event
 from services.common.eventstore import Appended, EventStore, StoredEvent
 from services.gateway.auth import Admin, AttemptScope, Authenticator, Principal
+from services.gateway.budgets import Budgets
 from services.gateway.errors import forbidden, not_found, unauthorized
 from services.gateway.idempotency import IdempotencyCache
+from services.gateway.limits import RunSettings
 from services.gateway.phase import PhaseGate
 from services.gateway.readmodel import RolloutReader, RolloutView
 from services.gateway.settings import GatewaySettings
@@ -30,6 +32,8 @@ class Gateway:
     idempotency: IdempotencyCache
     gate: PhaseGate
     upstream: UpstreamClient
+    budgets: Budgets
+    run_settings: RunSettings = field(default_factory=RunSettings)
 
     def principal(self, request: Request) -> Principal:
         """The caller, or 401 when no valid token is presented."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import uuid
 from typing import Any
 
 import msgspec
@@ -13,6 +15,7 @@ from schemas import IllegalTransition, InvalidId, MalformedEvent
 from services.common.eventstore import ConcurrencyConflict, EventStoreUnavailable
 
 RETRY_AFTER_S = 2
+log = logging.getLogger("rollwire.gateway")
 _encoder = msgspec.json.Encoder()
 _FIELD = re.compile(r"at `\$\.?([^`]*)`")
 
@@ -71,6 +74,26 @@ def from_validation(exc: Exception, prefix: str = "") -> ApiError:
     return invalid(text, field)
 
 
+CLIENT_ERRORS: tuple[type[Exception], ...] = (
+    ApiError,
+    EventStoreUnavailable,
+    nats.errors.Error,
+    ConcurrencyConflict,
+    IllegalTransition,
+    msgspec.ValidationError,
+    InvalidId,
+    MalformedEvent,
+)
+"""Exceptions `translate` answers (4xx/503): handled as answers, never logged as tracebacks."""
+
+
+def internal(exc: BaseException) -> ApiError:
+    """A 500 that reveals nothing internal: the body carries a reference, the log the traceback."""
+    ref = uuid.uuid4().hex[:12]
+    log.error("internal error (ref %s)", ref, exc_info=exc)
+    return ApiError(500, f"internal error (ref {ref}); the gateway's log has the details", ref=ref)
+
+
 def translate(exc: Exception) -> ApiError | None:
     """The HTTP error for a known domain exception (None for anything else)."""
     if isinstance(exc, ApiError):
@@ -78,7 +101,7 @@ def translate(exc: Exception) -> ApiError | None:
     if isinstance(exc, EventStoreUnavailable) or (
         isinstance(exc, nats.errors.Error) and not isinstance(exc, nats.js.errors.APIError)
     ):
-        return unavailable(f"the event store is unavailable: {exc}; retry later")
+        return unavailable("the event store (NATS) is unavailable; nothing was changed, retry later")
     if isinstance(exc, ConcurrencyConflict):
         return ApiError(409, f"another writer changed this rollout first: {exc}")
     if isinstance(exc, IllegalTransition):

@@ -25,6 +25,7 @@ from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send
 from services.gateway.context import Gateway
 from services.gateway.errors import unavailable
 from services.gateway.frontends.base import Translator, error_body
+from services.gateway.limits import check_call, clamp_max_tokens
 from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion
 from services.gateway.readmodel import RolloutView
 from services.gateway.state import ModelEntry
@@ -77,8 +78,13 @@ class Pipeline:
         self.gw = gateway
 
     async def run(self, call: Call, receive: Receive, send: Send) -> None:
-        """Serve one call behind the run's phase gate."""
-        gate = self.gw.gate
+        """Serve one call within the run's limits and the attempt's budget, behind the run's phase gate."""
+        gw = self.gw
+        limits, budget = gw.run_settings.of(call.view.run_id, gw.state.runs.get(call.view.run_id))
+        check_call(call.recorded_request, limits)
+        call.payload, call.recorded_request = clamp_max_tokens(call.payload, call.recorded_request, limits)
+        reserved = await gw.budgets.admit(call.view, call.attempt_id, budget)
+        gate = gw.gate
         await gate.enter(call.view.run_id)
         try:
             call.started = time.perf_counter()
@@ -88,6 +94,8 @@ class Pipeline:
                 await self._complete(call, receive, send)
         finally:
             gate.leave(call.view.run_id)
+            if reserved:
+                gw.budgets.release(call.view, call.attempt_id)
 
     # ---- recording -----------------------------------------------------------------------------
 
@@ -145,6 +153,7 @@ class Pipeline:
             metrics.record_failed()
             raise
         metrics.recorded(events)
+        self.gw.budgets.record(events)
 
     async def _record_quietly(self, call: Call, outcome: Outcome) -> None:
         with contextlib.suppress(EventStoreUnavailable):

@@ -29,9 +29,9 @@ from schemas.ids import MODEL_REQUEST
 from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_json
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, forbidden, not_found, translate, unauthorized, unavailable
+from services.gateway.errors import ApiError, forbidden, internal, not_found, translate, unauthorized, unavailable
 from services.gateway.frontends import chat, messages, responses
-from services.gateway.frontends.base import Api, error_body
+from services.gateway.frontends.base import Api, Translator, error_body
 from services.gateway.frontends.canonical import Conversation, TranslationError, Turn, history
 from services.gateway.openai_format import prepare_request
 from services.gateway.pipeline import Call, Pipeline
@@ -40,7 +40,6 @@ from services.gateway.state import ModelEntry
 from services.gateway.upstream import UpstreamError
 
 PREFIX = "/proxy/rollout/"
-APIS = ("openai", "anthropic")
 SERVED = (
     "this proxy serves OpenAI's API under .../openai/v1/ (POST chat/completions, POST responses, GET models) "
     "and Anthropic's Messages API under .../anthropic/ (POST v1/messages, POST v1/messages/count_tokens, "
@@ -111,18 +110,16 @@ class Proxy:
 
     async def _refuse(self, exc: Exception, scope: Scope, send: Send, started: bool) -> None:
         if isinstance(exc, TranslationError):
-            exc = ApiError(exc.status, exc.message, field=exc.field)
+            exc = ApiError(exc.status, f"{exc.message} (at {exc.field})", field=exc.field)
         error = translate(exc)
         if started:  # a stream already began: nothing more can be said over HTTP
             if error is None:
                 raise exc
             return
         if error is None:
-            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+            error = internal(exc)  # logged there with a reference; the body says nothing internal
         body = error_body(_api_of(scope["path"]), error.status, error.message, **error.extra)
         await send_json(send, error.status, body, error.headers)
-        if error.status == 500:
-            raise exc
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -172,8 +169,9 @@ class Proxy:
         return models
 
     def choose(self, view: RolloutView, requested: Any) -> ModelEntry:
-        """The endpoint for a call: those named by `requested` if any, else the run's; one per rollout."""
+        """The endpoint for a call: those `requested` names (or its alias), else the run's; one per rollout."""
         models = self.models(view)
+        requested = self.gw.state.model_alias(view.run_id, requested)
         matching = [m for m in models if requested in (m.name, m.served_model)]
         pool = sorted(matching or models, key=lambda m: m.name)
         # A rollout sticks to one endpoint (its prefix cache), spread by a hash of its id.
@@ -219,7 +217,7 @@ class Proxy:
         route: Route,
         conv: Conversation,
         api: str,
-        translator_for: Any,
+        translator_for: Callable[[str, str], Translator],
         receive: Receive,
         send: Send,
     ) -> None:
@@ -357,5 +355,4 @@ ROUTES: dict[tuple[str, str, str], Handler] = {
     ("anthropic", "POST", "v1/messages/count_tokens"): _count_tokens,
     ("anthropic", "GET", "v1/models"): _anthropic_models,
     ("anthropic", "HEAD", ""): _head,
-    ("anthropic", "GET", ""): _head,
 }

@@ -39,8 +39,9 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     drain_timeout_s: float = 900.0
     default_run: str = DEFAULT_RUN
     stream: str = STREAM_NAME
-    cache_size: int = 100_000
-    idempotency_cache_size: int = 20_000
+    cache_bytes: int = 256 * 1024 * 1024
+    idempotency_cache_bytes: int = 64 * 1024 * 1024
+    budget_cache_bytes: int = 16 * 1024 * 1024
 
     @property
     def base_url(self) -> str:
@@ -69,7 +70,8 @@ def settings_from_env(env: dict[str, str] | None = None, *, announce: bool = Tru
 
     Variables: NATS_URL, ROLLWIRE_ADMIN_TOKEN, ROLLWIRE_SECRET, ROLLWIRE_PUBLIC_URL,
     ROLLWIRE_GATEWAY_HOST, ROLLWIRE_GATEWAY_PORT, ROLLWIRE_MAX_BODY_BYTES,
-    ROLLWIRE_UPSTREAM_TIMEOUT_S, ROLLWIRE_PHASE_HOLD_TIMEOUT_S, ROLLWIRE_DEFAULT_RUN, ROLLWIRE_STREAM.
+    ROLLWIRE_UPSTREAM_TIMEOUT_S, ROLLWIRE_PHASE_HOLD_TIMEOUT_S, ROLLWIRE_DEFAULT_RUN, ROLLWIRE_STREAM,
+    ROLLWIRE_CACHE_BYTES, ROLLWIRE_IDEMPOTENCY_CACHE_BYTES.
     """
     env = dict(os.environ if env is None else env)
     admin = env.get("ROLLWIRE_ADMIN_TOKEN", "")
@@ -98,4 +100,6 @@ def settings_from_env(env: dict[str, str] | None = None, *, announce: bool = Tru
         phase_hold_timeout_s=_number(env, "ROLLWIRE_PHASE_HOLD_TIMEOUT_S", 600.0),
         default_run=env.get("ROLLWIRE_DEFAULT_RUN", DEFAULT_RUN),
         stream=env.get("ROLLWIRE_STREAM") or STREAM_NAME,
+        cache_bytes=int(_number(env, "ROLLWIRE_CACHE_BYTES", 256 * 1024 * 1024, int)),
+        idempotency_cache_bytes=int(_number(env, "ROLLWIRE_IDEMPOTENCY_CACHE_BYTES", 64 * 1024 * 1024, int)),
     )

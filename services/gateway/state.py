@@ -1,7 +1,7 @@
 """The gateway's in-memory picture of what it must check on every call, kept fresh from the stream.
 
 The proxy must not read the stream per call, so the gateway caches, per rollout, the fold of its
-`created`, `status` and `attempt` events (an LRU of bounded size), plus the registered models, the
+`created`, `status` and `attempt` events (an LRU bounded by bytes), plus the registered models, the
 last phase of each run and each run's spec. One JetStream consumer over those subjects applies
 every new event in stream order; an entry only takes events newer than the last one it folded,
 so a cache entry loaded from the stream and the live feed never double-apply. A miss (or an
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import OrderedDict
 from typing import Any
 
 import msgspec
@@ -27,6 +26,7 @@ from schemas import (
     RunStarted,
     check_id,
 )
+from services.common.bytecache import ByteLRU
 from services.common.eventstore import EventStore, StoredEvent
 from services.gateway.readmodel import RolloutView, apply
 
@@ -39,6 +39,14 @@ class CachedRollout(msgspec.Struct, kw_only=True):
 
     view: RolloutView
     last_seq: int
+
+
+def _cached_size(entry: CachedRollout) -> int:
+    """Bytes a cached view takes, as its JSON (metadata and config are the client's to size)."""
+    return len(_size_encoder.encode(entry.view))
+
+
+_size_encoder = msgspec.json.Encoder()
 
 
 class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,10 +77,9 @@ class PhaseEntry(msgspec.Struct, frozen=True, kw_only=True):
 class GatewayState:
     """Rollout admission cache and registries (see the module docstring)."""
 
-    def __init__(self, store: EventStore, *, cache_size: int = 100_000) -> None:
+    def __init__(self, store: EventStore, *, cache_bytes: int = 256 * 1024 * 1024) -> None:
         self.store = store
-        self.cache_size = cache_size
-        self.rollouts: OrderedDict[str, CachedRollout] = OrderedDict()
+        self.rollouts: ByteLRU[str, CachedRollout] = ByteLRU(cache_bytes, _cached_size)
         self.models: dict[tuple[str, str], ModelEntry] = {}
         self.phases: dict[str, PhaseEntry] = {}
         self.runs: dict[str, tuple[dict[str, Any], int]] = {}
@@ -122,6 +129,7 @@ class GatewayState:
             if cached is not None and stored.seq > cached.last_seq and cached.view.run_id == event.run_id:
                 apply(cached.view, stored)
                 cached.last_seq = stored.seq
+                self.rollouts.resize(event.rollout_id or "")
         else:
             self._apply_registry(stored)
 
@@ -157,10 +165,7 @@ class GatewayState:
     def cached(self, rollout_id: str) -> RolloutView | None:
         """The cached view of a rollout, if any (no I/O)."""
         entry = self.rollouts.get(rollout_id)
-        if entry is None:
-            return None
-        self.rollouts.move_to_end(rollout_id)
-        return entry.view
+        return entry.view if entry is not None else None
 
     async def rollout(self, rollout_id: str, run_id: str | None = None, *, refresh: bool = False) -> RolloutView | None:
         """The rollout's admission view: from the cache, else (or with `refresh`) read from the stream."""
@@ -209,15 +214,13 @@ class GatewayState:
         entry = CachedRollout(view=view, last_seq=last)
         current = self.rollouts.get(rollout_id)
         if current is None or current.last_seq <= last:
-            self.rollouts[rollout_id] = entry
-            self.rollouts.move_to_end(rollout_id)
-            while len(self.rollouts) > self.cache_size:
-                self.rollouts.popitem(last=False)
-        return self.rollouts[rollout_id]
+            self.rollouts.put(rollout_id, entry)
+            current = entry
+        return current
 
     def forget(self, rollout_id: str) -> None:
         """Drop a rollout from the cache (after it was deleted, or to force a re-read)."""
-        self.rollouts.pop(rollout_id, None)
+        self.rollouts.pop(rollout_id)
 
     # ---- registries ------------------------------------------------------------------------
 
@@ -227,6 +230,14 @@ class GatewayState:
         if own:
             return own
         return [m for (run, _), m in self.models.items() if run == default_run]
+
+    def model_alias(self, run_id: str, requested: Any) -> Any:
+        """The registered model name a requested name stands for in this run (itself if no alias)."""
+        spec = self.runs.get(run_id)
+        aliases = spec[0].get("model_aliases") if spec else None
+        if isinstance(aliases, dict) and isinstance(requested, str):
+            return aliases.get(requested, requested)
+        return requested
 
     def reward_from(self, run_id: str) -> str:
         """Whose rewards count in this run: `agent` (default) or `evaluator`."""

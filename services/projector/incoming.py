@@ -13,6 +13,7 @@ go to `jsonb` as they are, without a round trip through Python objects. The fold
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -21,7 +22,7 @@ from msgspec import UNSET, Raw, UnsetType
 from nats.aio.msg import Msg
 
 from schemas import EVENT_TYPES, AnyEvent, InvalidId, ModelRegistered, ModelRequestRecorded, to_dict
-from schemas.events import CallStatus, Mode
+from schemas.events import CallApi, CallStatus, Mode
 from services.projector.flags import call_flags
 from services.projector.packing import PromptCache, pack_float64_json, pack_int32_json, unpack_int32
 from services.projector.tokens import Detokenizer
@@ -60,6 +61,7 @@ class WireCall(msgspec.Struct, kw_only=True, tag_field="type", tag="model_reques
     usage: dict[str, int] | UnsetType = UNSET
     latency_s: float | UnsetType = UNSET
     error: str | UnsetType | None = UNSET
+    api: CallApi | UnsetType = UNSET
 
     def envelope(self) -> ModelRequestRecorded:
         """The event without its raw fields (validates ids exactly as `schemas.decode` does)."""
@@ -110,11 +112,28 @@ def event_type(event: Any) -> str:
     return str(type(event).__struct_config__.tag)
 
 
+_NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+
+
+def nul_escaped_json(text: str) -> str:
+    """JSON text Postgres can store: each NUL character (`\\u0000`) becomes the visible text `\\u0000`.
+
+    Postgres refuses NUL in `text` and `jsonb`; a model may well produce one, and dead-lettering
+    the call would hide it from the API and the viewer. The ids keep the exact tokens.
+    """
+    return _NUL_ESCAPE.sub(r"\1\\\\u0000", text) if "\\u0000" in text else text
+
+
+def nul_escaped_text(text: str | None) -> str | None:
+    """Text Postgres can store: a NUL character becomes the visible text `\\u0000`."""
+    return text.replace("\x00", "\\u0000") if text is not None and "\x00" in text else text
+
+
 def _json_object(raw: Raw, field: str) -> str:
     text = bytes(raw)  # a raw JSON value has no surrounding whitespace
     if text[:1] != b"{":
         raise msgspec.ValidationError(f"Expected `object` - at `$.{field}`")
-    return text.decode()
+    return nul_escaped_json(text.decode())
 
 
 def _response_dict(raw: str) -> dict[str, Any]:
@@ -143,9 +162,9 @@ def _call_row(
         logprobs=logprobs,
         prompt_tokens=len(prompt) // 4 or int(event.usage.get("prompt_tokens", 0)),
         response_tokens=len(response) // 4 or int(event.usage.get("completion_tokens", 0)),
-        prompt_text=decoded.prompt_text if decoded else None,
-        response_text=decoded.response_text if decoded else None,
-        response_pieces=decoded.response_pieces if decoded else None,
+        prompt_text=nul_escaped_text(decoded.prompt_text) if decoded else None,
+        response_text=nul_escaped_text(decoded.response_text) if decoded else None,
+        response_pieces=[nul_escaped_text(p) or "" for p in decoded.response_pieces] if decoded else None,
         request=_json_object(wire.request, "request"),
         response=response_json,
         usage=_json.encode(event.usage).decode(),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -28,6 +29,8 @@ from services.gateway.readmodel import RolloutQuery, RolloutView, RunView
 from services.projector.migrate import migrate
 from services.projector.packing import unpack_float64, unpack_int32
 from services.projector.pgstore import NOTIFY_CHANNEL, load_lists, view_from_row
+
+log = logging.getLogger("rollwire.projector.reader")
 
 _CONNECTION_ERRORS = (
     OSError,
@@ -197,6 +200,7 @@ class PostgresRolloutReader:
         self._applied = 0
         self._advanced = asyncio.Event()
         self._listener: asyncpg.Connection | None = None
+        self._down = False
 
     # ---- connections ------------------------------------------------------------------------
 
@@ -223,10 +227,25 @@ class PostgresRolloutReader:
             async with pool.acquire(timeout=float(self._pool_args["timeout"])) as conn:
                 yield conn
         except _CONNECTION_ERRORS as exc:
+            if not self._down:  # one log line per outage; the client's body names no internals
+                log.warning("the read models (Postgres) cannot be reached: %s: %s", type(exc).__name__, exc)
+            self._down = True
             raise ReadModelUnavailable(
-                f"the read models (Postgres) cannot be reached: {type(exc).__name__}: {exc}; "
-                "writes still work, reads will return once Postgres is back"
+                "the read models (Postgres) cannot be reached; writes still work, "
+                "reads will return once Postgres is back"
             ) from None
+        else:
+            if self._down:
+                log.info("the read models (Postgres) answer again")
+            self._down = False
+
+    async def ping(self, timeout_s: float = 1.0) -> None:
+        """Raise `ReadModelUnavailable` unless Postgres answers within `timeout_s` (for health checks)."""
+        try:
+            async with asyncio.timeout(timeout_s), self.acquire() as conn:
+                await conn.fetchval("SELECT 1")
+        except TimeoutError:
+            raise ReadModelUnavailable(f"the read models (Postgres) did not answer within {timeout_s:g}s") from None
 
     async def close(self) -> None:
         """Close the listener and the pool."""

@@ -82,3 +82,18 @@ def test_an_evaluator_runs_after_the_agent_and_only_it_reports_the_reward(rig: R
         assert rollout["state"] == "succeeded", rollout
         (reward,) = rig.events(rid, "reward")
         assert (reward["value"], reward["source"], reward["name"]) == (value, "evaluator", "evaluator")
+
+
+def test_an_agents_sdk_agent_with_default_settings_runs_through_the_responses_api(rig: Rig) -> None:
+    """Only the attempt's environment variables: the SDK's default provider speaks the Responses API."""
+    rig.start_run(command=agent("agents_sdk_agent.py"), timeout_s=60, env={"OPENAI_AGENTS_DISABLE_TRACING": "1"})
+    rig.start_controller()
+    (rid,) = rig.create({"question": "what is x?"})
+    rollout = rig.wait(rid, timeout=60)
+    assert rollout["state"] == "succeeded", rollout
+    calls = rig.events(rid, "model_request")
+    assert [(c["api"], c["status"]) for c in calls] == [("responses", "ok"), ("responses", "ok")]
+    assert calls[0]["response"]["message"]["tool_calls"][0]["function"]["name"] == "look_up"
+    assert [m["role"] for m in calls[1]["request"]["messages"]] == ["system", "user", "assistant", "tool"]
+    assert all(c["prompt_ids"] and c["response_ids"] for c in calls)
+    assert rig.events(rid, "reward")[0]["value"] == 1.0

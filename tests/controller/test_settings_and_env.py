@@ -40,14 +40,18 @@ def test_bad_settings_are_named(argv: list[str], env: dict[str, str], message: s
 def test_the_agent_gets_its_contract_and_the_evaluator_not_the_agents_token() -> None:
     rollout = Rollout(run_id="r1", rollout_id="ro1", mode="val", group_id="g1")
     spec = RunSpec(run_id="r1", env={"OPENAI_API_KEY": "overridden", "EXTRA": "1"})
-    grant = AttemptGrant(attempt_id="a1", token="tok", proxy_base_url="http://p/v1", events_url="http://e", sequence=2)
+    grant = AttemptGrant(
+        attempt_id="a1", token="tok", proxy_base_url="http://p/v1", events_url="http://e", sequence=2,
+        anthropic_base_url="http://p/anthropic",
+    )  # fmt: skip
     env = attempt_env(rollout, spec, grant)
-    assert env["OPENAI_API_KEY"] == env["ROLLWIRE_TOKEN"] == "tok" and env["EXTRA"] == "1"
+    assert env["OPENAI_API_KEY"] == env["ROLLWIRE_TOKEN"] == env["ANTHROPIC_API_KEY"] == "tok" and env["EXTRA"] == "1"
+    assert env["ANTHROPIC_BASE_URL"] == "http://p/anthropic"
     assert (env["OPENAI_BASE_URL"], env["ROLLWIRE_EVENTS_URL"]) == ("http://p/v1", "http://e")
     assert (env["ROLLWIRE_ATTEMPT_SEQUENCE"], env["ROLLWIRE_MODE"], env["ROLLWIRE_GROUP_ID"]) == ("2", "val", "g1")
     judge = evaluator_env(env, "eval-tok")
     assert judge["ROLLWIRE_TOKEN"] == "eval-tok" and "tok" not in judge.values()
-    assert "OPENAI_BASE_URL" not in judge
+    assert "OPENAI_BASE_URL" not in judge and "ANTHROPIC_BASE_URL" not in judge
 
 
 def test_each_job_template_gets_its_own_backend_instance() -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from schemas import RewardReported
-from services.devstack.embedded import free_port
 from services.common.eventstore import EventStore
+from services.devstack.embedded import free_port
 
 ROLLWIRE = [sys.executable, "-m", "services.devstack.cli"]
 
@@ -112,3 +112,13 @@ def test_up_refuses_a_busy_port(tmp_path: Path, flag: str) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert f"port {port}" in result.stderr and flag in result.stderr
+
+
+def test_the_engine_tokenizer_is_scoped_to_the_engine_model(tmp_path: Path) -> None:
+    """Calls of other models are never decoded with the embedded engine's tokenizer."""
+    from services.devstack.stack import Stack, StackConfig
+
+    model = tmp_path / "tiny-chat"
+    args = Stack(StackConfig(data_dir=tmp_path, engine_model=model), say=lambda _: None)._tokenizer_args()
+    assert args == ["--tokenizer", f"tiny-chat={model}", "--tokenizer", f"tiny={model}"]
+    assert Stack(StackConfig(data_dir=tmp_path, services=("gateway",)), say=lambda _: None)._tokenizer_args() == []

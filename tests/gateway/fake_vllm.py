@@ -7,7 +7,30 @@ streamed, the prompt ids come in the first chunk and `token_ids` as per-chunk de
 
 Every served choice is appended to `served` (prompt ids, token ids, logprobs, finish reason), so a
 test can check what the gateway recorded against what was actually sampled. Knobs: `delay_s`,
-`token_delay_s` (between streamed chunks), `fail_status`, `hang_s`, `weights_version`.
+`token_delay_s` (between streamed chunks), `fail_status`, `hang_s`, `weights_version`, `reasoning`
+(text sent as vLLM's `reasoning_content` before the answer, as a reasoning parser does),
+`tool_script` (tool name -> JSON arguments: call that tool when the request offers it),
+`answer_tokens` (answers end, `finish_reason: stop`, after this many tokens when max_tokens allows more).
+
+With tools, the first call of a turn calls the first tool (arguments `{"x": N}`) and the call after
+its result (last message role `tool`) answers in text and stops (`finish_reason: stop`; otherwise
+answers run to `max_tokens`), so an agent loop completes one tool round trip and ends its turn.
+
+It also implements the control routes a trainer reloads weights through, with the shapes of
+vLLM v0.34.0's source, and records each call in `control` (path with query, body, time):
+
+- `vllm/entrypoints/rl/online/api_router.py`: `POST /pause?mode=abort|wait|keep` -> `{"status":
+  "paused"}` (while paused in `abort`/`wait` mode new generation requests get 503),
+  `POST /resume` -> `{"status": "resumed"}`, `GET /is_paused`, `POST /update_weight_version`
+  `{"new_version": str}` -> `{"success": true, "new_version": ...}`;
+- `vllm/entrypoints/serve/dev/rpc/api_router.py`: `POST /collective_rpc {"method", "args",
+  "kwargs", "timeout"}` -> `{"results": [...]}` (400 without `method`); `reload_weights` takes
+  `weights_path` (`vllm/v1/worker/gpu_worker.py`); `fail_reload` makes it answer 500;
+- `vllm/entrypoints/serve/dev/cache/api_router.py`: `POST /reset_prefix_cache` -> `{"success": bool}`;
+- `vllm/entrypoints/serve/lora/api_router.py` and `protocol.py`: `POST /v1/load_lora_adapter
+  {"lora_name", "lora_path", "load_inplace"}` (400 if loaded and not in place), `POST
+  /v1/unload_lora_adapter {"lora_name"}` (404 if not loaded); `loras` holds the loaded adapters;
+- `GET /health` -> 200.
 
     python tests/gateway/fake_vllm.py --port 9000        # serve until interrupted (the benchmark does this)
 """
@@ -27,6 +50,10 @@ import msgspec
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
 VOCAB = 32_000
+CONTROL_ROUTES = frozenset(
+    {"/pause", "/resume", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version",
+     "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+)  # fmt: skip
 
 
 def tokenize(text: str) -> list[int]:
@@ -76,20 +103,38 @@ class FakeVLLM:
         self.token_delay_s = 0.0
         self.fail_status: int | None = None
         self.hang_s = 0.0
+        self.reasoning: str | None = None
+        self.tool_script: dict[str, str] = {}
+        self.answer_tokens: int | None = None
         self.record = True
         self.served: list[dict[str, Any]] = []
         self.requests: list[dict[str, Any]] = []
         self.aborted = 0
         self.started = 0
         self.lock = threading.Lock()
+        self.control: list[dict[str, Any]] = []
+        self.paused = False
+        self.loaded_weights: str | None = None
+        self.weight_version: str | None = None
+        self.loras: dict[str, str] = {}
+        self.fail_reload = False
+        self.request_times: list[float] = []
 
     def reset(self) -> None:
         """Forget served calls and restore the default knobs."""
         self.delay_s = self.token_delay_s = self.hang_s = 0.0
         self.fail_status = None
+        self.reasoning = None
+        self.tool_script = {}
+        self.answer_tokens = None
         self.served.clear()
         self.requests.clear()
         self.aborted = self.started = 0
+        self.control.clear()
+        self.paused = self.fail_reload = False
+        self.loaded_weights = self.weight_version = None
+        self.loras.clear()
+        self.request_times.clear()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -106,17 +151,30 @@ class FakeVLLM:
                 send, 200, {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fake"}]}
             )
             return
-        if not path.endswith("/chat/completions"):
-            await self._json(send, 404, {"error": {"message": f"no route {path}"}})
-            return
         body = b""
         while True:
             message = await receive()
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        if path in CONTROL_ROUTES or (scope["method"] == "GET" and path in ("/health", "/is_paused")):
+            query = scope.get("query_string", b"").decode()
+            status, answer = self._control(path, query, _decode(body) if body else {})
+            if isinstance(answer, str):  # vLLM answers the LoRA routes with a plain-text Response
+                await send({"type": "http.response.start", "status": status, "headers": self._headers(b"text/plain")})
+                await send({"type": "http.response.body", "body": answer.encode()})
+                return
+            await self._json(send, status, answer)
+            return
+        if not path.endswith("/chat/completions"):
+            await self._json(send, 404, {"error": {"message": f"no route {path}"}})
+            return
+        if self.paused:
+            await self._json(send, 503, {"error": {"message": "generation is paused", "code": 503}})
+            return
         request = _decode(body)
         self.started += 1
+        self.request_times.append(time.monotonic())
         if self.record:
             self.requests.append(request)
         if self.hang_s:
@@ -135,6 +193,47 @@ class FakeVLLM:
         else:
             await self._complete(request, send)
 
+    def _control(self, path: str, query: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """One control route (see the module docstring); returns (status, JSON body)."""
+        self.control.append({"path": f"{path}?{query}" if query else path, "body": body, "time": time.monotonic()})
+        match path:
+            case "/health":
+                return 200, {}
+            case "/is_paused":
+                return 200, {"is_paused": self.paused}
+            case "/pause":
+                self.paused = "mode=keep" not in query
+                return 200, {"status": "paused"}
+            case "/resume":
+                self.paused = False
+                return 200, {"status": "resumed"}
+            case "/collective_rpc":
+                if "method" not in body:
+                    return 400, {"detail": "Missing 'method' in request body"}
+                if body["method"] == "reload_weights":
+                    if self.fail_reload:
+                        return 500, {"error": {"message": "weights could not be loaded", "code": 500}}
+                    self.loaded_weights = body.get("kwargs", {}).get("weights_path")
+                return 200, {"results": [None]}
+            case "/reset_prefix_cache":
+                return 200, {"success": True}
+            case "/update_weight_version":
+                self.weight_version = str(body["new_version"])
+                return 200, {"success": True, "new_version": self.weight_version}
+            case "/v1/load_lora_adapter":
+                name = body["lora_name"]
+                if name in self.loras and not body.get("load_inplace"):
+                    return 400, {"error": {"message": f"The lora adapter '{name}' has already been loaded.",
+                                           "code": 400}}  # fmt: skip
+                self.loras[name] = body["lora_path"]
+                return 200, f"Success: LoRA adapter '{name}' added successfully."
+            case "/v1/unload_lora_adapter":
+                name = body["lora_name"]
+                if self.loras.pop(name, None) is None:
+                    return 404, {"error": {"message": f"The lora adapter '{name}' cannot be found.", "code": 404}}
+                return 200, f"Success: LoRA adapter '{name}' removed successfully."
+        return 404, {"error": {"message": f"no route {path}"}}
+
     def _headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
         headers = [(b"content-type", content_type)]
         if self.weights_version is not None:
@@ -147,9 +246,13 @@ class FakeVLLM:
 
     def _choices(self, request: dict[str, Any]) -> tuple[list[int], list[dict[str, Any]]]:
         prompt = prompt_ids(request.get("messages") or [])
-        count = int(request.get("max_tokens") or request.get("max_completion_tokens") or 8)
+        limit = int(request.get("max_tokens") or request.get("max_completion_tokens") or 8)
+        count = min(limit, self.answer_tokens or limit)
         tools = request.get("tools") or []
-        use_tool = bool(tools) and request.get("tool_choice") != "none"
+        messages = request.get("messages") or [{}]
+        # A scripted agent turn: call the first tool, then answer in text once its result is in.
+        answered = isinstance(messages[-1], dict) and messages[-1].get("role") == "tool"
+        use_tool = bool(tools) and request.get("tool_choice") != "none" and not answered
         choices = []
         for index in range(int(request.get("n") or 1)):
             tokens, logprobs = sample(prompt, index, count)
@@ -158,14 +261,14 @@ class FakeVLLM:
                 "tokens": tokens,
                 "logprobs": logprobs,
                 "pieces": detokenize(tokens),
-                "finish_reason": "length",
+                "finish_reason": "stop" if answered or count < limit else "length",
             }
             if use_tool:
-                name = tools[0].get("function", {}).get("name", "tool")
+                name, arguments = self._tool_call(tools, tokens[0])
                 choice["tool_call"] = {
                     "id": f"call_{index}_{tokens[0]}",
                     "type": "function",
-                    "function": {"name": name, "arguments": f'{{"x": {tokens[0] % 100}}}'},
+                    "function": {"name": name, "arguments": arguments},
                 }
                 choice["finish_reason"] = "tool_calls"
             choices.append(choice)
@@ -182,12 +285,22 @@ class FakeVLLM:
                     )
         return prompt, choices
 
+    def _tool_call(self, tools: list[Any], token: int) -> tuple[str, str]:
+        """The scripted call (the first tool named in `tool_script`), else the first tool with `{"x": N}`."""
+        names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
+        for name, arguments in self.tool_script.items():
+            if name in names:
+                return name, arguments
+        return names[0] or "tool", f'{{"x": {token % 100}}}'
+
     async def _complete(self, request: dict[str, Any], send: Any) -> None:
         prompt, choices = self._choices(request)
         out_choices = []
         for c in choices:
             text = None if "tool_call" in c else "".join(c["pieces"])
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.reasoning:
+                message["reasoning_content"] = self.reasoning
             if "tool_call" in c:
                 message["tool_calls"] = [c["tool_call"]]
             choice: dict[str, Any] = {
@@ -269,6 +382,10 @@ class FakeVLLM:
                     ),
                 }
             )
+            if self.reasoning:
+                thought = [{"index": c["index"], "delta": {"reasoning_content": self.reasoning}, "finish_reason": None}
+                           for c in choices]  # fmt: skip
+                await send({"type": "http.response.body", "more_body": True, "body": chunk(thought)})
             steps = max(len(c["tokens"]) for c in choices)
             for step in range(steps):
                 if self.token_delay_s:

@@ -284,6 +284,11 @@ def test_models_both_shapes(gateway: GatewayHandle, run_id: str) -> None:
     )
     assert r.status_code == 201 and r.json()["seq"] > 0
     assert [m.name for m in gateway.gw.state.models_for(run_id, "none")] == ["m1"]
+    listed = gateway.admin.get("/api/models", params={"run_id": run_id})
+    assert listed.status_code == 200 and listed.json()["models"] == [
+        {"name": "m1", "run_id": run_id, "base_url": "http://127.0.0.1:1/v1", "served_model": "Qwen/Qwen3-0.6B",
+         "weights_version": 3, "has_api_key": False, "seq": r.json()["seq"]}
+    ]  # fmt: skip
     agl = gateway.admin.post(
         "/api/models", json=[{"model": "Qwen/Qwen2.5-7B-Instruct", "endpoint": "http://127.0.0.1:2/v1"}]
     )

@@ -10,14 +10,15 @@ from pathlib import Path
 
 import asyncpg
 import httpx
+import msgspec
 import pytest
 from projector_reference import assert_projection, fold, stream_messages
 from projector_scenarios import StreamBuilder, load_events
 from projector_support import running_projector, wait_applied
 
-from schemas import CustomEvent, Event, RolloutCreated
-from services.devstack.embedded import NatsServer, PostgresServer
+from schemas import CustomEvent, Event, ModelRequestRecorded, RolloutCreated
 from services.common.eventstore import EventStore
+from services.devstack.embedded import NatsServer, PostgresServer
 from services.gateway.readmodel import RolloutQuery
 from services.projector.cli import _rebuild
 from services.projector.http import serve
@@ -159,3 +160,24 @@ async def test_rebuild_all_and_one_run(
         message = await _rebuild(fresh_nats.url, database, "ROLLWIRE", None)
         assert f"up to seq {last}" in message
         await assert_projection(conn, reader, expected)
+
+
+async def test_a_call_with_a_nul_character_is_stored_escaped(
+    fresh_nats: NatsServer, database: str, conn: asyncpg.Connection
+) -> None:
+    """Postgres refuses NUL in text and jsonb: the call is kept, the NUL shown as the text `\\u0000`."""
+    async with _store(fresh_nats.url) as store:
+        await store.append(RolloutCreated(run_id="n", rollout_id="ro0", input={}))
+        call = ModelRequestRecorded(
+            run_id="n", rollout_id="ro0", attempt_id="a1", call_id="c1", prompt_ids=[1, 2], response_ids=[0, 3],
+            logprobs=[-0.1, -0.2], request={"messages": [{"role": "user", "content": "say \u0000"}]},
+            response={"message": {"role": "assistant", "content": "a\u0000b \\u0000"}},
+        )  # fmt: skip
+        last = (await store.append(call)).seq
+        async with running_projector(fresh_nats.url, database, metrics_port=0):
+            await wait_applied(conn, last)
+        assert await conn.fetchval("SELECT count(*) FROM dead_letters") == 0
+        row = await conn.fetchrow("SELECT request, response FROM model_calls WHERE call_id = 'c1'")
+        response = msgspec.json.decode(row["response"])
+        assert response["message"]["content"] == "a\\u0000b \\u0000"  # the NUL escaped; a literal `\u0000` kept
+        assert msgspec.json.decode(row["request"])["messages"][0]["content"] == "say \\u0000"

@@ -198,3 +198,22 @@ async def test_runaway_monitor_flags_a_rollout_once_and_counts_what_it_missed(
         ("big", "too-many-tokens", "1100 tokens (limit 1000)"),
         ("loop", "too-many-calls", "5 calls (limit 4)"),  # the 5th call overall, the 2nd it saw live
     ]
+
+
+async def test_runaway_monitor_reports_a_spent_budget(store: EventStore, nats_url: str, run_id: str) -> None:
+    args = ["--pattern", f"rl.{run_id}.rollout.*.event.budget_exceeded", "--durable", f"rb-{run_id}"]
+    with _example("runaway.py", nats_url, *args) as proc:
+        assert proc.stdout is not None and "following" in proc.stdout.readline()
+        refusal = {"budget": "calls", "limit": 3, "used": 3}  # what the proxy records when it refuses a call
+        for _ in range(2):
+            await store.append(
+                CustomEvent(
+                    run_id=run_id, rollout_id="spender", attempt_id="a1", name="budget_exceeded", payload=refusal
+                )
+            )
+        flags = await _flags(store, run_id, 1)
+        await asyncio.sleep(1.0)
+        flags = await _flags(store, run_id, 2, timeout=0)
+        line = proc.stdout.readline()
+    assert [(f.rollout_id, f.payload["rule"]) for f in flags] == [("spender", "budget-exceeded")]
+    assert "budget-exceeded" in line and "calls budget (3 of 3)" in line

@@ -42,8 +42,10 @@ def test_defaults_and_round_trip() -> None:
     [
         ({"run": {"mode": "fast"}}, "run.mode: Invalid enum value 'fast'; choose one of: sync, async"),
         ({"run": {"stepz": 3}}, "run.stepz: unknown key in [run]; the keys are: name, out_dir"),
-        ({"backend": {"kind": "tpu"}}, "backend.kind: Invalid enum value 'tpu'; choose one of: cpu"),
-        ({"backend": {"kind": "verl"}}, "backend.kind: 'verl' is not available in this install; choose one of: cpu"),
+        ({"backend": {"kind": "tpu"}}, "backend.kind: Invalid enum value 'tpu'; choose one of: cpu, verl"),
+        ({"backend": {"lora_rank": -1}}, "backend.lora_rank: must be >= 0"),
+        ({"backend": {"lora_adapters": {"planner": "p"}}}, "backend.lora_adapters: needs backend.lora_rank > 0"),
+        ({"backend": {"dtype": "fp8"}}, "backend.dtype: Invalid enum value 'fp8'; choose one of: float32, bfloat16"),
         ({"algorithm": {"adapter": {"norm": "x"}}}, "algorithm.adapter: norm = 'x' is not allowed; choose one of"),
         ({"algorithm": {"loss": {"clip_low": "x"}}}, "algorithm.loss.clip_low: Expected `float`, got `str`"),
         ({"algorithm": {"loss": {"ratio_cap": 0.5}}}, "algorithm.loss.ratio_cap: must be > 1"),

@@ -9,12 +9,13 @@ import pytest
 import torch
 import transformers
 
-from trainer.backend import CpuBackend
-from trainer.config import AlgorithmSection, LossSection
+from trainer.config import AlgorithmSection, BackendSection, LossSection
 from trainer.core import AdapterConfig, Call, RolloutCalls, Sample, build_step
+from trainer.cpu_backend import CpuBackend
 from trainer.forward import forward_logits, shared_prefix_length
 
 VOCAB = 256
+ONE_THREAD = BackendSection(threads=1)
 
 
 def small_model(tmp_path: Path) -> Path:
@@ -112,7 +113,7 @@ def multi_turn_samples(seed: int) -> list[Sample]:
 
 def test_update_changes_every_parameter_and_weights_round_trip(tmp_path: Path) -> None:
     algorithm = AlgorithmSection(lr=1e-2, micro_batch_tokens=64, loss=LossSection(kl_coef=0.05))
-    backend = CpuBackend(small_model(tmp_path), algorithm, seed=0, threads=1)
+    backend = CpuBackend(small_model(tmp_path), algorithm, seed=0, settings=ONE_THREAD)
     samples = multi_turn_samples(0)
     assert len(samples) == 6 and all(s.num_calls == 2 for s in samples)
     before = backend.parameters_snapshot()
@@ -128,7 +129,7 @@ def test_update_changes_every_parameter_and_weights_round_trip(tmp_path: Path) -
     assert (saved / "model.safetensors").is_file() and (saved / "config.json").is_file()
     torch.save(backend.state(), tmp_path / "state.pt")  # as a checkpoint does
     state = torch.load(tmp_path / "state.pt", weights_only=True)
-    other = CpuBackend(small_model(tmp_path / "again"), algorithm, seed=0, threads=1)
+    other = CpuBackend(small_model(tmp_path / "again"), algorithm, seed=0, settings=ONE_THREAD)
     other.load_weights(saved)
     other.load_state(state)
     for name, value in other.parameters_snapshot().items():
@@ -141,7 +142,7 @@ def test_update_changes_every_parameter_and_weights_round_trip(tmp_path: Path) -
 
 
 def test_samples_without_advantage_leave_the_weights_alone(tmp_path: Path) -> None:
-    backend = CpuBackend(small_model(tmp_path), AlgorithmSection(lr=1e-2), seed=0, threads=1)
+    backend = CpuBackend(small_model(tmp_path), AlgorithmSection(lr=1e-2), seed=0, settings=ONE_THREAD)
     samples = [s for s in multi_turn_samples(1) if s.group_id == "g1"]  # rewards 0, 0, 1 ... keep a flat group
     flat = [s.__class__(**{**{f: getattr(s, f) for f in s.__struct_fields__}, "advantage": 0.0}) for s in samples]
     before = backend.parameters_snapshot()
@@ -152,7 +153,8 @@ def test_samples_without_advantage_leave_the_weights_alone(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("updates", [2])
 def test_several_updates_per_step_clip(tmp_path: Path, updates: int) -> None:
-    backend = CpuBackend(small_model(tmp_path), AlgorithmSection(lr=5e-2, updates_per_step=updates), seed=0, threads=1)
+    algorithm = AlgorithmSection(lr=5e-2, updates_per_step=updates)
+    backend = CpuBackend(small_model(tmp_path), algorithm, seed=0, settings=ONE_THREAD)
     metrics = backend.update(multi_turn_samples(2))
     assert metrics.optimizer_steps == updates
     assert metrics.clip_fraction > 0.0  # the second pass is off-policy and some ratios leave the clip range

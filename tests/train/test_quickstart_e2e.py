@@ -22,8 +22,8 @@ import pytest
 from safetensors.torch import load_file
 
 from schemas import ModelRequestRecorded, PhaseChanged, RewardReported
-from services.devstack.embedded import NatsServer
 from services.common.eventstore import EventStore
+from services.devstack.embedded import NatsServer
 from services.tools.replay import replay_run
 from trainer.quickstart.run import QuickstartOptions, run_quickstart
 from trainer.quickstart.warmstart import WarmStartConfig, ensure_warm_model

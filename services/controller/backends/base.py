@@ -18,7 +18,8 @@ is keyed by it, and every method is safe to repeat:
 
 What the agent receives (every backend, same names; see `services/agentkit/`):
 
-    the `LaunchSpec.env` variables as given (OPENAI_BASE_URL, OPENAI_API_KEY, ROLLWIRE_TOKEN,
+    the `LaunchSpec.env` variables as given (OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL,
+    ANTHROPIC_API_KEY, ROLLWIRE_TOKEN,
     ROLLWIRE_EVENTS_URL, ROLLWIRE_RUN_ID, ROLLWIRE_ROLLOUT_ID, ROLLWIRE_ATTEMPT_ID, ...), plus
     ROLLWIRE_INPUT       `input_json` itself, when it is at most `INPUT_ENV_LIMIT` bytes
     ROLLWIRE_INPUT_FILE  a file holding `input_json` (always set)

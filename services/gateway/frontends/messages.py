@@ -1,6 +1,7 @@
 """Anthropic's Messages API (`POST .../anthropic/v1/messages`) over the engine's chat completions.
 
-Request: `system` (text or text blocks), `messages` whose content is text or blocks (`text`,
+Request: `system` (text or text blocks), `messages` (user, assistant, and system turns as
+Claude Code sends them between the others) whose content is text or blocks (`text`,
 `image` as base64 or URL, `tool_use`, `tool_result`, `thinking`; `redacted_thinking` is dropped),
 `tools` (name, description, input_schema), `tool_choice` (auto / any / tool / none,
 `disable_parallel_tool_use`), `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`.
@@ -111,9 +112,11 @@ def _turns(request: dict[str, Any]) -> list[Turn]:
         role = message.get("role") if isinstance(message, dict) else None
         content = message.get("content") if isinstance(message, dict) else None
         where = f"messages[{i}].content"
-        if role not in ("user", "assistant") or not isinstance(content, (str, list)):
-            raise TranslationError("each message needs role user or assistant and content", f"messages[{i}]")
-        if isinstance(content, str):
+        if role not in ("user", "assistant", "system") or not isinstance(content, (str, list)):
+            raise TranslationError("each message needs role user, assistant or system, and content", f"messages[{i}]")
+        if role == "system":
+            turns.append(Turn(role="system", content=_text(content, where)))
+        elif isinstance(content, str):
             turns.append(Turn(role=role, content=content))
         elif role == "user":
             _user(turns, content, where)

@@ -1,0 +1,1 @@
+"""numkit: small number and text helpers (the coding example's shipped project)."""

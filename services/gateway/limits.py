@@ -1,0 +1,102 @@
+"""Per-call limits of the proxy: what one model call may ask for, from the run's spec.
+
+Each choice of a call is recorded with the call's whole request, so `n` multiplies what a call
+writes to the stream (`n=1000` with a 10k-character prompt once wrote 51 MB); `max_tokens`, the
+number of tools and the number of messages bound the rest. The limits are the run spec's
+`limits` (`schemas.runs.CallLimits`, with defaults for a run that sets none). A call over a limit
+is refused before anything is forwarded or recorded, with a 400 in OpenAI's error shape naming
+the parameter, so the harness's client raises its ordinary `BadRequestError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from schemas.runs import AttemptBudget, CallLimits
+from services.gateway.errors import ApiError
+
+
+class ProxyRefusal(ApiError):
+    """A refusal of a proxied call: the proxy answers it in the caller's API's error shape, with
+    `type` = `kind` and the offending `param` (and a `code`, when given) inside the error object."""
+
+    def __init__(self, status: int, message: str, *, kind: str, param: str | None = None, code: str | None = None):
+        extra: dict[str, Any] = {"kind": kind, "param": param}
+        if code is not None:
+            extra["code"] = code
+        super().__init__(status, message, **extra)
+
+
+class RunSettings:
+    """Each run's call limits and attempt budget, parsed once per spec (runs without one get the defaults)."""
+
+    def __init__(self) -> None:
+        self._parsed: dict[tuple[str, int], tuple[CallLimits, AttemptBudget]] = {}
+
+    def of(self, run_id: str, spec: tuple[dict[str, Any], int] | None) -> tuple[CallLimits, AttemptBudget]:
+        """(limits, budget) of a run whose spec (config, seq) is `spec`."""
+        if spec is None:
+            return CallLimits(), AttemptBudget()
+        key = (run_id, spec[1])
+        parsed = self._parsed.get(key)
+        if parsed is None:
+            config = spec[0]
+            try:
+                parsed = (
+                    msgspec.convert(config.get("limits") or {}, CallLimits),
+                    msgspec.convert(config.get("budget") or {}, AttemptBudget),
+                )
+            except msgspec.ValidationError:
+                parsed = (CallLimits(), AttemptBudget())
+            self._parsed[key] = parsed
+        return parsed
+
+
+def _count(request: dict[str, Any], name: str, default: int = 1) -> int:
+    value = request.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProxyRefusal(400, f"{name} must be an integer", kind="invalid_request_error", param=name)
+    return value
+
+
+def check_call(request: dict[str, Any], limits: CallLimits) -> None:
+    """Refuse (ProxyRefusal, 400) a chat-completions request over the run's per-call limits.
+
+    `max_tokens` over the limit is not refused but lowered (`clamp_max_tokens`): harnesses send a
+    fixed ceiling of their own (Claude Code asks for 64,000 on every call) that the engine caps anyway."""
+    n = _count(request, "n")
+    if not 1 <= n <= limits.max_n:
+        raise ProxyRefusal(
+            400, f"n={n} is outside 1..{limits.max_n}, this run's limit", kind="invalid_request_error", param="n"
+        )
+    for name in ("max_tokens", "max_completion_tokens"):
+        if _count(request, name, 1) < 1:
+            raise ProxyRefusal(400, f"{name} must be at least 1", kind="invalid_request_error", param=name)
+    for name, limit in (("messages", limits.max_messages), ("tools", limits.max_tools)):
+        items = request.get(name)
+        if items is not None and not isinstance(items, list):
+            raise ProxyRefusal(400, f"{name} must be a list", kind="invalid_request_error", param=name)
+        if items is not None and len(items) > limit:
+            raise ProxyRefusal(
+                400,
+                f"{len(items)} {name} exceed this run's limit of {limit}",
+                kind="invalid_request_error",
+                param=name,
+            )
+
+
+def clamp_max_tokens(payload: bytes, request: dict[str, Any], limits: CallLimits) -> tuple[bytes, dict[str, Any]]:
+    """(payload, request) with `max_tokens` / `max_completion_tokens` lowered to the run's limit;
+    the same objects when nothing is over it (the common case costs no re-encoding)."""
+    over = [
+        name for name in ("max_tokens", "max_completion_tokens") if _count(request, name, 1) > limits.max_tokens
+    ]
+    if not over:
+        return payload, request
+    body = msgspec.json.decode(payload)
+    lowered = {name: limits.max_tokens for name in over}
+    return msgspec.json.encode({**body, **lowered}), {**request, **lowered}

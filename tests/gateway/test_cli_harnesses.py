@@ -1,0 +1,135 @@
+"""Claude Code and Codex CLI, unmodified and headless, through the proxy against a scripted model.
+
+Both are installed from npm into `~/.cache/rollwire/npm` (or `$ROLLWIRE_NPM_CACHE`) on first use
+and reused after; the tests are skipped, with the reason, when npm or the package cannot be had.
+Each harness gets only a base URL, the attempt token and a model name, runs with its
+non-essential traffic off and a fresh HOME, and must finish a turn that calls one tool (the
+scripted model asks for `echo` through the harness's shell tool) and answers after its result:
+it exits 0 and every call it made is a recorded `model_request` event.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_vllm import FakeVLLM
+from gw_harness import GatewayHandle
+from test_gateway_proxy import _calls
+
+NPM_CACHE = Path(os.environ.get("ROLLWIRE_NPM_CACHE", Path.home() / ".cache" / "rollwire" / "npm"))
+PACKAGES = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex"}
+MARKER = "rollwire-tool-ran"
+
+
+def _installed(command: str) -> Path:
+    """The harness's executable, installed from npm into the cache when missing (skip if impossible)."""
+    binary = NPM_CACHE / "node_modules" / ".bin" / command
+    if binary.exists():
+        return binary
+    if shutil.which("npm") is None:
+        pytest.skip(f"npm is not installed, so {PACKAGES[command]} cannot be installed")
+    NPM_CACHE.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run(
+            ["npm", "install", "--prefix", str(NPM_CACHE), "--no-audit", "--no-fund", PACKAGES[command]],
+            capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"npm install {PACKAGES[command]} took over 600 s (registry unreachable?)")
+    if done.returncode != 0 or not binary.exists():
+        pytest.skip(f"npm install {PACKAGES[command]} failed (registry unreachable?): {done.stderr[-500:]}")
+    return binary
+
+
+def _env(home: Path, **extra: str) -> dict[str, str]:
+    """A clean environment: PATH, a fresh HOME, no proxy or credential variables of ours."""
+    return {"PATH": os.environ.get("PATH", ""), "HOME": str(home), "LANG": "C.UTF-8", **extra}
+
+
+def _run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, f"exit {done.returncode}\nstdout: {done.stdout[-3000:]}\nstderr: {done.stderr[-3000:]}"
+    return done
+
+
+def _recorded(gateway: GatewayHandle, rollout_id: str, fake: FakeVLLM, api: str) -> list[dict[str, Any]]:
+    calls = _calls(gateway, rollout_id)
+    assert len(calls) == len(fake.served) > 0
+    assert all(c["status"] == "ok" and c["api"] == api and c["prompt_ids"] and c["response_ids"] for c in calls)
+    served = {tuple(s["prompt_ids"]): s for s in fake.served}
+    for call in calls:
+        assert call["response_ids"] == served[tuple(call["prompt_ids"])]["token_ids"]
+    return calls
+
+
+def test_claude_code_headless_turn_with_a_tool_call(
+    gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str, tmp_path: Path
+) -> None:
+    claude = _installed("claude")
+    # Claude Code asks for up to 64,000 tokens a turn, above the default per-call limit
+    spec = {"run_id": run_id, "limits": {"max_tokens": 64_000}}
+    assert gateway.admin.post("/api/runs", json=spec).status_code == 201
+    rollout, attempt = gateway.running(run_id, fake_vllm.url)
+    fake_vllm.tool_script = {"Bash": f'{{"command": "echo {MARKER}", "description": "say it"}}'}
+    fake_vllm.answer_tokens = 6
+    env = _env(
+        tmp_path / "home",
+        ANTHROPIC_BASE_URL=attempt["anthropic_base_url"],
+        ANTHROPIC_API_KEY=attempt["token"],
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        DISABLE_TELEMETRY="1",
+        DISABLE_ERROR_REPORTING="1",
+        DISABLE_AUTOUPDATER="1",
+    )
+    (tmp_path / "home").mkdir()
+    done = _run(
+        [str(claude), "-p", "Run echo with the Bash tool, then say done.", "--allowedTools", "Bash",
+         "--output-format", "json", "--max-turns", "4"],
+        env, tmp_path,
+    )  # fmt: skip
+    calls = _recorded(gateway, rollout["rollout_id"], fake_vllm, "messages")
+    results = [
+        m for c in calls for m in c["request"]["messages"] if m["role"] == "tool" and MARKER in str(m["content"])
+    ]
+    assert results, "the tool's result never reached the model"
+    assert '"is_error":false' in done.stdout.replace(" ", "")
+
+
+CODEX_SHELL = {
+    "exec_command": f'{{"cmd": "echo {MARKER}"}}',
+    "shell_command": f'{{"command": "echo {MARKER}"}}',
+    "shell": f'{{"command": ["echo", "{MARKER}"]}}',
+}
+
+
+def test_codex_exec_turn_with_a_tool_call(
+    gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str, tmp_path: Path
+) -> None:
+    codex = _installed("codex")
+    rollout, attempt = gateway.running(run_id, fake_vllm.url)
+    fake_vllm.tool_script = CODEX_SHELL
+    fake_vllm.answer_tokens = 6
+    home = tmp_path / "home"
+    (home / ".codex").mkdir(parents=True)
+    env = _env(home, CODEX_HOME=str(home / ".codex"), ROLLWIRE_TOKEN=attempt["token"])
+    provider = (
+        f'{{name="rollwire", base_url="{attempt["proxy_base_url"]}", env_key="ROLLWIRE_TOKEN", wire_api="responses"}}'
+    )
+    _run(
+        [str(codex), "exec", "-m", "fake", "-c", "model_provider=rollwire",
+         "-c", f"model_providers.rollwire={provider}",
+         "-c", "check_for_update_on_startup=false", "-c", "analytics.enabled=false", "-c", "feedback.enabled=false",
+         "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+         "Run echo in the shell, then say done."],
+        env, tmp_path,
+    )  # fmt: skip
+    calls = _recorded(gateway, rollout["rollout_id"], fake_vllm, "responses")
+    results = [
+        m for c in calls for m in c["request"]["messages"] if m["role"] == "tool" and MARKER in str(m["content"])
+    ]
+    assert results, "the tool's result never reached the model"

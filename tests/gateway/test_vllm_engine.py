@@ -1,0 +1,149 @@
+"""vLLM as the engine: every replica registered and reloaded inside the phase gate, through vLLM's routes.
+
+Two fake vLLM replicas (`fake_vllm.FakeVLLM`, the routes and bodies of vLLM's source) that stamp
+no weights version, a real gateway and NATS, the trainer's `VllmEngine` and `GatewayClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from fake_vllm import FakeVLLM
+from gw_harness import ADMIN, GatewayHandle, Served
+
+from services.common.vllm import RELOAD_SEQUENCE, ReplicaError, VllmServeSettings, serve_command
+from trainer.clients import GatewayClient
+from trainer.engines import VllmEngine, register_replicas
+
+SERVED = "policy"
+
+
+@pytest.fixture
+def replicas() -> Iterator[list[FakeVLLM]]:
+    """Two fake vLLM servers that, like vLLM, send no weights version."""
+    apps = [FakeVLLM(weights_version=None, model=SERVED) for _ in range(2)]
+    with Served(apps[0]) as first, Served(apps[1]) as second:
+        apps[0].url, apps[1].url = first.url, second.url
+        yield apps
+
+
+def _paths(app: FakeVLLM) -> list[str]:
+    return [c["path"] for c in app.control]
+
+
+async def _agent_call(gateway: GatewayHandle, run_id: str, index: int) -> tuple[Any, str]:
+    rollout = gateway.create(run_id)[0]
+    attempt = gateway.attempt(rollout["rollout_id"])
+    agent: Any = openai.AsyncOpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0)
+    call = agent.chat.completions.create(
+        model=SERVED, messages=[{"role": "user", "content": f"task {index}"}], max_tokens=3
+    )
+    return call, rollout["rollout_id"]
+
+
+def _versions(gateway: GatewayHandle, rollout_id: str) -> list[int | None]:
+    events = gateway.admin.get(f"/api/rollouts/{rollout_id}/events", params={"type": "model_request"}).json()
+    return [e["weights_version"] for e in events]
+
+
+async def test_reload_runs_on_every_replica_inside_the_gate(
+    gateway: GatewayHandle, replicas: list[FakeVLLM], run_id: str, tmp_path: Path
+) -> None:
+    client = GatewayClient(gateway.url, ADMIN)
+    engine = VllmEngine([r.url for r in replicas], SERVED)
+    try:
+        await engine.replicas.wait_ready(10)
+        for replica in replicas:
+            replica.control.clear()
+        await register_replicas(client, engine, run_id, SERVED)
+        await client.set_phase(run_id, "rollout", 0, key=None)
+        for _ in range(100):  # the gateway applies registrations from the stream
+            if len(gateway.gw.state.models_for(run_id, "none")) == 2:
+                break
+            await asyncio.sleep(0.05)
+        registered = gateway.gw.state.models_for(run_id, "none")
+        assert sorted(m.base_url for m in registered) == sorted(f"{r.url}/v1" for r in replicas)
+        assert {m.served_model for m in registered} == {SERVED}
+
+        # calls spread over both replicas, stamped with the phase's version 0
+        before = [await _agent_call(gateway, run_id, i) for i in range(8)]
+        for call, _ in before:
+            await call
+        assert all(r.served for r in replicas), "every replica serves some rollouts"
+        assert {v for _, rid in before for v in _versions(gateway, rid)} == {0}
+
+        await client.set_phase(run_id, "update", 0, key=f"{run_id}-update-1")
+        forwarded = [len(r.request_times) for r in replicas]
+        held = [await _agent_call(gateway, run_id, 100 + i) for i in range(4)]
+        tasks = [asyncio.ensure_future(call) for call, _ in held]
+        weights = tmp_path / "weights" / "v1"
+        await engine.load(weights, 1)
+        await asyncio.sleep(0.2)
+        assert not any(t.done() for t in tasks), "a call ran while the replicas were changing weights"
+        for replica in replicas:
+            assert _paths(replica) == list(RELOAD_SEQUENCE)
+            assert replica.control[1]["body"] == {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}
+            assert replica.control[3]["body"] == {"new_version": "1"}
+            assert replica.loaded_weights == str(weights) and not replica.paused
+        await client.set_phase(run_id, "rollout", 1, key=f"{run_id}-rollout-1")
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        resumed = max(c["time"] for r in replicas for c in r.control)
+        later = [t for r, n in zip(replicas, forwarded, strict=True) for t in r.request_times[n:]]
+        assert len(later) == len(held) and min(later) > resumed
+        assert {v for _, rid in held for v in _versions(gateway, rid)} == {1}
+    finally:
+        await engine.close()
+        await client.close()
+
+
+async def test_a_replica_that_fails_to_reload_fails_with_its_name(replicas: list[FakeVLLM], tmp_path: Path) -> None:
+    replicas[1].fail_reload = True
+    engine = VllmEngine([r.url for r in replicas], SERVED)
+    try:
+        with pytest.raises(ReplicaError) as raised:
+            await engine.load(tmp_path / "v3", 3)
+        message = str(raised.value)
+        assert replicas[1].url in message and "/collective_rpc" in message and "weights could not be loaded" in message
+        assert replicas[0].url not in message
+        assert _paths(replicas[0]) == list(RELOAD_SEQUENCE)
+        assert _paths(replicas[1]) == list(RELOAD_SEQUENCE[:2]) and replicas[1].paused  # stays out of service
+    finally:
+        await engine.close()
+
+
+async def test_lora_adapters_load_in_place_and_unload(replicas: list[FakeVLLM], tmp_path: Path) -> None:
+    engine = VllmEngine([r.url for r in replicas], SERVED, adapters=["planner", "coder"])
+    try:
+        assert {served for _, served in await engine.endpoints()} == {SERVED}
+        await engine.load(tmp_path / "v1", 1)
+        await engine.load(tmp_path / "v2", 2)
+        for replica in replicas:
+            assert replica.loras == {
+                "planner": str(tmp_path / "v2" / "adapters" / "planner"),
+                "coder": str(tmp_path / "v2" / "adapters" / "coder"),
+            }
+            assert all(c["path"] == "/v1/load_lora_adapter" and c["body"]["load_inplace"] for c in replica.control)
+            assert "/collective_rpc" not in _paths(replica)
+        await engine.replicas.unload_adapters(["coder"])
+        assert all(set(r.loras) == {"planner"} for r in replicas)
+        with pytest.raises(ReplicaError, match="cannot be found"):
+            await engine.replicas.unload_adapters(["coder"])
+        single = VllmEngine([replicas[0].url], SERVED, adapters=["default"])
+        assert await single.endpoints() == [(f"{replicas[0].url}/v1", "default")]
+        await single.close()
+    finally:
+        await engine.close()
+
+
+def test_serve_command_has_what_the_capture_and_reloads_need() -> None:
+    argv, env = serve_command(VllmServeSettings(executable="/opt/vllm/bin/vllm", max_lora_rank=16, max_loras=2),
+                              "/models/base", SERVED, 8123)  # fmt: skip
+    assert argv[:3] == ["/opt/vllm/bin/vllm", "serve", "/models/base"]
+    assert argv[argv.index("--served-model-name") + 1] == SERVED and argv[argv.index("--port") + 1] == "8123"
+    assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "16"
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}

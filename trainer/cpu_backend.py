@@ -1,0 +1,208 @@
+"""The CPU training backend: a transformers causal LM updated with torch in this process.
+
+`CpuBackend.update(samples)` takes one optimizer step per `updates_per_step` over the samples of a
+step (built by `trainer.core`, weights fixed for the whole step): micro-batches packed by tokens,
+the clipped policy loss of `trainer.loss` summed over them (so the gradient is the full step's),
+then gradient clipping and AdamW. `save_weights` writes a directory the engine can load
+(`model.safetensors`, `config.json`, the tokenizer files), one per weights version; with LoRA,
+the adapters (`trainer.lora`) and, for engines that cannot apply them, the merged model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from trainer import lora
+from trainer.backend import UpdateMetrics, combine, contributes, copy_tokenizer_files, replace_dir
+from trainer.config import AlgorithmSection, BackendSection
+from trainer.core import Sample, plan_micro_batches
+from trainer.forward import forward_logits
+from trainer.loss import LossMetrics, PolicyLossConfig, collate, policy_loss, token_logprobs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class CpuBackend:
+    """A causal LM and its AdamW optimizer, updated in this process (see the module docstring).
+
+    `device` defaults to the CPU; the benchmark moves the same code to CUDA.
+    """
+
+    is_main = True
+
+    def __init__(
+        self,
+        model_dir: Path,
+        algorithm: AlgorithmSection,
+        *,
+        seed: int = 0,
+        settings: BackendSection | None = None,
+        role_of: lora.RoleOf = lora.sample_role,
+        merged_export: bool = True,
+        device: str = "cpu",
+    ):
+        self.settings = settings or BackendSection()
+        if self.settings.threads:
+            torch.set_num_threads(self.settings.threads)
+        torch.manual_seed(seed)
+        self.model_dir = Path(model_dir)
+        self.algorithm = algorithm
+        self.role_of = role_of
+        self.merged_export = merged_export
+        self.device = torch.device(device)
+        self.loss_config = PolicyLossConfig(**msgspec.to_builtins(algorithm.loss))
+        self.lora = self.settings.lora_rank > 0
+        self.model: Any = self._load(self.model_dir)
+        if self.settings.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora:
+            self.model = lora.add_adapters(self.model, self.settings, seed=seed)
+        self.model.train()
+        self.reference: PreTrainedModel | None = None
+        if self.loss_config.kl_coef > 0.0 and not self.lora:  # LoRA's reference is the base: adapters off
+            self.reference = self._load(self.model_dir)
+            self.reference.eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.trained_parameters().values(), lr=algorithm.lr, weight_decay=algorithm.weight_decay, betas=(0.9, 0.99)
+        )
+        pad = self.model.config.pad_token_id
+        self.pad_id = int(pad) if isinstance(pad, int) else 0
+
+    def _load(self, path: Path) -> Any:
+        dtype = _DTYPES[self.settings.dtype]
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
+
+    def _reference_logprobs(self, batch: Any) -> torch.Tensor | None:
+        if self.loss_config.kl_coef <= 0.0:
+            return None
+        temperature = self.algorithm.loss_temperature
+        with torch.no_grad():
+            if self.reference is not None:
+                logits = forward_logits(self.reference, batch.input_ids, batch.attention_mask)
+            else:
+                with self.model.disable_adapter():
+                    logits = forward_logits(self.model, batch.input_ids, batch.attention_mask)
+            return token_logprobs(logits, batch.input_ids, temperature=temperature)
+
+    def micro_batch_loss(self, samples: Sequence[Sample]) -> tuple[torch.Tensor, LossMetrics]:
+        """The summed policy loss of some samples under the current weights (to backpropagate)."""
+        batch = collate(samples, pad_id=self.pad_id).to(self.device)
+        ref = self._reference_logprobs(batch)
+        logits = forward_logits(self.model, batch.input_ids, batch.attention_mask)  # [B, T, V]
+        logprobs = token_logprobs(logits, batch.input_ids, temperature=self.algorithm.loss_temperature)  # [B, T-1]
+        return policy_loss(logprobs, batch, self.loss_config, ref_logprobs=ref, logits=logits.detach())
+
+    def _groups(self, samples: Sequence[Sample]) -> list[tuple[str | None, list[Sample]]]:
+        """(adapter, samples with a gradient) pairs; one pair (None, ...) without LoRA."""
+        with_kl = self.loss_config.kl_coef > 0.0
+        if not self.lora:
+            return [(None, [s for s in samples if contributes(s, with_kl=with_kl)])]
+        split = lora.split_by_adapter(samples, self.settings, self.role_of)
+        return [(name, [s for s in group if contributes(s, with_kl=with_kl)]) for name, group in split.items()]
+
+    def update(self, samples: Sequence[Sample]) -> UpdateMetrics:
+        """`updates_per_step` optimizer steps on the step's samples; returns the token-weighted metrics."""
+        start = time.monotonic()
+        groups = [(name, trained) for name, trained in self._groups(samples) if trained]
+        plans = [
+            (name, trained, plan_micro_batches([len(s.tokens) for s in trained], workers=1,
+                                               max_tokens=self.algorithm.micro_batch_tokens)[0])
+            for name, trained in groups
+        ]  # fmt: skip
+        parts: list[LossMetrics] = []
+        grad_norm, steps = 0.0, 0
+        for _ in range(self.algorithm.updates_per_step if plans else 0):
+            self.optimizer.zero_grad(set_to_none=True)
+            for name, trained, plan in plans:
+                if name is not None:
+                    self.model.set_adapter(name)
+                for indices in plan:
+                    loss, metrics = self.micro_batch_loss([trained[i] for i in indices])
+                    loss.backward()
+                    parts.append(metrics)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.algorithm.grad_clip))
+            self.optimizer.step()
+            steps += 1
+        return combine(
+            parts, samples=sum(len(t) for _, t in groups), micro=len(parts), steps=steps, grad_norm=grad_norm,
+            seconds=time.monotonic() - start,
+        )  # fmt: skip
+
+    def loss_and_gradients(self, samples: Sequence[Sample]) -> tuple[float, dict[str, torch.Tensor]]:
+        """The step's loss and gradient per trained parameter, without stepping (tests, debugging)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for name, trained in self._groups(samples):
+            if name is not None:
+                self.model.set_adapter(name)
+            sizes = [len(s.tokens) for s in trained]
+            for indices in plan_micro_batches(sizes, workers=1, max_tokens=self.algorithm.micro_batch_tokens)[0]:
+                loss, metrics = self.micro_batch_loss([trained[i] for i in indices])
+                loss.backward()
+                total += metrics.loss
+        grads = {n: p.grad.detach().clone() for n, p in self.trained_parameters().items() if p.grad is not None}
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, grads
+
+    def save_weights(self, out_dir: Path) -> Path:
+        """Write the current weights as a loadable model directory (safetensors) at `out_dir`."""
+        out_dir = Path(out_dir)
+        staging = out_dir.with_name(f".{out_dir.name}.partial")
+        replace_dir_clean(staging)
+        if self.lora:
+            names = lora.adapter_names(self.settings)
+            for name in names:
+                lora.save_adapter(self.model, name, staging)
+            if self.merged_export and len(names) == 1:
+                lora.save_merged(self.model, names[0], staging)
+        else:
+            self.model.save_pretrained(staging, safe_serialization=True)
+        copy_tokenizer_files(self.model_dir, staging)
+        return replace_dir(staging, out_dir)
+
+    def load_weights(self, model_dir: Path) -> None:
+        """Replace the current weights by those saved in `model_dir` (same architecture, same adapters)."""
+        if self.lora:
+            lora.load_adapter_tensors(self.model, Path(model_dir))
+            return
+        loaded = AutoModelForCausalLM.from_pretrained(Path(model_dir), dtype=torch.float32)
+        self.model.load_state_dict(loaded.state_dict())
+
+    def state(self) -> dict[str, Any]:
+        """The optimizer state and torch RNG state, for a checkpoint (weights are saved separately)."""
+        return {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore what `state` returned."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+
+    def follow(self) -> None:
+        """One process, one rank: there is nothing to follow."""
+
+    def close(self) -> None:
+        """Nothing to release beyond what garbage collection does."""
+
+    def trained_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters the optimizer updates: every weight, or every adapter's (LoRA)."""
+        named = self.model.named_parameters()
+        return {name: p for name, p in named if not self.lora or "lora_" in name}
+
+    def parameters_snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of every trained parameter (tests compare before and after an update)."""
+        return {name: p.detach().clone() for name, p in self.trained_parameters().items()}
+
+
+def replace_dir_clean(staging: Path) -> None:
+    """An empty `staging` directory (a leftover of a crashed save is removed first)."""
+    import shutil
+
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)

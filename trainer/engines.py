@@ -1,0 +1,158 @@
+"""The engines that serve the policy while it trains, behind one small interface.
+
+    endpoints()        (OpenAI base URL, served model name) of every replica, for the gateway
+    load(dir, v)       serve the weights saved in `dir` as version v on every replica
+    close()
+
+- `EmbeddedEngine`: Rollwire's CPU engine (`POST /reload {"path", "weights_version"}`); it stamps
+  each response with the version it ran on.
+- `VllmEngine`: `vllm serve` replicas, attached to (`[engine] urls`) or started
+  (`[engine] replicas`), reloaded through vLLM's routes (`services.common.vllm`): full weights
+  by pause -> reload_weights -> reset_prefix_cache -> update_weight_version -> resume, LoRA by
+  loading each adapter in place. vLLM stamps no version on its responses; the gateway's proxy
+  records the version of the phase the call ran under (calls are held while weights change).
+
+The loop calls `load` inside the phase gate, so no call runs while any replica changes weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+from typing import Protocol
+
+from services.common.vllm import VllmReplicas, VllmServeSettings, start_replicas
+from trainer.backend import ADAPTERS_DIR
+from trainer.clients import EngineClient, GatewayClient, ServiceUrls
+from trainer.config import TrainConfig
+from trainer.lora import adapter_names
+
+
+class ServingEngine(Protocol):
+    """What the loop needs of the serving side (see the module docstring)."""
+
+    async def endpoints(self) -> list[tuple[str, str | None]]:
+        """(OpenAI base URL, served model) per replica."""
+        ...
+
+    async def load(self, weights_dir: Path, version: int) -> None:
+        """Serve saved weights as `version` on every replica."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections (and servers this engine started)."""
+        ...
+
+
+class EmbeddedEngine:
+    """The embedded engine of the stack (one process)."""
+
+    def __init__(self, engine_base: str) -> None:
+        self.base = engine_base
+        self.client = EngineClient(engine_base)
+
+    async def endpoints(self) -> list[tuple[str, str | None]]:
+        """The engine's `/v1` and the model name it answers to."""
+        return [(f"{self.base}/v1", await self.client.served_model())]
+
+    async def load(self, weights_dir: Path, version: int) -> None:
+        """`POST /reload`: the engine swaps weights between requests."""
+        await self.client.reload(str(weights_dir), version)
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self.client.close()
+
+
+class VllmEngine:
+    """vLLM replicas serving the policy, full weights or LoRA adapters."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        served_name: str,
+        *,
+        adapters: list[str] | None = None,
+        processes: list[subprocess.Popen[bytes]] | None = None,
+    ) -> None:
+        self.replicas = VllmReplicas(urls)
+        self.served_name = served_name
+        self.adapters = adapters or []
+        self.processes = processes or []
+
+    async def endpoints(self) -> list[tuple[str, str | None]]:
+        """Each replica's `/v1`; with one LoRA adapter, calls go to the adapter's name."""
+        served = self.adapters[0] if len(self.adapters) == 1 else self.served_name
+        return [(f"{url}/v1", served) for url in self.replicas.urls]
+
+    async def load(self, weights_dir: Path, version: int) -> None:
+        """Full weights: the reload sequence on every replica; LoRA: every adapter, in place, on every replica."""
+        if self.adapters:
+            await self.replicas.load_adapters({name: weights_dir / ADAPTERS_DIR / name for name in self.adapters})
+        else:
+            await self.replicas.reload(weights_dir, version)
+
+    async def close(self) -> None:
+        """Close connections and stop the replicas this engine started."""
+        await self.replicas.close()
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+async def register_replicas(gateway: GatewayClient, engine: ServingEngine, run_id: str, served_name: str) -> None:
+    """Register every replica with the gateway for the run: one model entry each, matched by the served name.
+
+    The proxy picks, among the entries whose name or served model is what the agent asked for,
+    one replica per rollout (a hash of its id), so a rollout keeps its replica's prefix cache.
+    """
+    endpoints = await engine.endpoints()
+    for index, (base_url, served) in enumerate(endpoints):
+        await gateway.register_model(
+            run_id,
+            name=served_name if len(endpoints) == 1 else f"{served_name}-r{index}",
+            base_url=base_url,
+            served_model=served,
+            weights_version=None,  # the engine, or else the proxy's phase, stamps each call's version
+            # The engine's address is part of the key: a resumed run's engine may listen elsewhere,
+            # and the same key would be taken for a repeat of the old registration.
+            key=f"{run_id}-model-{served_name}-{index}-{hashlib.sha256(base_url.encode()).hexdigest()[:12]}",
+        )
+
+
+async def connect_engine(config: TrainConfig, urls: ServiceUrls) -> ServingEngine:
+    """The engine `[engine] kind` names: the stack's embedded engine, or vLLM replicas (attached or started)."""
+    if config.engine.kind == "embedded":
+        return EmbeddedEngine(urls.engine_base)
+    section = config.engine
+    lora = config.backend.lora_rank > 0
+    adapters = adapter_names(config.backend) if lora else []
+    processes: list[subprocess.Popen[bytes]] = []
+    replica_urls = list(section.urls)
+    if not replica_urls:
+        settings = VllmServeSettings(
+            executable=section.executable,
+            port=section.port,
+            dtype=section.dtype,
+            gpu_memory_utilization=section.gpu_memory_utilization,
+            max_lora_rank=config.backend.lora_rank,
+            max_loras=max(len(adapters), 1),
+            extra_args=list(section.extra_args),
+        )
+        started = start_replicas(
+            settings, config.model.path, config.model.served_name, section.replicas, config.run_dir / "vllm"
+        )
+        replica_urls = [url for url, _ in started]
+        processes = [process for _, process in started]
+    engine = VllmEngine(replica_urls, config.model.served_name, adapters=adapters, processes=processes)
+    try:
+        await engine.replicas.wait_ready(section.startup_timeout_s)
+    except BaseException:
+        await engine.close()
+        raise
+    return engine

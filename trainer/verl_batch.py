@@ -1,0 +1,116 @@
+"""Samples in verl's batch format, and Rollwire's policy loss as the engine's `loss_function`.
+
+verl's `FSDPEngineWithLMHead` takes a TensorDict of *jagged* (padding-free) rows: `input_ids`
+and `position_ids` one row per sample, and whatever else the loss reads. Its forward returns
+`log_probs` as jagged rows of the same lengths where column t is log p(token t+1 | tokens ..t)
+(the last column wraps around and is never used). So every field here is *target-aligned* like
+`trainer.loss`: column t is about token t+1, the last column is 0.
+
+    input_ids, position_ids   [B, (n_i)]  the sample's tokens, 0..n_i-1
+    loss_mask                 [B, (n_i)]  1 where token t+1 was sampled (verl sums it for its token count)
+    old_log_probs             [B, (n_i)]  behaviour logprob of token t+1, as the engine recorded it
+    advantages, token_weight  [B, (n_i)]  the sample's advantage and loss weight on each position
+    ref_log_probs             [B, (n_i)]  the reference policy's logprobs, when the loss has a KL term
+
+`policy_loss_function` pads those rows back to [B, T] and computes exactly `trainer.loss.policy_loss`
+(PPO clip, dual clip, k3 KL, per-token weights): the gradient is the same as the CPU backend's.
+FSDP averages gradients over data-parallel ranks, so the loss is multiplied by their number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from trainer.core import Sample
+from trainer.loss import LossMetrics, PolicyBatch, PolicyLossConfig, policy_loss
+
+# A micro-batch a rank runs only to keep FSDP's collectives in step with the others: no loss, no gradient.
+FILLER = Sample(
+    rollout_id="filler", group_id=None, index=0, tokens=[0, 0], loss_mask=[0, 0], logprobs=[0.0, 0.0],
+    call_ids=[], response_tokens=0,
+)  # fmt: skip
+
+
+def _jagged(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
+
+
+def _aligned(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-token values shifted to target alignment: position t holds token t+1's value, the last 0."""
+    row = torch.zeros(len(values), dtype=dtype)
+    row[:-1] = torch.tensor(values[1:], dtype=dtype)
+    return row
+
+
+def to_tensordict(samples: Sequence[Sample], *, temperature: float, ref_log_probs: Sequence[torch.Tensor] | None = None,
+                  entropy: bool = True) -> Any:  # fmt: skip
+    """One micro-batch of samples as the engine's TensorDict (fields in the module docstring)."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    fields: dict[str, Any] = {
+        "input_ids": _jagged([torch.tensor(s.tokens, dtype=torch.long) for s in samples]),
+        "position_ids": _jagged([torch.arange(len(s.tokens), dtype=torch.long) for s in samples]),
+        "loss_mask": _jagged([_aligned([float(m) for m in s.loss_mask]) for s in samples]),
+        "old_log_probs": _jagged([_aligned(s.logprobs) for s in samples]),
+        "advantages": _jagged([torch.full((len(s.tokens),), s.advantage) for s in samples]),
+        "token_weight": _jagged([torch.full((len(s.tokens),), s.token_weight) for s in samples]),
+    }
+    if ref_log_probs is not None:
+        fields["ref_log_probs"] = _jagged(list(ref_log_probs))
+    data = TensorDict(fields, batch_size=[len(samples)])
+    tu.assign_non_tensor(
+        data,
+        temperature=temperature,
+        use_remove_padding=True,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=len(samples),
+        use_fused_kernels=False,
+        calculate_entropy=entropy,
+    )
+    return data
+
+
+def _padded(rows: torch.Tensor) -> torch.Tensor:
+    return torch.nested.to_padded_tensor(rows, 0.0)
+
+
+def policy_loss_function(
+    config: PolicyLossConfig, dp_size: int, sink: list[LossMetrics]
+) -> Callable[..., tuple[torch.Tensor, dict[str, Any]]]:
+    """The engine's `loss_function(model_output, data, dp_group)`: Rollwire's loss x `dp_size`; metrics go to `sink`."""
+
+    def loss_function(
+        model_output: dict[str, Any], data: Any, dp_group: Any = None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        logprobs = _padded(model_output["log_probs"]).float()  # [B, T]
+        field = {
+            name: _padded(data[name]).float() for name in ("loss_mask", "old_log_probs", "advantages", "token_weight")
+        }
+        ref = _padded(data["ref_log_probs"]).float() if "ref_log_probs" in data.keys() else None
+        batch = PolicyBatch(
+            input_ids=torch.zeros(0, dtype=torch.long),  # not read by the loss
+            attention_mask=torch.zeros(0, dtype=torch.long),
+            loss_mask=field["loss_mask"],
+            old_logprobs=field["old_log_probs"],
+            advantages=field["advantages"],
+            token_weight=field["token_weight"],
+        )
+        loss, metrics = policy_loss(logprobs, batch, config, ref_logprobs=ref)
+        if "entropy" in model_output:
+            entropy = _padded(model_output["entropy"]).float()
+            mask = field["loss_mask"]
+            value = float((entropy * mask).sum()) / metrics.tokens if metrics.tokens else 0.0
+            metrics = LossMetrics(**{**{f: getattr(metrics, f) for f in metrics.__struct_fields__}, "entropy": value})
+        sink.append(metrics)
+        return loss * dp_size, {}
+
+    return loss_function
+
+
+def reference_rows(model_output: dict[str, Any]) -> list[torch.Tensor]:
+    """The per-sample log-prob rows of an inference pass (the reference policy's), detached."""
+    return [row.detach().float() for row in model_output["log_probs"].unbind()]
