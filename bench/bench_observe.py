@@ -81,16 +81,21 @@ def main() -> None:
     rows: list[tuple[str, float, float]] = []
     base = measure(fastapi_app, "/api/rollouts/ro-1", "GET", n)
     for fmt in ("off", "text", "json"):
-        wrapped = measure(lambda f=fmt: ObservedApp(fastapi_app(), "bench", access_log=AccessLog("bench", f)),
-                          "/api/rollouts/ro-1", "GET", n)  # fmt: skip
+
+        def observed_fastapi(f: str = fmt) -> Any:
+            return ObservedApp(fastapi_app(), "bench", access_log=AccessLog("bench", f))
+
+        wrapped = measure(observed_fastapi, "/api/rollouts/ro-1", "GET", n)
         rows.append((f"FastAPI GET, access log {fmt}", base, wrapped))
     base = measure(lambda: proxy_like, PROXY_PATH, "POST", n)
     for fmt in ("off", "text", "json"):
-        wrapped = measure(
-            lambda f=fmt: ObservedApp(observe_proxy(proxy_like), "bench", route_of=proxy_route,
-                                      access_log=AccessLog("bench", f)),
-            PROXY_PATH, "POST", n,
-        )  # fmt: skip
+
+        def observed_proxy(f: str = fmt) -> Any:
+            return ObservedApp(
+                observe_proxy(proxy_like), "bench", route_of=proxy_route, access_log=AccessLog("bench", f)
+            )
+
+        wrapped = measure(observed_proxy, PROXY_PATH, "POST", n)
         rows.append((f"proxy-like SSE, access log {fmt}", base, wrapped))
     print(f"{'case':38} {'plain us/req':>13} {'observed':>10} {'overhead':>10}")
     for name, plain, observed in rows:

@@ -90,7 +90,7 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
         await state.start()
         app.state.gateway = gateway
         app.state.proxy = metrics.observe_proxy(Proxy(gateway))
-        metrics.watch_idempotency(gateway.idempotency.__len__, gateway.idempotency.nbytes)
+        metrics.watch_idempotency(gateway.idempotency.__len__, lambda: gateway.idempotency.bytes)
         try:
             yield
         finally:

@@ -45,14 +45,6 @@ class IdempotencyCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def nbytes(self) -> int:
-        """Bytes of the response bodies held (answered commands; ones still running count 0)."""
-        total = 0
-        for _, future in list(self._entries.values()):
-            if future.done() and not future.cancelled() and future.exception() is None:
-                total += len(future.result()[1])
-        return total
-
     async def run(self, scope: tuple[str, ...], fingerprint: str, command: Callable[[], Awaitable[Result]]) -> Result:
         """Run `command` once per key; repeats (same body) get the first successful result."""
         entry = self._entries.get(scope)

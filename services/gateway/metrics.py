@@ -82,7 +82,9 @@ IDEMPOTENCY_ENTRIES = Gauge(
     "rollwire_gateway_idempotency_cache_entries", "Keys in the idempotency cache.", registry=None
 )
 IDEMPOTENCY_BYTES = Gauge(
-    "rollwire_gateway_idempotency_cache_bytes", "Bytes of the responses held in the idempotency cache.", registry=None
+    "rollwire_gateway_idempotency_cache_bytes",
+    "Bytes the idempotency cache holds (keys and responses; its bound).",
+    registry=None,
 )
 
 

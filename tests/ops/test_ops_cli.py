@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from conftest import Stack
+from ops_stack import Stack
 
 ROLLWIRE = [sys.executable, "-m", "services.devstack.cli"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import openai
-from conftest import Scrape, Stack, scrape
+from ops_stack import Scrape, Stack, scrape
 
 from services.devstack.embedded import free_port
 

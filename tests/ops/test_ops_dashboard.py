@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from conftest import Stack, scrape
+from ops_stack import Stack, scrape
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
