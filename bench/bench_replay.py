@@ -44,8 +44,9 @@ from schemas import (
     RolloutCreated,
     RolloutStatusChanged,
 )
-from services.devstack.embedded import NatsServer
 from services.common.eventstore import EventStore
+from services.devstack.embedded import NatsServer
+from services.gateway.recording import CallChains
 from services.tools.replay import default_workers
 
 GROUP = 8
@@ -104,19 +105,34 @@ def live_order(run_id: str, rollouts: int, calls: int, context: int, seed: int =
             yield event
 
 
-async def write_run(url: str, run_id: str, rollouts: int, calls: int, context: int) -> tuple[int, float]:
+async def write_run(
+    url: str, run_id: str, rollouts: int, calls: int, context: int, fmt: str = "full"
+) -> tuple[int, float]:
+    """Append the run; `compact` records calls as the gateway does (references to the previous call, packed)."""
     store = await EventStore.connect(url)
+    chains = CallChains(compact=fmt == "compact")
+    size = 2000 if fmt == "full" else 200  # a compact call can reference only an acknowledged one
     batch: list[Event] = []
+    originals: list[Event] = []
     n = 0
     started = time.perf_counter()
+
+    async def flush() -> None:
+        acks = await store.append_many(batch)
+        for event, ack in zip(originals, acks, strict=True):
+            if isinstance(event, ModelRequestRecorded):
+                chains.remember([event], [ack])
+        batch.clear()
+        originals.clear()
+
     for event in live_order(run_id, rollouts, calls, context):
-        batch.append(event)
-        if len(batch) == 2000:
-            await store.append_many(batch)
+        originals.append(event)
+        batch.append(chains.compact([event])[0] if isinstance(event, ModelRequestRecorded) else event)
+        if len(batch) == size:
             n += len(batch)
-            batch = []
-    await store.append_many(batch)
+            await flush()
     n += len(batch)
+    await flush()
     await store.close()
     return n, time.perf_counter() - started
 
@@ -202,6 +218,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--context", type=int, default=2048, help="tokens of a rollout's last call")
     parser.add_argument("--workers", type=int, default=None, help="replay worker processes (default: auto)")
+    parser.add_argument("--format", choices=["full", "compact"], default="compact", help="how calls are recorded")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--run", help=argparse.SUPPRESS)
@@ -214,9 +231,9 @@ def main() -> None:
         server = NatsServer(Path(tmp)).start()
         try:
             for run_id, rollouts in (("big", args.rollouts), ("small", small)):
-                n, secs = asyncio.run(write_run(server.url, run_id, rollouts, args.calls, args.context))
-                print(f"wrote run {run_id}: {rollouts} rollouts, {rollouts * args.calls} calls, {n} events "
-                      f"in {secs:.0f}s")  # fmt: skip
+                n, secs = asyncio.run(write_run(server.url, run_id, rollouts, args.calls, args.context, args.format))
+                print(f"wrote run {run_id} ({args.format}): {rollouts} rollouts, {rollouts * args.calls} calls, "
+                      f"{n} events in {secs:.0f}s")  # fmt: skip
             workers = default_workers() if args.workers is None else args.workers
             print(f"{os.cpu_count()} CPU cores; replay workers: {workers}")
             for run_id in ("big", "small"):

@@ -20,6 +20,7 @@ from schemas.events import (
     RunStarted,
 )
 from schemas.ids import InvalidId, check_id, new_id
+from schemas.refs import CallRef, PackedTokens, Resolver, UnresolvedReference, upcast
 from schemas.transitions import IllegalTransition, check_transition, is_terminal
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "TERMINAL_STATUSES",
     "AnyEvent",
     "AttemptStarted",
+    "CallRef",
     "CustomEvent",
     "Event",
     "IllegalTransition",
@@ -36,12 +38,15 @@ __all__ = [
     "ModelRegistered",
     "ModelRemoved",
     "ModelRequestRecorded",
+    "PackedTokens",
     "PhaseChanged",
+    "Resolver",
     "RewardReported",
     "RolloutCreated",
     "RolloutStatus",
     "RolloutStatusChanged",
     "RunStarted",
+    "UnresolvedReference",
     "check_id",
     "check_transition",
     "decode",
@@ -50,4 +55,5 @@ __all__ = [
     "is_terminal",
     "new_id",
     "to_dict",
+    "upcast",
 ]

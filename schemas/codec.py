@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from msgspec import UNSET
 
-from schemas.events import AnyEvent, Event
+from schemas.events import AnyEvent, Event, ModelRequestRecorded
 from schemas.ids import InvalidId
+from schemas.refs import upcast
 
 _encoder = msgspec.json.Encoder()
 _decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)  # type: ignore[arg-type]
@@ -25,17 +27,36 @@ def encode(event: Event) -> bytes:
 def decode(data: bytes | str) -> AnyEvent:
     """Decode JSON bytes into the typed event named by its `type` field."""
     try:
-        return _decoder.decode(data)
+        event = _decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError, InvalidId) as exc:
         raise MalformedEvent(str(exc)) from None
+    if type(event) is ModelRequestRecorded and not (event.packed is UNSET and event.prompt_ref is UNSET):
+        return _unpack(event)
+    return event
+
+
+def _unpack(event: ModelRequestRecorded) -> ModelRequestRecorded:
+    if event.prompt_ref is None or event.packed is None:  # explicit nulls (a table export): as if absent
+        event = msgspec.structs.replace(
+            event,
+            prompt_ref=UNSET if event.prompt_ref is None else event.prompt_ref,
+            packed=UNSET if event.packed is None else event.packed,
+        )
+    try:
+        return upcast(event)
+    except (ValueError, TypeError) as exc:  # bad base64 or a length that is not whole values
+        raise MalformedEvent(f"model_request {event.event_id}: packed arrays unreadable: {exc}") from None
 
 
 def from_dict(obj: dict[str, Any]) -> AnyEvent:
     """Build a typed event from a plain mapping (for example a parsed HTTP body)."""
     try:
-        return msgspec.convert(obj, AnyEvent)  # type: ignore[arg-type,no-any-return]
+        event: AnyEvent = msgspec.convert(obj, AnyEvent)  # type: ignore[arg-type]
     except (msgspec.ValidationError, InvalidId) as exc:
         raise MalformedEvent(str(exc)) from None
+    if type(event) is ModelRequestRecorded and not (event.packed is UNSET and event.prompt_ref is UNSET):
+        return _unpack(event)
+    return event
 
 
 def to_dict(event: Event) -> dict[str, Any]:

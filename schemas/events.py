@@ -17,6 +17,7 @@ import uuid
 from typing import Any, Literal, Union
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from schemas.bounds import Count, Int32, Positive, check_int
 from schemas.ids import (
@@ -31,8 +32,10 @@ from schemas.ids import (
     RUN_SUBJECT,
     check_id,
 )
+from schemas.refs import CallRef, PackedTokens
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: a `model_request` may carry `prompt_ref` (only the new ids and request parts) and `packed` arrays."""
 
 RolloutStatus = Literal["queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
@@ -147,6 +150,11 @@ class ModelRequestRecorded(Event, frozen=True, kw_only=True, tag="model_request"
     `status == "ok"` are training data; failed and aborted calls are kept for inspection.
     `api` is the API the harness called (`chat`, `responses`, `messages`); `request` and
     `response` are always in chat-completions form (what the engine was asked and answered).
+
+    Version 2: with `prompt_ref`, `prompt_ids` holds only the ids after the referenced call's
+    first `prompt_ref.tokens` tokens and `request` only what is new (`schemas.refs.Resolver`
+    puts them back); with `packed`, the id and logprob arrays are in it instead (decoding
+    unpacks them, see `schemas.refs.upcast`).
     """
 
     call_id: str
@@ -165,6 +173,8 @@ class ModelRequestRecorded(Event, frozen=True, kw_only=True, tag="model_request"
     latency_s: float = 0.0
     error: str | None = None
     api: CallApi = "chat"
+    prompt_ref: CallRef | UnsetType | None = UNSET
+    packed: PackedTokens | UnsetType | None = UNSET
 
     def __post_init__(self) -> None:
         super().__post_init__()

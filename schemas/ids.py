@@ -3,17 +3,28 @@
 Every id that appears in a subject (run, rollout, attempt, model name, custom-event name) must be
 subject-safe, so that `rl.<run>.rollout.<rollout>.reward` always has exactly the tokens a
 monitor's wildcard expects. Ids are also used in URLs, so the rule is strict: 1-128 characters,
-no `.`, `*`, `>`, no whitespace, no `/`.
+no `.`, `*`, `>`, no whitespace or control characters, no `/`.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
+from typing import Annotated
+
+import msgspec
 
 MAX_ID_LENGTH = 128
-_FORBIDDEN = re.compile(r"[.*>/\s]")
-_VALID = re.compile(rf"[^.*>/\s]{{1,{MAX_ID_LENGTH}}}")
+_BANNED = r".*>/\x00-\x20\x7f-\xa0\u1680\u2000-\u200b\u2028\u2029\u202f\u205f\u3000\ufeff"
+r"""`.`, `*`, `>`, `/`, control characters and every Unicode space (a superset of Python's `\s`,
+spelled out so that the JSON Schema `pattern` below means the same in every regex dialect)."""
+_FORBIDDEN = re.compile(rf"[{_BANNED}]")
+_VALID = re.compile(rf"[^{_BANNED}]{{1,{MAX_ID_LENGTH}}}")
+ID_PATTERN = rf"^[^{_BANNED}]{{1,{MAX_ID_LENGTH}}}$"
+"""The id rule as a regular expression (for JSON Schema and OpenAPI)."""
+
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN)]
+"""A subject-safe id as a field type: decoding checks it, and JSON Schemas state the rule."""
 
 STREAM_NAME = "ROLLWIRE"
 STREAM_SUBJECTS = "rl.>"
@@ -49,7 +60,8 @@ def check_id(kind: str, value: object) -> str:
     bad = _FORBIDDEN.search(value)
     if bad:
         raise InvalidId(
-            f"{kind} {value!r} contains {bad.group()!r}; ids may not contain '.', '*', '>', '/' or whitespace"
+            f"{kind} {value!r} contains {bad.group()!r}; ids may not contain '.', '*', '>', '/', "
+            "whitespace or control characters"
         )
     return value
 

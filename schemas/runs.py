@@ -6,12 +6,12 @@ many runs by reading these specs from the stream.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
-from schemas.bounds import Count, Positive
-from schemas.ids import check_id
+from schemas.bounds import Count, Positive, check_int
+from schemas.ids import Id, check_id
 
 Backend = Literal["local", "kubernetes"]
 RewardFrom = Literal["agent", "evaluator"]
@@ -26,7 +26,7 @@ class CallLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """
 
     max_n: Positive = 8
-    max_tokens: Positive = 32_768
+    max_tokens: Positive = 131_072
     max_tools: Count = 128
     max_messages: Positive = 2_048
 
@@ -41,11 +41,7 @@ class AttemptBudget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     calls: Positive | None = None
     tokens: Positive | None = None
-    wall_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.wall_s is not None and not self.wall_s > 0:
-            raise msgspec.ValidationError("wall_s must be positive - at `$.budget.wall_s`")
+    wall_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
 class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -60,14 +56,14 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     model registered for the run; a name neither registered nor aliased goes to any of the run's.
     """
 
-    run_id: str
+    run_id: Id
     name: str = ""
     backend: Backend = "local"
     command: list[str] = []
     job_template: str | None = None
     image: str | None = None
     concurrency: Positive = 8
-    timeout_s: float = 600.0
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     max_attempts: Positive = 1
     retry_backoff_s: float = 1.0
     evaluator_command: list[str] | None = None
@@ -79,11 +75,9 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
     def __post_init__(self) -> None:
         check_id("run_id", self.run_id)
-        if self.concurrency < 1:
-            raise msgspec.ValidationError("concurrency must be at least 1 - at `$.concurrency`")
-        if self.max_attempts < 1:
-            raise msgspec.ValidationError("max_attempts must be at least 1 - at `$.max_attempts`")
-        if self.timeout_s <= 0:
+        check_int("concurrency", self.concurrency, 1, optional=False)
+        check_int("max_attempts", self.max_attempts, 1, optional=False)
+        if not self.timeout_s > 0:
             raise msgspec.ValidationError("timeout_s must be positive - at `$.timeout_s`")
         if self.reward_from == "evaluator" and not self.evaluator_command and self.backend == "local":
             raise msgspec.ValidationError(

@@ -111,6 +111,7 @@ def quickstart(
     mode: str = typer.Option("sync", help="sync or async (collocated)."),
     tasks_per_step: int = typer.Option(8, help="Tasks per step."),
     rollouts_per_task: int = typer.Option(4, help="Rollouts of each task (one group)."),
+    backend: str = typer.Option("cpu", help="Training backend: cpu or verl (needs rollwire[verl])."),
 ) -> None:
     """Run RL on a tiny model on this CPU, end to end: stack, agents, updates, a reward curve."""
     from services.devstack.stack import StackError
@@ -129,6 +130,7 @@ def quickstart(
         mode=mode,
         tasks_per_step=tasks_per_step,
         rollouts_per_task=rollouts_per_task,
+        extra={"backend": {"kind": backend}},
     )
     try:
         run_quickstart(options, say=lambda line: print(line, flush=True))

@@ -113,7 +113,7 @@ class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     dtype: Dtype = "float32"
     gradient_checkpointing: bool = False
     lora_rank: int = 0
-    lora_alpha: float = 16.0
+    lora_alpha: int = 16
     lora_target_modules: list[str] = msgspec.field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
@@ -307,32 +307,14 @@ def _allowed_for(key: str) -> tuple[str, ...] | None:
     return _choices(fields.get(name))
 
 
-def _check(config: TrainConfig) -> None:
-    """Range checks msgspec's types cannot express, each naming its key."""
+def _need(ok: bool, key: str, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {what}")
 
-    def need(ok: bool, key: str, what: str) -> None:
-        if not ok:
-            raise ConfigError(f"{key}: {what}")
 
-    need(config.run.steps >= 1, "run.steps", "must be at least 1")
-    need(config.run.keep_weights >= 0, "run.keep_weights", "must be >= 0 (0 keeps every version)")
-    need(bool(config.run.name) and "/" not in config.run.name, "run.name", "must be a non-empty id without '/'")
-    need(config.data.tasks_per_step >= 1, "data.tasks_per_step", "must be at least 1")
-    need(config.data.rollouts_per_task >= 1, "data.rollouts_per_task", "must be at least 1")
-    need(bool(config.agent.command), "agent.command", "must name the program to run, as a list of strings")
-    need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
-    need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
-    need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
-    need(
-        config.agent.evaluator_command is None or bool(config.agent.evaluator_command),
-        "agent.evaluator_command",
-        "must name the program to run, as a list of strings, or be left out",
-    )
-    need(
-        config.agent.reward_from == "agent" or bool(config.agent.evaluator_command),
-        "agent.reward_from",
-        "is 'evaluator' but agent.evaluator_command is not set",
-    )
+def _check_backend_and_engine(config: TrainConfig) -> None:
+    """`[backend]` and `[engine]` checks, each naming its key."""
+    need = _need
     backend = config.backend
     need(
         backend.kind != "verl" or importlib.util.find_spec("verl") is not None,
@@ -357,14 +339,43 @@ def _check(config: TrainConfig) -> None:
     engine = config.engine
     need(engine.replicas >= 1, "engine.replicas", "must be at least 1")
     need(0.0 < engine.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization", "must be in (0, 1]")
-    need(
-        engine.kind == "vllm" or not engine.urls, "engine.urls", "attaches to vLLM servers: set engine.kind = \"vllm\""
-    )
+    need(engine.kind == "vllm" or not engine.urls, "engine.urls", 'attaches to vLLM servers: set engine.kind = "vllm"')
     need(
         engine.kind == "vllm" or len(set(backend.lora_adapters.values())) <= 1,
         "backend.lora_adapters",
-        "several adapters are served by vLLM only: set engine.kind = \"vllm\"",
+        'several adapters are served by vLLM only: set engine.kind = "vllm"',
     )
+
+
+def _check_run_and_agent(config: TrainConfig) -> None:
+    """`[run]`, `[data]` and `[agent]` checks, each naming its key."""
+    need = _need
+    need(config.run.steps >= 1, "run.steps", "must be at least 1")
+    need(config.run.keep_weights >= 0, "run.keep_weights", "must be >= 0 (0 keeps every version)")
+    need(bool(config.run.name) and "/" not in config.run.name, "run.name", "must be a non-empty id without '/'")
+    need(config.data.tasks_per_step >= 1, "data.tasks_per_step", "must be at least 1")
+    need(config.data.rollouts_per_task >= 1, "data.rollouts_per_task", "must be at least 1")
+    need(bool(config.agent.command), "agent.command", "must name the program to run, as a list of strings")
+    need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
+    need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
+    need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
+    need(
+        config.agent.evaluator_command is None or bool(config.agent.evaluator_command),
+        "agent.evaluator_command",
+        "must name the program to run, as a list of strings, or be left out",
+    )
+    need(
+        config.agent.reward_from == "agent" or bool(config.agent.evaluator_command),
+        "agent.reward_from",
+        "is 'evaluator' but agent.evaluator_command is not set",
+    )
+
+
+def _check(config: TrainConfig) -> None:
+    """Range checks msgspec's types cannot express, each naming its key."""
+    need = _need
+    _check_run_and_agent(config)
+    _check_backend_and_engine(config)
     algo = config.algorithm
     need(algo.lr > 0, "algorithm.lr", "must be positive")
     need(algo.weight_decay >= 0, "algorithm.weight_decay", "must be >= 0")

@@ -77,7 +77,7 @@ class CpuBackend:
 
     def _load(self, path: Path) -> Any:
         dtype = _DTYPES[self.settings.dtype]
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)  # type: ignore[arg-type]
 
     def _reference_logprobs(self, batch: Any) -> torch.Tensor | None:
         if self.loss_config.kl_coef <= 0.0:

@@ -101,7 +101,7 @@ def policy_loss_function(
         )
         loss, metrics = policy_loss(logprobs, batch, config, ref_logprobs=ref)
         if "entropy" in model_output:
-            entropy = _padded(model_output["entropy"]).float()
+            entropy = _padded(model_output["entropy"]).detach().float()
             mask = field["loss_mask"]
             value = float((entropy * mask).sum()) / metrics.tokens if metrics.tokens else 0.0
             metrics = LossMetrics(**{**{f: getattr(metrics, f) for f in metrics.__struct_fields__}, "entropy": value})

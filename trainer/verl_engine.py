@@ -57,7 +57,7 @@ def build_engine(
         enable_gradient_checkpointing=settings.gradient_checkpointing and not forward_only,
         override_config={"attn_implementation": "sdpa" if on_cpu else _gpu_attention()},
         lora_rank=0 if forward_only else settings.lora_rank,
-        lora_alpha=int(settings.lora_alpha),
+        lora_alpha=settings.lora_alpha,
         target_modules=list(settings.lora_target_modules),
     )
     engine_config = FSDPEngineConfig(
@@ -131,10 +131,7 @@ def _full(value: Any) -> torch.Tensor:
 
 
 def _base_state(engine: Any) -> dict[str, torch.Tensor]:
-    state = {name: _full(value) for name, value in engine.module.state_dict().items()}
-    if getattr(engine.model_config.hf_config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    return state
+    return {name: _full(value) for name, value in engine.module.state_dict().items()}
 
 
 def _merge(state: dict[str, torch.Tensor], adapter: str, scaling: float) -> dict[str, torch.Tensor]:
@@ -157,7 +154,9 @@ def full_state(engine: Any, *, adapter: str | None = None, merged: bool = False)
         name = next(iter(engine.module.peft_config))
         config = engine.module.peft_config[name]
         state = _merge(state, name, config.lora_alpha / config.r)
-    elif adapter is not None:
+    if adapter is None and getattr(engine.model_config.hf_config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # the embedding's: saved once, as transformers does
+    if adapter is not None:
         pattern = re.compile(rf"\.(lora_[AB])\.{re.escape(adapter)}\.weight$")
         state = {pattern.sub(r".\1.weight", k): v for k, v in state.items() if pattern.search(k)}
     return state if dist.get_rank() == 0 else {}
@@ -169,7 +168,8 @@ def load_full_state(engine: Any, tensors: dict[str, torch.Tensor], *, adapter: s
 
     if adapter is not None:
         tensors = {re.sub(r"\.(lora_[AB])\.weight$", rf".\1.{adapter}.weight", k): v for k, v in tensors.items()}
-    set_model_state_dict(engine.module, tensors, options=StateDictOptions(full_state_dict=True, strict=False))
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(engine.module, dict[str, Any](tensors), options=options)
 
 
 def optimizer_state(engine: Any) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from verl.plugin.platform.platform_base import PlatformBase
 
 PLATFORM_ENV = "VERL_PLATFORM"
 
@@ -81,79 +82,79 @@ class _NoDevice:
         return None
 
 
+class PlatformCPU(PlatformBase):
+    """verl on the CPU: gloo collectives, no device memory, no profiler ranges."""
+
+    device_name = "cpu"  # type: ignore[assignment]
+    vendor_name = "cpu"  # type: ignore[assignment]
+    device_module: ModuleType = _NoDevice  # type: ignore[assignment]
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self) -> Any:
+        return "cpu"  # verl moves tensors `.to(current_device())`: the CPU, not accelerator 0
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index: int) -> None:
+        return None
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        return None
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
+        return None, None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"
+
+    @contextmanager
+    def nvtx_range(self, msg: str) -> Any:
+        yield
+
+    def profiler_start(self) -> None:
+        return None
+
+    def profiler_stop(self) -> None:
+        return None
+
+    def ray_resource_name(self) -> str:
+        return "CPU"
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self) -> Any:
+        return None
+
+
 def register_cpu_platform() -> bool:
     """Register verl's `cpu` platform and select it when no GPU is present; returns whether CPU is used."""
     if torch.cuda.is_available() and os.environ.get(PLATFORM_ENV, "") != "cpu":
         return False
-    from verl.plugin.platform.platform_base import PlatformBase
     from verl.plugin.platform.platform_manager import PlatformRegistry
 
-    @PlatformRegistry.register(platform="cpu")
-    class PlatformCPU(PlatformBase):
-        """verl on the CPU: gloo collectives, no device memory, no profiler ranges."""
-
-        device_name = "cpu"  # type: ignore[assignment]
-        vendor_name = "cpu"  # type: ignore[assignment]
-        device_module: ModuleType = _NoDevice  # type: ignore[assignment]
-
-        def is_available(self) -> bool:
-            return True
-
-        def current_device(self) -> Any:
-            return "cpu"  # verl moves tensors `.to(current_device())`: the CPU, not accelerator 0
-
-        def device_count(self) -> int:
-            return 1
-
-        def set_device(self, device_index: int) -> None:
-            return None
-
-        def synchronize(self, device_index: int | None = None) -> None:
-            return None
-
-        def manual_seed(self, seed: int) -> None:
-            torch.manual_seed(seed)
-
-        def manual_seed_all(self, seed: int) -> None:
-            torch.manual_seed(seed)
-
-        def set_allocator_settings(self, settings: str) -> None:
-            return None
-
-        def empty_cache(self) -> None:
-            return None
-
-        def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
-            return None, None
-
-        def communication_backend_name(self) -> str:
-            return "gloo"
-
-        def visible_devices_envvar(self) -> str:
-            return "CUDA_VISIBLE_DEVICES"
-
-        @contextmanager
-        def nvtx_range(self, msg: str) -> Any:
-            yield
-
-        def profiler_start(self) -> None:
-            return None
-
-        def profiler_stop(self) -> None:
-            return None
-
-        def ray_resource_name(self) -> str:
-            return "CPU"
-
-        def ray_noset_envvars(self) -> list[str]:
-            return []
-
-        def is_ipc_supported(self) -> bool:
-            return False
-
-        def cudart(self) -> Any:
-            return None
-
+    PlatformRegistry.register(platform="cpu")(PlatformCPU)
     os.environ[PLATFORM_ENV] = "cpu"
     return True
 

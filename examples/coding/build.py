@@ -134,7 +134,9 @@ def build(out: Path, project: Path = SHIPPED_PROJECT, *, max_bugs: int = 20, max
         candidates = [(path, m) for path in source_files(work)
                       for m in mutations(path.read_text(encoding="utf-8"), covered)]  # fmt: skip
         random.Random(seed).shuffle(candidates)
-        tasks, bugs, tried = [], [], 0
+        tasks: list[dict[str, Any]] = []
+        bugs: list[dict[str, str]] = []
+        tried = 0
         for path, mutant in candidates:
             if len(tasks) >= max_bugs or tried >= max_tries:
                 break

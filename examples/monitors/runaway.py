@@ -22,6 +22,7 @@ import msgspec
 
 from schemas import TERMINAL_STATUSES, CustomEvent, ModelRequestRecorded, RolloutStatusChanged
 from schemas.ids import MODEL_REQUEST
+from schemas.refs import prompt_length
 from services.common.eventstore import StoredEvent
 from services.tools.monitor import Monitor, monitor_main
 
@@ -41,7 +42,7 @@ _usage: dict[tuple[str, str], Usage] = {}
 
 def _count(usage: Usage, event: ModelRequestRecorded) -> None:
     usage.calls += 1
-    usage.tokens += len(event.prompt_ids) + len(event.response_ids)
+    usage.tokens += prompt_length(event) + len(event.response_ids)
 
 
 async def _usage_of(monitor: Monitor, stored: StoredEvent, event: ModelRequestRecorded) -> Usage:

@@ -25,7 +25,7 @@ def build(out: Path, *, databases: int = 20, per_database: int = 10, seed: int =
     start = time.monotonic()
     rng = random.Random(seed)
     (out / "dbs").mkdir(parents=True, exist_ok=True)
-    tasks = []
+    tasks: list[dict[str, Any]] = []
     for n in range(databases):
         db = (out / "dbs" / f"db-{n}.sqlite").resolve()
         make_database(db, rng)

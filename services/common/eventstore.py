@@ -33,11 +33,14 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 
-from schemas import AnyEvent, Event, RolloutStatusChanged, check_id, decode, encode
+from schemas import AnyEvent, Event, ModelRequestRecorded, RolloutStatusChanged, check_id, decode, encode
 from schemas.ids import ROLLOUT_ALL, ROLLOUT_STATUS, RUN_ALL, STREAM_NAME, STREAM_SUBJECTS
+from schemas.refs import Resolver, UnresolvedReference
 
 WRONG_LAST_SEQUENCE = 10071
 FETCH_BATCH = 2048
+HEADER_ALLOWANCE = 512
+"""Bytes of a message's headers and framing kept free under the server's max_payload."""
 ACK_TIMEOUT_S = 30.0
 """Longest wait for JetStream's ack of a pipelined append; past it the append raises (retrying is safe)."""
 
@@ -48,6 +51,17 @@ class EventStoreError(RuntimeError):
 
 class EventStoreUnavailable(EventStoreError):
     """No NATS server with JetStream answers at the configured URL."""
+
+
+class EventTooLarge(EventStoreError):
+    """An event larger than the server accepts (NATS `max_payload`): retrying cannot help."""
+
+    def __init__(self, subject: str, size: int, limit: int) -> None:
+        super().__init__(
+            f"{subject}: the event is {size} bytes, over the event store's limit of {limit} bytes (NATS max_payload)"
+        )
+        self.size = size
+        self.limit = limit
 
 
 class ConcurrencyConflict(EventStoreError):
@@ -235,10 +249,11 @@ class EventStore:
     async def append(self, event: Event, expected_last_subject_seq: int | None = None) -> Appended:
         """Append one event; returns its stream sequence, or the original's when it is a duplicate."""
         subject = event.subject
+        data = self._checked(subject, encode(event))
         try:
             ack = await self.js.publish(
                 subject,
-                encode(event),
+                data,
                 headers=self._headers(event, expected_last_subject_seq),
                 stream=self.stream,
             )
@@ -252,12 +267,11 @@ class EventStore:
 
     async def append_many(self, events: Iterable[Event]) -> list[Appended]:
         """Append many events pipelined (publish all, then await every ack), in order."""
+        encoded = [(event, self._checked(event.subject, encode(event))) for event in events]
         futures = []
-        for event in events:
+        for event, data in encoded:
             futures.append(
-                await self.js.publish_async(
-                    event.subject, encode(event), headers=self._headers(event, None), stream=self.stream
-                )
+                await self.js.publish_async(event.subject, data, headers=self._headers(event, None), stream=self.stream)
             )
         results: list[Appended] = []
         loop = asyncio.get_running_loop()
@@ -279,6 +293,17 @@ class EventStore:
                 "stored: retrying is safe (the event id makes a repeat a duplicate)"
             ) from None
         return results
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server accepts (its `max_payload`; 1 MB when it says nothing)."""
+        return int(self.nc.max_payload or 1 << 20)
+
+    def _checked(self, subject: str, data: bytes) -> bytes:
+        # headers (message id, expected sequence) count against max_payload too
+        if len(data) + HEADER_ALLOWANCE > self.max_payload:
+            raise EventTooLarge(subject, len(data), self.max_payload - HEADER_ALLOWANCE)
+        return data
 
     @staticmethod
     def _translate(exc: nats.js.errors.APIError, subject: str, expected: int | None) -> EventStoreError:
@@ -350,9 +375,44 @@ class EventStore:
                 await self.js.delete_consumer(self.stream, name)
 
     async def read_rollout(self, run_id: str, rollout_id: str) -> list[StoredEvent]:
-        """Every event of one rollout, in order (ends immediately when the stream is idle)."""
+        """Every event of one rollout, in order, calls with their full prompts (ends when the stream is idle)."""
         subject = ROLLOUT_ALL.format(run=check_id("run_id", run_id), rollout=check_id("rollout_id", rollout_id))
-        return [stored async for stored in self.read(subject)]
+        refs = Resolver()
+        out = []
+        async for stored in self.read(subject):
+            event = stored.event
+            if type(event) is ModelRequestRecorded and event.prompt_ref:
+                stored = StoredEvent(seq=stored.seq, subject=stored.subject, event=await self._resolve(refs, event))
+            elif type(event) is ModelRequestRecorded:
+                refs.resolve(event)
+            out.append(stored)
+        return out
+
+    async def resolved(self, event: ModelRequestRecorded, refs: Resolver | None = None) -> ModelRequestRecorded:
+        """A call with its full prompt ids and request: what a monitor calls on a version-2 event.
+
+        References are followed by direct gets of their stream sequences; pass one `Resolver` to
+        many calls (in stream order) so each earlier call is read once.
+        """
+        return await self._resolve(refs or Resolver(), event)
+
+    async def _resolve(self, refs: Resolver, event: ModelRequestRecorded) -> ModelRequestRecorded:
+        try:
+            return refs.resolve(event)
+        except UnresolvedReference:
+            pass
+        missing: list[ModelRequestRecorded] = []
+        ref = event.prompt_ref
+        while ref and ref.event_id not in refs.seen:
+            raw = await self.js.get_msg(self.stream, ref.seq)
+            earlier = decode(raw.data or b"")
+            if type(earlier) is not ModelRequestRecorded or earlier.event_id != ref.event_id:
+                raise UnresolvedReference(f"stream sequence {ref.seq} is not the referenced call {ref.event_id}")
+            missing.append(earlier)
+            ref = earlier.prompt_ref
+        for earlier in reversed(missing):
+            refs.resolve(earlier)
+        return refs.resolve(event)
 
     def read_run(self, run_id: str, *, after_seq: int = 0) -> AsyncIterator[StoredEvent]:
         """Every event of one run, in order, as an async iterator (a run can be large)."""

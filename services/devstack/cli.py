@@ -48,13 +48,25 @@ def up(
     pg_port: int = typer.Option(DEFAULT_PG_PORT, help="Postgres port (0 = any free port)."),
     external: bool = typer.Option(False, help="Use the servers at NATS_URL and DATABASE_URL instead."),
     services: str = typer.Option("all", help="Comma-separated services to start, 'all' or 'none'."),
+    engine: str = typer.Option("embedded", help="embedded (CPU) or vllm (`vllm serve` replicas, one GPU each)."),
+    engine_model: str | None = typer.Option(None, help="The engine's model: a directory (or, for vLLM, a hub id)."),
+    vllm_executable: str = typer.Option("vllm", help="The vllm executable of vLLM's own environment."),
+    replicas: int = typer.Option(1, help="vLLM replicas, on consecutive ports from --vllm-port."),
+    vllm_port: int = typer.Option(8100, help="Port of the first vLLM replica."),
 ) -> None:
     """Run the whole stack in the foreground: nats, Postgres and every service. Ctrl-C stops it."""
+    from services.common.vllm import VllmServeSettings
     from services.devstack.stack import run_foreground
 
+    if engine not in ("embedded", "vllm"):
+        raise CliError(f"--engine {engine!r} is not allowed; choose one of: embedded, vllm", 2)
+    if replicas < 1:
+        raise CliError("--replicas must be at least 1", 2)
     config = StackConfig(
-        data_dir=data_dir, gateway_port=gateway_port, nats_port=nats_port, pg_port=pg_port, external=external
-    )
+        data_dir=data_dir, gateway_port=gateway_port, nats_port=nats_port, pg_port=pg_port, external=external,
+        engine_kind=engine, engine_model=Path(engine_model) if engine_model else None,
+        vllm=VllmServeSettings(executable=vllm_executable, port=vllm_port), vllm_replicas=replicas,
+    )  # fmt: skip
     if services != "all":
         chosen = tuple(name for name in services.split(",") if name and name != "none")
         unknown = sorted(set(chosen) - set(config.services))

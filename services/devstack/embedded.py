@@ -69,9 +69,11 @@ def nats_server_binary() -> Path:
 class NatsServer:
     """A nats-server with JetStream, listening on 127.0.0.1:`port`, storing in `data_dir`."""
 
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, *, max_payload: str | None = "8MB") -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
+        self.max_payload = max_payload
+        """The largest event the server accepts (None: nats-server's default, 1 MB)."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -84,8 +86,8 @@ class NatsServer:
         config = self.data_dir / "nats.conf"
         config.write_text(
             f'listen: "127.0.0.1:{self.port}"\n'
-            "max_payload: 8MB\n"
-            "max_pending: 64MB\n"
+            + (f"max_payload: {self.max_payload}\n" if self.max_payload else "")
+            + "max_pending: 64MB\n"
             f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}" }}\n'
         )
         log = self.data_dir / "nats.log"

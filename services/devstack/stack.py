@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+import msgspec
 
+from services.common.vllm import ReplicaError, VllmServeSettings, find_executable, serve_command
 from services.devstack import endpoints_file
 from services.devstack.embedded import EmbeddedServerError, NatsServer, PostgresServer, free_port, port_in_use
 from services.devstack.supervise import Supervisor, Unit
@@ -90,6 +92,9 @@ class StackConfig:
     services: tuple[str, ...] = ("engine", "gateway", "projector", "controller")
     engine_model: Path | None = None
     durable_postgres: bool = True
+    engine_kind: str = "embedded"  # or "vllm": `vllm_replicas` `vllm serve` processes (services.common.vllm)
+    vllm: VllmServeSettings = field(default_factory=VllmServeSettings)
+    vllm_replicas: int = 1
 
 
 @dataclass
@@ -102,6 +107,9 @@ class ChildService:
     endpoint: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     log: IO[bytes] | None = None
+    command: list[str] | None = None  # a program other than `python -m services.<name>` (vLLM)
+    env: dict[str, str] = field(default_factory=dict)
+    startup_s: float = 120.0
 
 
 @dataclass
@@ -237,10 +245,12 @@ class Stack:
                 endpoints.lines.append(spec.endpoint)
         if "gateway" in self.config.services:
             endpoints.gateway_url = f"http://127.0.0.1:{ports['gateway']}"
-        if "engine" in self.config.services:
+        if "engine" in self.config.services and self.config.engine_kind == "embedded":
             endpoints.engine_url = f"http://127.0.0.1:{ports['engine']}/v1"
         if endpoints.gateway_url and endpoints.engine_url:
             self._register_engine(endpoints)
+        if endpoints.gateway_url and self.config.engine_kind == "vllm" and "engine" in self.config.services:
+            self._register_vllm(endpoints)
         self.endpoints = endpoints
         return endpoints
 
@@ -275,7 +285,41 @@ class Stack:
                 endpoint=f"controller: http://127.0.0.1:{ports['controller']}/metrics",
             ),
         }  # fmt: skip
+        if self.config.engine_kind == "vllm":
+            del known["engine"]
+            replicas = self._vllm_specs() if "engine" in self.config.services else []
+            return replicas + [known[name] for name in self.config.services if name in known]
         return [known[name] for name in self.config.services if name in known]
+
+    def _vllm_specs(self) -> list[ChildService]:
+        """One `vllm serve` per replica on consecutive ports, replica i on GPU i (`services.common.vllm`)."""
+        try:
+            executable = find_executable(self.config.vllm.executable)
+        except ReplicaError as exc:
+            raise StackError(str(exc), 2) from None
+        settings = msgspec.structs.replace(self.config.vllm, executable=executable)
+        if self.config.engine_model is None:
+            raise StackError("--engine vllm needs --engine-model (a model directory or a Hugging Face id)", 2)
+        specs = []
+        for index in range(self.config.vllm_replicas):
+            port = settings.port + index
+            argv, env = serve_command(settings, str(self.config.engine_model), DEFAULT_MODEL_NAME, port)
+            specs.append(ChildService(
+                f"vllm-{index}", [], command=argv, env={**env, "CUDA_VISIBLE_DEVICES": str(index)},
+                health_url=f"http://{settings.host}:{port}/health",
+                endpoint=f"engine: http://{settings.host}:{port}/v1 (vLLM replica {index})", startup_s=900.0,
+            ))  # fmt: skip
+        return specs
+
+    def _register_vllm(self, endpoints: Endpoints) -> None:
+        """Register every vLLM replica as a default model; the proxy keeps each rollout on one replica."""
+        assert endpoints.gateway_url is not None
+        settings = self.config.vllm
+        for index in range(self.config.vllm_replicas):
+            register_model(
+                endpoints.gateway_url, endpoints.admin_token, f"{DEFAULT_MODEL_NAME}-r{index}",
+                f"http://{settings.host}:{settings.port + index}/v1", served_model=DEFAULT_MODEL_NAME,
+            )  # fmt: skip
 
     def _tokenizer_args(self) -> list[str]:
         """The engine model's tokenizer, scoped to that model, so the projection (and the viewer) has call text.
@@ -286,6 +330,9 @@ class Stack:
         if "engine" not in self.config.services:
             return []
         model = self.config.engine_model
+        if self.config.engine_kind == "vllm":
+            local = model is not None and Path(model).is_dir()
+            return ["--tokenizer", f"{DEFAULT_MODEL_NAME}={model}"] if local else []
         if model is None:
             from services.engine.tiny_model import tiny_model_dir  # torch: only with the engine
 
@@ -302,7 +349,7 @@ class Stack:
         self._spawn(spec, env)
         self.children.append(spec)
         if spec.health_url:
-            self._wait_healthy(spec, timeout=120.0)
+            self._wait_healthy(spec, timeout=spec.startup_s)
 
     def _spawn(self, spec: ChildService, env: dict[str, str]) -> None:
         logs = self.data_dir / "logs"
@@ -310,10 +357,10 @@ class Stack:
         if spec.log is None:
             spec.log = open(logs / f"{spec.name}.log", "ab")
         spec.proc = subprocess.Popen(
-            [sys.executable, "-m", f"services.{spec.name}", *spec.args],
+            spec.command or [sys.executable, "-m", f"services.{spec.name}", *spec.args],
             stdout=spec.log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env={**env, **spec.env},
             start_new_session=True,
         )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 from fastapi import FastAPI, Request, Response
@@ -24,6 +24,7 @@ from schemas import (
     ModelRemoved,
     RewardReported,
     RolloutCreated,
+    RolloutStatus,
     RolloutStatusChanged,
     RunStarted,
     check_id,
@@ -31,6 +32,7 @@ from schemas import (
     is_terminal,
     new_id,
 )
+from schemas.bounds import JSON_INT_MAX
 from schemas.ids import RUN_SUBJECT
 from schemas.runs import RunSpec
 from schemas.transitions import IllegalTransition
@@ -109,6 +111,8 @@ async def create_rollouts(request: Request) -> Response:
 async def _create(gw: Gateway, items: list[bodies.NewRollout], key: str | None) -> list[RolloutView]:
     prepared: list[tuple[RolloutCreated, RolloutStatusChanged] | RolloutView] = []
     for index, item in enumerate(items):
+        if item.input is None:
+            raise invalid("a rollout needs an input (not null)", f"rollouts[{index}].input")
         run_id = _id(f"rollouts[{index}].run_id", item.run_id or gw.settings.default_run)
         # A key names its rollouts forever (not only within JetStream's duplicate window or this
         # process's cache): a create whose rollout already exists answers it and appends nothing.
@@ -245,8 +249,8 @@ def _int_param(request: Request, name: str, default: int, minimum: int = 0) -> i
         value = int(raw)
     except ValueError:
         raise invalid(f"query parameter {name}={raw!r} is not an integer", name) from None
-    if value < minimum:
-        raise invalid(f"query parameter {name} must be at least {minimum}", name)
+    if not minimum <= value <= JSON_INT_MAX:
+        raise invalid(f"query parameter {name} must be between {minimum} and {JSON_INT_MAX}", name)
     return value
 
 
@@ -257,9 +261,10 @@ async def list_rollouts(request: Request) -> Response:
     params = request.query_params
     statuses = set(params.getlist("state_in")) | set(params.getlist("status"))
     statuses = {s for raw in statuses for s in raw.split(",") if s}
+    _check_query(statuses, params.get("mode"))
     run_id = params.get("run_id")
     query = RolloutQuery(
-        run_id=_id("run_id", run_id) if run_id else None,
+        run_id=_id("run_id", run_id) if run_id is not None else None,
         statuses=frozenset(statuses),
         group_id=params.get("group_id"),
         mode=params.get("mode"),
@@ -269,6 +274,15 @@ async def list_rollouts(request: Request) -> Response:
     views = await gw.reader.query(query)
     headers = {"x-next-cursor": str(views[-1].created_seq)} if views else {}
     return json_response([rollout_json(v) for v in views], headers=headers)
+
+
+def _check_query(statuses: set[str], mode: str | None) -> None:
+    """422 for a status or mode that does not exist (a typo would otherwise list nothing, silently)."""
+    unknown = sorted(statuses - set(get_args(RolloutStatus)))
+    if unknown:
+        raise invalid(f"unknown status {', '.join(unknown)}; allowed: {', '.join(get_args(RolloutStatus))}", "state_in")
+    if mode is not None and mode not in ("train", "val"):
+        raise invalid(f"mode={mode!r}: allowed values are train and val", "mode")
 
 
 async def terminal_rollouts(request: Request) -> Response:

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from schemas import PhaseChanged
 from services.common.eventstore import EventStore, StoredEvent
@@ -27,9 +28,13 @@ from services.gateway.errors import CLIENT_ERRORS, ApiError, internal, translate
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import IdempotencyCache
 from services.gateway.openapi import openapi_document
+from services.gateway.payload import announce
 from services.gateway.phase import PhaseGate
+from services.gateway.phasesync import PhaseSync
 from services.gateway.proxy import PREFIX, Proxy
 from services.gateway.readmodel import RolloutReader, StreamRolloutReader
+from services.gateway.reaper import CallReaper
+from services.gateway.recording import CallChains
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
 from services.gateway.upstream import UpstreamClient
@@ -86,14 +91,24 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
             gate=gate,
             upstream=upstream,
             budgets=Budgets(store, settings.budget_cache_bytes),
+            chains=CallChains(settings.chain_cache_bytes, compact=settings.record_format == "compact"),
+            reaper=CallReaper(store, interval_s=settings.reaper_interval_s),
         )
+        announce(store.max_payload)
         await state.start()
+        assert gateway.reaper is not None
+        await gateway.reaper.start()
+        gateway.phases = PhaseSync(store, gate, gateway.reaper.instance, gateway.reaper.alive)
+        await gateway.phases.start(settings.drain_timeout_s)
+        await gateway.idempotency.share(store.js)
         app.state.gateway = gateway
         app.state.proxy = metrics.observe_proxy(Proxy(gateway))
         metrics.watch_idempotency(gateway.idempotency.__len__, lambda: gateway.idempotency.bytes)
         try:
             yield
         finally:
+            await gateway.phases.stop()
+            await gateway.reaper.stop()
             await state.stop()
             await upstream.close()
             if store.nc.is_connected:
@@ -116,11 +131,14 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_errors(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # every method this path serves, not only the first route's
+            headers["Allow"] = ", ".join(_allowed(request.app, request.scope))
         return Response(
             encode({"error": str(exc.detail)}),
             status_code=exc.status_code,
             media_type="application/json",
-            headers=getattr(exc, "headers", None),
+            headers=headers or None,
         )
 
     @app.exception_handler(RequestValidationError)
@@ -152,6 +170,17 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
     return app
 
 
+def _allowed(app: FastAPI, scope: Any) -> list[str]:
+    """The methods the routes matching this request's path serve."""
+    matched = next((r for r in app.routes if r.matches({**scope, "method": "GET"})[0] != Match.NONE), None)
+    path = getattr(matched, "path", None)
+    methods: set[str] = set()
+    for route in app.routes:
+        if path is not None and getattr(route, "path", None) == path:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
+
+
 def _follow_phase(gate: PhaseGate, stored: StoredEvent) -> None:
     """Phase events written by anyone (or replayed at start) open or close the run's gate."""
     event = stored.event
@@ -160,6 +189,14 @@ def _follow_phase(gate: PhaseGate, stored: StoredEvent) -> None:
             gate.close(event.run_id)
         else:
             gate.release(event.run_id)
+
+
+async def _drain_everywhere(gw: Gateway, run_id: str) -> set[str]:
+    """Close the run's gate on every gateway replica and wait for their calls; the ones still busy."""
+    timeout = gw.settings.drain_timeout_s
+    if gw.phases is not None:
+        return await gw.phases.close_all(run_id, timeout)
+    return set() if await gw.gate.drain(run_id, timeout) else {"this gateway"}
 
 
 async def set_phase(request: Request) -> Response:
@@ -182,21 +219,27 @@ async def set_phase(request: Request) -> Response:
         )
         if phase.phase == "update":
             gw.gate.close(run_id)
-            if not await gw.gate.drain(run_id, gw.settings.drain_timeout_s):
+            busy = await _drain_everywhere(gw, run_id)
+            if busy:
                 raise ApiError(
                     504,
                     f"calls of run {run_id} were still in flight after "
                     f"{gw.settings.drain_timeout_s:g}s; new calls stay held",
                     in_flight=gw.gate.in_flight(run_id),
+                    gateways=sorted(busy),
                 )
             try:
                 ack = await gw.append_registry(event)
             except Exception:
                 gw.gate.release(run_id)
+                if gw.phases is not None:
+                    await gw.phases.open_all(run_id)
                 raise
         else:
             ack = await gw.append_registry(event)
             gw.gate.release(run_id)
+            if gw.phases is not None:
+                await gw.phases.open_all(run_id)
         return 200, encode(
             {
                 "run_id": run_id,

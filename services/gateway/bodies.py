@@ -15,14 +15,15 @@ import msgspec
 
 from schemas import RolloutStatus
 from schemas.bounds import Int32, Positive
+from schemas.ids import Id
 
 
 class NewRollout(msgspec.Struct, kw_only=True):
     """One rollout to create (Agent Lightning's `RolloutCreate` plus Rollwire's fields)."""
 
     input: Any
-    rollout_id: str | None = None
-    run_id: str | None = None
+    rollout_id: Id | None = None
+    run_id: Id | None = None
     group_id: str | None = None
     mode: Literal["train", "val"] | None = None
     is_train: bool | None = None
@@ -42,7 +43,7 @@ class AglStatusPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     state: RolloutStatus | None = None
     k8s_job_name: str | None = None
-    last_attempt_id: str | None = None
+    last_attempt_id: Id | None = None
     error_message: str | None = None
 
 
@@ -50,7 +51,7 @@ class RolloutPatch(msgspec.Struct, kw_only=True):
     """`PATCH /api/rollouts/{id}`: a status string (Rollwire) or a status object (Agent Lightning)."""
 
     status: RolloutStatus | AglStatusPatch | None = None
-    attempt_id: str | None = None
+    attempt_id: Id | None = None
     reason: str | None = None
 
 
@@ -83,9 +84,9 @@ class AglModel(msgspec.Struct, kw_only=True):
 class ModelBody(msgspec.Struct, kw_only=True):
     """Rollwire's model registration."""
 
-    name: str
+    name: Id
     base_url: str
-    run_id: str | None = None
+    run_id: Id | None = None
     served_model: str | None = None
     weights_version: Int32 | None = None
     api_key: str | None = None
@@ -95,5 +96,5 @@ class PhaseBody(msgspec.Struct, kw_only=True):
     """`POST /api/phase`."""
 
     phase: Literal["rollout", "update"]
-    run_id: str | None = None
+    run_id: Id | None = None
     weights_version: Int32 | None = None

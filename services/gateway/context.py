@@ -14,7 +14,10 @@ from services.gateway.errors import forbidden, not_found, unauthorized
 from services.gateway.idempotency import IdempotencyCache
 from services.gateway.limits import RunSettings
 from services.gateway.phase import PhaseGate
+from services.gateway.phasesync import PhaseSync
 from services.gateway.readmodel import RolloutReader, RolloutView
+from services.gateway.reaper import CallReaper
+from services.gateway.recording import CallChains
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
 from services.gateway.upstream import UpstreamClient
@@ -34,6 +37,9 @@ class Gateway:
     upstream: UpstreamClient
     budgets: Budgets
     run_settings: RunSettings = field(default_factory=RunSettings)
+    chains: CallChains = field(default_factory=CallChains)
+    reaper: CallReaper | None = None
+    phases: PhaseSync | None = None
 
     def principal(self, request: Request) -> Principal:
         """The caller, or 401 when no valid token is presented."""

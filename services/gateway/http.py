@@ -58,7 +58,16 @@ def decode(body: bytes, type_: type[T], *, empty: T | None = None) -> T:
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
-        raise from_validation(exc) from None
+        # JSON has one number type: `3.0` is an integer to JSON Schema (and to every client that
+        # writes numbers as floats). Retry with integral floats where the body wants an int.
+        try:
+            raw = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            raise from_validation(exc) from None
+        try:
+            return msgspec.convert(_integral(raw, msgspec.inspect.type_info(type_)), type_)
+        except (msgspec.ValidationError, InvalidId) as again:
+            raise from_validation(again) from None
     except msgspec.DecodeError as exc:
         raise invalid(f"malformed JSON: {exc}", "body") from None
     except InvalidId as exc:
@@ -68,3 +77,26 @@ def decode(body: bytes, type_: type[T], *, empty: T | None = None) -> T:
 def fingerprint(body: bytes) -> str:
     """A digest of the request body (an idempotency key must not be reused for another body)."""
     return hashlib.sha256(body).hexdigest()
+
+
+def _integral(value: Any, info: msgspec.inspect.Type) -> Any:
+    """`value` with integral floats turned into ints wherever `info` (a msgspec type) expects an int."""
+    match info:
+        case msgspec.inspect.IntType():
+            return int(value) if isinstance(value, float) and value.is_integer() else value
+        case msgspec.inspect.UnionType():
+            for member in info.types:
+                value = _integral(value, member)
+            return value
+        case msgspec.inspect.StructType() if isinstance(value, dict):
+            for field in info.fields:
+                if field.encode_name in value:
+                    value[field.encode_name] = _integral(value[field.encode_name], field.type)
+            return value
+        case msgspec.inspect.ListType() if isinstance(value, list):
+            return [_integral(item, info.item_type) for item in value]
+        case msgspec.inspect.DictType() if isinstance(value, dict):
+            return {key: _integral(item, info.value_type) for key, item in value.items()}
+        case msgspec.inspect.Metadata():
+            return _integral(value, info.type)
+    return value

@@ -4,19 +4,31 @@ Two layers. Event ids (and the ids of rollouts and attempts a command creates) a
 the `Idempotency-Key`, so a retry that reaches JetStream is acknowledged as a duplicate of the
 first append (`Nats-Msg-Id`), even from another gateway process. And inside one process,
 concurrent or repeated requests with the same key wait for the first one and get its response,
-so five identical commands in flight produce one event and five identical answers.
+so five identical commands in flight produce one event and five identical answers. Across
+processes, each key's request fingerprint is also created in the JetStream key-value bucket
+`rollwire_idempotency` (an atomic create), so the same key with another body through another
+gateway process is a 409 instead of being taken for a repeat.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections.abc import Awaitable, Callable
+
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from services.common.bytecache import ByteLRU
 from services.gateway.errors import ApiError
 
 Result = tuple[int, bytes]
+BUCKET = "rollwire_idempotency"
+SHARED_TTL_S = 24 * 3600.0
+"""How long a key's fingerprint is shared across gateway processes."""
 
 
 def derive_id(key: str, *parts: str, length: int = 32) -> str:
@@ -36,6 +48,35 @@ class IdempotencyCache:
 
     def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
         self._entries: ByteLRU[tuple[str, ...], tuple[str, asyncio.Future[Result]]] = ByteLRU(max_bytes, _entry_size)
+        self._shared: KeyValue | None = None
+
+    async def share(self, js: JetStreamContext, ttl_s: float = SHARED_TTL_S) -> None:
+        """Keep each key's request fingerprint in JetStream too, so every gateway process sees it."""
+        try:
+            self._shared = await js.key_value(BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            with contextlib.suppress(nats.js.errors.BadRequestError):
+                await js.create_key_value(bucket=BUCKET, ttl=ttl_s, history=1)
+            self._shared = await js.key_value(BUCKET)
+
+    async def _claim(self, scope: tuple[str, ...], fingerprint: str) -> str | None:
+        """Record the key's fingerprint for all processes; 409 when another process used it for another body.
+
+        Returns the shared key when this call created it (to withdraw if the command fails).
+        """
+        if self._shared is None:
+            return None
+        key = derive_id("\x1f".join(scope), "idempotency", length=64)
+        try:
+            await self._shared.create(key, fingerprint.encode())
+            return key
+        except nats.js.errors.KeyWrongLastSequenceError:
+            entry = await self._shared.get(key)
+            if entry.value is not None and entry.value.decode() != fingerprint:
+                raise ApiError(
+                    409, "this Idempotency-Key was already used with a different request; use a fresh key"
+                ) from None
+            return None
 
     @property
     def bytes(self) -> int:
@@ -54,21 +95,30 @@ class IdempotencyCache:
             return await asyncio.shield(entry[1])
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self._entries.put(scope, (fingerprint, future))
+        claimed: str | None = None
         try:
+            claimed = await self._claim(scope, fingerprint)
             result = await command()
         except BaseException as exc:
             # A failed command is not remembered: the retry runs again (and the derived event
             # ids still make any append that did land a duplicate).
             self._entries.pop(scope)
+            await self._withdraw(claimed)
             future.set_exception(exc)
             future.exception()
             raise
         future.set_result(result)
         if result[0] >= 300:
             self._entries.pop(scope)
+            await self._withdraw(claimed)
         else:
             self._entries.resize(scope)  # now charged its response too
         return result
+
+    async def _withdraw(self, claimed: str | None) -> None:
+        if claimed is not None and self._shared is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._shared.delete(claimed)
 
 
 def _entry_size(entry: tuple[str, asyncio.Future[Result]]) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from schemas import ModelRequestRecorded
-from services.common.eventstore import EventStoreUnavailable
+from services.common.eventstore import EventStoreUnavailable, EventTooLarge
 from services.gateway import metrics
 from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send_json
 from services.gateway.context import Gateway
@@ -27,7 +27,9 @@ from services.gateway.errors import unavailable
 from services.gateway.frontends.base import Translator, error_body
 from services.gateway.limits import check_call, clamp_max_tokens
 from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion
+from services.gateway.payload import refusal
 from services.gateway.readmodel import RolloutView
+from services.gateway.recording import cut
 from services.gateway.state import ModelEntry
 from services.gateway.upstream import UpstreamError, UpstreamResponse
 
@@ -78,15 +80,25 @@ class Pipeline:
         self.gw = gateway
 
     async def run(self, call: Call, receive: Receive, send: Send) -> None:
-        """Serve one call within the run's limits and the attempt's budget, behind the run's phase gate."""
+        """Serve one call within the run's limits, the event store's and the attempt's budget, behind the phase gate."""
         gw = self.gw
-        limits, budget = gw.run_settings.of(call.view.run_id, gw.state.runs.get(call.view.run_id))
+        view = call.view
+        limits, budget = gw.run_settings.of(view.run_id, gw.state.runs.get(view.run_id))
         check_call(call.recorded_request, limits)
         call.payload, call.recorded_request = clamp_max_tokens(call.payload, call.recorded_request, limits)
-        reserved = await gw.budgets.admit(call.view, call.attempt_id, budget)
+        new = gw.chains.new_request_bytes((view.run_id, view.rollout_id, call.attempt_id), call.recorded_request)
+        why = refusal(gw.store.max_payload, new, call.recorded_request)
+        if why is not None:  # before the gate and the engine: nothing is generated for a call we cannot keep
+            await self._fail(call, send, 413, why, "invalid_request_error")
+            return
+        reserved = await gw.budgets.admit(view, call.attempt_id, budget)
         gate = gw.gate
         await gate.enter(call.view.run_id)
         try:
+            if gw.reaper is not None:
+                gw.reaper.started(
+                    view.run_id, view.rollout_id, call.attempt_id, call.call_id, call.mode, call.model.name
+                )
             call.started = time.perf_counter()
             if call.stream:
                 await self._stream(call, receive, send)
@@ -145,15 +157,35 @@ class Pipeline:
         """Append the call's events (raises `EventStoreUnavailable`)."""
         events = self.events(call, outcome)
         try:
-            if len(events) == 1:
-                await self.gw.store.append(events[0])
-            else:
-                await self.gw.store.append_many(events)
+            try:
+                await self._append(events)
+            except EventTooLarge as exc:
+                if outcome.status == "ok":
+                    raise
+                reason = str(exc)
+                await self._append([cut(event, reason) for event in events])
         except BaseException:
             metrics.record_failed()
             raise
         metrics.recorded(events)
+
+    async def _append(self, events: list[ModelRequestRecorded]) -> None:
+        store, chains = self.gw.store, self.gw.chains
+        stored = chains.compact(events)
+        if len(stored) == 1:
+            appended = [await store.append(stored[0])]
+        else:
+            appended = await store.append_many(stored)
+        chains.remember(events, appended)
         self.gw.budgets.record(events)
+
+    async def _too_large(self, call: Call, outcome: Outcome, exc: EventTooLarge) -> str:
+        """Record a generated call whose event does not fit as failed; the message for the client."""
+        message = f"this call's answer cannot be recorded ({exc}); send a smaller max_tokens or a shorter prompt"
+        await self._record_quietly(
+            call, Outcome(status="failed", error=message, usage=outcome.usage, weights=outcome.weights)
+        )
+        return message
 
     async def _record_quietly(self, call: Call, outcome: Outcome) -> None:
         with contextlib.suppress(EventStoreUnavailable):
@@ -241,6 +273,10 @@ class Pipeline:
             await self.record(call, outcome)
         except EventStoreUnavailable:
             raise unavailable("the call could not be recorded (NATS unavailable); retry it") from None
+        except EventTooLarge as exc:
+            message = await self._too_large(call, outcome, exc)
+            await send_json(send, 413, error_body(call.translator.api, 413, message, "invalid_request_error"))
+            return
         await send_json(send, 200, call.translator.complete(answer, upstream.content, records))
 
     async def _pass_error(self, call: Call, upstream: Upstream, send: Send) -> None:
@@ -329,6 +365,10 @@ class Pipeline:
         except EventStoreUnavailable:
             message = "the call could not be recorded (NATS unavailable); retry it"
             await send({"type": "http.response.body", "body": translator.stream_error(503, message)})
+            return False
+        except EventTooLarge as exc:
+            message = await self._too_large(call, seen, exc)
+            await send({"type": "http.response.body", "body": translator.stream_error(413, message)})
             return False
         held.append(translator.end(fold))
         await send({"type": "http.response.body", "body": b"".join(held)})

@@ -18,7 +18,6 @@ records and answers. Every refusal is written in the API's own error shape.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -36,6 +35,7 @@ from services.gateway.frontends.canonical import Conversation, TranslationError,
 from services.gateway.openai_format import prepare_request
 from services.gateway.pipeline import Call, Pipeline
 from services.gateway.readmodel import RolloutView
+from services.gateway.routing import sticky
 from services.gateway.state import ModelEntry
 from services.gateway.upstream import UpstreamError
 
@@ -173,10 +173,8 @@ class Proxy:
         models = self.models(view)
         requested = self.gw.state.model_alias(view.run_id, requested)
         matching = [m for m in models if requested in (m.name, m.served_model)]
-        pool = sorted(matching or models, key=lambda m: m.name)
-        # A rollout sticks to one endpoint (its prefix cache), spread by a hash of its id.
-        digest = hashlib.blake2b(view.rollout_id.encode(), digest_size=8).digest()
-        return pool[int.from_bytes(digest, "big") % len(pool)]
+        # A rollout sticks to one endpoint (its prefix cache), the same through every gateway.
+        return sticky(view.rollout_id, matching or models)
 
     async def json_body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
         """The request body as a JSON object (413 too large, 422 not an object)."""

@@ -42,6 +42,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     cache_bytes: int = 256 * 1024 * 1024
     idempotency_cache_bytes: int = 64 * 1024 * 1024
     budget_cache_bytes: int = 16 * 1024 * 1024
+    record_format: str = "compact"
+    """`compact` (schema version 2: references and packed arrays) or `full` (version 1: every call's full lists)."""
+    chain_cache_bytes: int = 256 * 1024 * 1024
+    reaper_interval_s: float = 5.0
+    """Heartbeat period; a dead gateway's calls are recorded as aborted within about four of them."""
 
     @property
     def base_url(self) -> str:
@@ -65,13 +70,20 @@ def _number(env: dict[str, str], name: str, default: float, kind: type = float) 
     return value  # type: ignore[no-any-return]
 
 
+def _record_format(value: str) -> str:
+    if value not in ("compact", "full"):
+        raise SettingsError(f"ROLLWIRE_RECORD_FORMAT={value!r}: use compact or full")
+    return value
+
+
 def settings_from_env(env: dict[str, str] | None = None, *, announce: bool = True) -> GatewaySettings:
     """Read settings from environment variables; generate missing tokens and say so on stderr.
 
     Variables: NATS_URL, ROLLWIRE_ADMIN_TOKEN, ROLLWIRE_SECRET, ROLLWIRE_PUBLIC_URL,
     ROLLWIRE_GATEWAY_HOST, ROLLWIRE_GATEWAY_PORT, ROLLWIRE_MAX_BODY_BYTES,
     ROLLWIRE_UPSTREAM_TIMEOUT_S, ROLLWIRE_PHASE_HOLD_TIMEOUT_S, ROLLWIRE_DEFAULT_RUN, ROLLWIRE_STREAM,
-    ROLLWIRE_CACHE_BYTES, ROLLWIRE_IDEMPOTENCY_CACHE_BYTES.
+    ROLLWIRE_CACHE_BYTES, ROLLWIRE_IDEMPOTENCY_CACHE_BYTES, ROLLWIRE_RECORD_FORMAT (compact | full),
+    ROLLWIRE_CHAIN_CACHE_BYTES, ROLLWIRE_REAPER_INTERVAL_S.
     """
     env = dict(os.environ if env is None else env)
     admin = env.get("ROLLWIRE_ADMIN_TOKEN", "")
@@ -102,4 +114,7 @@ def settings_from_env(env: dict[str, str] | None = None, *, announce: bool = Tru
         stream=env.get("ROLLWIRE_STREAM") or STREAM_NAME,
         cache_bytes=int(_number(env, "ROLLWIRE_CACHE_BYTES", 256 * 1024 * 1024, int)),
         idempotency_cache_bytes=int(_number(env, "ROLLWIRE_IDEMPOTENCY_CACHE_BYTES", 64 * 1024 * 1024, int)),
+        record_format=_record_format(env.get("ROLLWIRE_RECORD_FORMAT") or "compact"),
+        chain_cache_bytes=int(_number(env, "ROLLWIRE_CHAIN_CACHE_BYTES", 256 * 1024 * 1024, int)),
+        reaper_interval_s=_number(env, "ROLLWIRE_REAPER_INTERVAL_S", 5.0),
     )

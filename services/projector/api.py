@@ -25,6 +25,7 @@ from urllib.parse import parse_qs
 import msgspec
 from fastapi import FastAPI, Request, Response
 
+from schemas.bounds import JSON_INT_MAX
 from services.projector.reader import PostgresRolloutReader, ProjectionBehind, ReadModelUnavailable
 from services.projector.viewer import mount_viewer
 
@@ -66,6 +67,8 @@ class MinSeqMiddleware:
             wanted = int(raw)
         except ValueError:
             return _error(422, f"query parameter min_seq={raw!r} is not an integer", field="min_seq")
+        if not 0 <= wanted <= JSON_INT_MAX:  # a stream sequence: what a bigint and every JSON reader hold
+            return _error(422, f"query parameter min_seq must be between 0 and {JSON_INT_MAX}", field="min_seq")
         try:
             await self.reader.wait_for(wanted, self.timeout_s)
         except ProjectionBehind as behind:
@@ -85,6 +88,8 @@ def _guarded(
             if isinstance(maybe, Awaitable):
                 await maybe
         data = await fetch(request)
+        if isinstance(data, Response):  # a refusal the fetch made itself
+            return data
         if data is None:
             return _error(404, f"run {request.path_params.get('run_id')} has no events")
         return Response(_json.encode(data), media_type="application/json")
@@ -113,6 +118,7 @@ def install_read_side(
         assert isinstance(exc, ProjectionBehind)
         return _error(503, str(exc), applied_seq=exc.applied, min_seq=exc.wanted)
 
+    app.state.read_side = True  # the OpenAPI document then lists `min_seq` on every GET
     app.add_exception_handler(ReadModelUnavailable, unavailable)
     app.add_exception_handler(ProjectionBehind, behind)
     app.add_middleware(MinSeqMiddleware, reader=reader, timeout_s=min_seq_timeout_s, prefixes=("/api/", "/ui/api/"))
@@ -120,7 +126,9 @@ def install_read_side(
     async def run_list(request: Request) -> Any:
         """`GET /api/runs?limit=` (admin): every run's summary, from the projection."""
         limit = request.query_params.get("limit", "200")
-        summaries = await reader.summaries(int(limit) if limit.isdigit() else 200)
+        if not limit.isdigit() or not 1 <= int(limit) <= JSON_INT_MAX:
+            return _error(422, f"query parameter limit={limit!r} is not an integer in 1..{JSON_INT_MAX}", field="limit")
+        summaries = await reader.summaries(int(limit))
         return {"runs": msgspec.to_builtins(summaries), "applied_seq": await reader.applied_seq()}
 
     async def run_summary(request: Request) -> Any:

@@ -13,6 +13,7 @@ go to `jsonb` as they are, without a round trip through Python objects. The fold
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Sequence
 from typing import Any, Union
@@ -23,15 +24,17 @@ from nats.aio.msg import Msg
 
 from schemas import EVENT_TYPES, AnyEvent, InvalidId, ModelRegistered, ModelRequestRecorded, to_dict
 from schemas.events import CallApi, CallStatus, Mode
+from schemas.refs import CallRef, PackedTokens, ids_int32, unpack_floats
 from services.projector.flags import call_flags
-from services.projector.packing import PromptCache, pack_float64_json, pack_int32_json, unpack_int32
+from services.projector.packing import PromptCache, pack_float64, pack_float64_json, pack_int32_json, unpack_int32
+from services.projector.refs import RefCache, RefError
 from services.projector.tokens import Detokenizer
 
 _json = msgspec.json.Encoder()
 # Types whose JSON body lives in a table of their own (model_calls, rewards, custom_events).
 TYPED_BODIES = frozenset({"model_request", "reward", "custom"})
 # ModelRequestRecorded's fields that WireCall keeps as raw JSON.
-RAW_FIELDS = ("prompt_ids", "response_ids", "logprobs", "request", "response")
+RAW_FIELDS = ("prompt_ids", "response_ids", "logprobs", "request", "response", "prompt_ref", "packed")
 
 
 class WireCall(msgspec.Struct, kw_only=True, tag_field="type", tag="model_request"):
@@ -62,6 +65,8 @@ class WireCall(msgspec.Struct, kw_only=True, tag_field="type", tag="model_reques
     latency_s: float | UnsetType = UNSET
     error: str | UnsetType | None = UNSET
     api: CallApi | UnsetType = UNSET
+    prompt_ref: CallRef | None = None
+    packed: PackedTokens | None = None
 
     def envelope(self) -> ModelRequestRecorded:
         """The event without its raw fields (validates ids exactly as `schemas.decode` does)."""
@@ -144,16 +149,43 @@ def _response_dict(raw: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _call_row(
-    wire: WireCall, event: ModelRequestRecorded, detok: Detokenizer | None, cache: PromptCache | None
-) -> CallRow:
-    prompt_text = bytes(wire.prompt_ids)
-    if cache is not None:
-        prompt = cache.pack((event.run_id, event.rollout_id, event.attempt_id), prompt_text)
+def _arrays(
+    wire: WireCall, event: ModelRequestRecorded, cache: PromptCache | None, refs: RefCache | None
+) -> tuple[bytes, bytes, bytes]:
+    """The call's full prompt ids, response ids (int32) and logprobs (float64), packed."""
+    packed = wire.packed
+    if packed is not None:
+        prompt = ids_int32(packed.prompt, packed.id_width)
+        response = ids_int32(packed.response, packed.id_width)
+        if packed.logprob_width == 4:
+            logprobs = pack_float64(unpack_floats(packed.logprobs, 4))
+        else:
+            logprobs = base64.b64decode(packed.logprobs)
     else:
-        prompt = pack_int32_json(prompt_text)
-    response = pack_int32_json(bytes(wire.response_ids))
-    logprobs = pack_float64_json(bytes(wire.logprobs))
+        prompt_text = bytes(wire.prompt_ids)
+        if cache is not None and wire.prompt_ref is None:
+            prompt = cache.pack((event.run_id, event.rollout_id, event.attempt_id), prompt_text)
+        else:
+            prompt = pack_int32_json(prompt_text)
+        response = pack_int32_json(bytes(wire.response_ids))
+        logprobs = pack_float64_json(bytes(wire.logprobs))
+    if wire.prompt_ref is not None:
+        if refs is None:
+            raise RefError("a call with a prompt reference needs the projector's reference cache")
+        prompt = refs.prompt(wire.prompt_ref, prompt)
+    if refs is not None:
+        refs.keep(event.event_id, event.status, prompt + response)
+    return prompt, response, logprobs
+
+
+def _call_row(
+    wire: WireCall,
+    event: ModelRequestRecorded,
+    detok: Detokenizer | None,
+    cache: PromptCache | None,
+    refs: RefCache | None = None,
+) -> CallRow:
+    prompt, response, logprobs = _arrays(wire, event, cache, refs)
     response_json = _json_object(wire.response, "response")
     decoded = detok.decode(event.model, unpack_int32(prompt), unpack_int32(response)) if detok else None
     return CallRow(
@@ -189,16 +221,17 @@ def prepare_one(
     stream_time: float,
     detok: Detokenizer | None,
     cache: PromptCache | None = None,
+    refs: RefCache | None = None,
 ) -> Incoming:
     """Decode one message and precompute its rows; an undecodable one carries `error`."""
     try:
         decoded = _decoder.decode(data)
         event = decoded.envelope() if isinstance(decoded, WireCall) else decoded
-        call = _call_row(decoded, event, detok, cache) if isinstance(decoded, WireCall) else None
+        call = _call_row(decoded, event, detok, cache, refs) if isinstance(decoded, WireCall) else None
         body = _body(event, data)
     except (msgspec.ValidationError, msgspec.DecodeError, InvalidId) as exc:
         return Incoming(seq, subject, data, stream_time, error=f"undecodable event: {exc}")
-    except (OverflowError, UnicodeDecodeError) as exc:
+    except (OverflowError, UnicodeDecodeError, ValueError) as exc:
         return Incoming(seq, subject, data, stream_time, error=f"cannot store the event: {exc}")
     return Incoming(seq, subject, data, stream_time, event=event, body=body, call=call)
 
@@ -219,10 +252,15 @@ def position(msg: Msg) -> tuple[int, float]:
     return meta.sequence.stream, meta.timestamp.timestamp()
 
 
-def prepare(msgs: Sequence[Msg], detok: Detokenizer | None = None, cache: PromptCache | None = None) -> list[Incoming]:
+def prepare(
+    msgs: Sequence[Msg],
+    detok: Detokenizer | None = None,
+    cache: PromptCache | None = None,
+    refs: RefCache | None = None,
+) -> list[Incoming]:
     """`prepare_one` over fetched JetStream messages."""
     out: list[Incoming] = []
     for msg in msgs:
         seq, stored_at = position(msg)
-        out.append(prepare_one(seq, msg.subject, msg.data, stored_at, detok, cache))
+        out.append(prepare_one(seq, msg.subject, msg.data, stored_at, detok, cache, refs))
     return out

@@ -41,6 +41,7 @@ from services.projector.backlog import Backlog
 from services.projector.incoming import Incoming, prepare
 from services.projector.migrate import MigrationError, migrate
 from services.projector.packing import PromptCache
+from services.projector.refs import RefCache
 from services.projector.status import Status
 from services.projector.tokens import Detokenizer
 
@@ -104,6 +105,7 @@ class Projector:
         self.detok = detok if detok is not None else Detokenizer.from_specs(settings.tokenizers)
         self.status = Status(settings.stream)
         self.prompts = PromptCache()
+        self.refs = RefCache()
         self.store: EventStore | None = None
         self.conn: asyncpg.Connection | None = None
         self.reading: asyncpg.Connection | None = None  # folds the next batch while one commits
@@ -269,7 +271,9 @@ class Projector:
             idle = False
             if not msgs:
                 continue
-            items = prepare(msgs, self.detok, self.prompts)
+            if self.store is not None:
+                await self.refs.prime(self.store, msgs)
+            items = prepare(msgs, self.detok, self.prompts, self.refs)
             self.status.fetched(items[-1].seq, items[0].stream_time)
             await queue.put((items, msgs[-1]), sum(len(msg.data) for msg in msgs))
 

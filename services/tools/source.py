@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from schemas import MalformedEvent
+from schemas import MalformedEvent, upcast
 from schemas.events import AnyEvent, CustomEvent, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, RUN_ALL, check_id
 from services.common.eventstore import EventStore, StoredEvent, _stream_sequence
@@ -296,8 +296,9 @@ _call_decoder = msgspec.json.Decoder(CallRecord)
 def decode_call(data: bytes) -> CallRecord:
     """A `model_request` event's bytes as the adapter's `CallRecord`: its request and response bodies are skipped."""
     try:
-        return _call_decoder.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        call = _call_decoder.decode(data)
+        return upcast(call) if call.packed else call
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
         raise MalformedEvent(str(exc)) from None
 
 

@@ -33,6 +33,10 @@ vLLM v0.34.0's source, and records each call in `control` (path with query, body
 - `GET /health` -> 200.
 
     python tests/gateway/fake_vllm.py --port 9000        # serve until interrupted (the benchmark does this)
+    fake_vllm.py serve MODEL --port 9000 --served-model-name NAME ...   # as `vllm serve` (rollwire up's test)
+
+Run as `serve`, it appends its argv and the VLLM_* environment as one JSON line to the file named
+by FAKE_VLLM_LOG, so a test can check the command line `rollwire up --engine vllm` built.
 """
 
 from __future__ import annotations
@@ -470,13 +474,23 @@ class FakeVLLM:
 
 def main() -> None:
     """Serve a FakeVLLM on a port (for the benchmark)."""
+    import os
+    import sys
+
     import uvicorn
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
-    args = parser.parse_args()
-    app = FakeVLLM()
+    parser.add_argument("--served-model-name", default="fake-model")
+    argv = sys.argv[1:]
+    serving = bool(argv) and argv[0] == "serve"
+    args, _ = parser.parse_known_args(argv[2:] if serving else argv)
+    if serving and os.environ.get("FAKE_VLLM_LOG"):
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as log:
+            env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_") or k == "CUDA_VISIBLE_DEVICES"}
+            log.write(_encode({"argv": argv, "env": env}).decode() + "\n")
+    app = FakeVLLM(weights_version=None if serving else 7, model=args.served_model_name)
     app.record = False
     uvicorn.run(
         app,

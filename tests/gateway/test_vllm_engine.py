@@ -147,3 +147,45 @@ def test_serve_command_has_what_the_capture_and_reloads_need() -> None:
     assert argv[argv.index("--served-model-name") + 1] == SERVED and argv[argv.index("--port") + 1] == "8123"
     assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "16"
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+
+
+def test_rollwire_up_starts_and_registers_vllm_replicas(tmp_path: Path) -> None:
+    """`rollwire up --engine vllm --replicas 2`: two `vllm serve` processes with the capture's flags, registered."""
+    import json
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    from services.devstack.embedded import free_port
+
+    executable = tmp_path / "vllm"
+    executable.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                          "runpy.run_path(sys.path[0] + '/fake_vllm.py', run_name='__main__')\n")  # fmt: skip
+    executable.chmod(executable.stat().st_mode | stat.S_IEXEC)
+    log, port = tmp_path / "argv.jsonl", free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROLLWIRE_")}, "FAKE_VLLM_LOG": str(log)}
+    command = [sys.executable, "-m", "services.devstack.cli", "up", "--data-dir", str(tmp_path / "stack"),
+               "--nats-port", "0", "--pg-port", "0", "--gateway-port", "0", "--services", "engine,gateway",
+               "--engine", "vllm", "--engine-model", "Qwen/Qwen3-0.6B", "--vllm-executable", str(executable),
+               "--replicas", "2", "--vllm-port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if line.strip() == "ready" or len(lines) > 50:
+                break
+        assert "ready" in lines, lines
+        assert f"engine: http://127.0.0.1:{port}/v1 (vLLM replica 0)" in lines
+        assert f"engine: http://127.0.0.1:{port + 1}/v1 (vLLM replica 1)" in lines
+        started = [json.loads(row) for row in log.read_text().splitlines()]
+        assert sorted(s["env"]["CUDA_VISIBLE_DEVICES"] for s in started) == ["0", "1"]
+        for record in started:
+            argv = record["argv"]
+            assert argv[:2] == ["serve", "Qwen/Qwen3-0.6B"] and argv[argv.index("--served-model-name") + 1] == "tiny"
+            assert record["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+    finally:
+        proc.send_signal(2)
+        proc.wait(60)

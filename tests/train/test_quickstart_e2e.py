@@ -124,3 +124,30 @@ def test_two_quickstart_steps_update_every_parameter_and_serve_the_new_version(
     assert [line.split(",")[0] for line in (result.run_dir / "metrics.csv").read_text().splitlines()[1:]] == [
         "1", "2", "3",
     ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # builds the warm start when it runs alone
+def test_quickstart_on_the_verl_backend_updates_every_parameter(tmp_path: Path, model_cache: Path) -> None:
+    """`backend.kind = "verl"` on the embedded engine: two steps through verl's FSDP2 engine (CPU platform)."""
+    pytest.importorskip("verl")
+    model_dir = ensure_warm_model(model_cache, SMOKE_WARM_START)
+    options = QuickstartOptions(
+        steps=2,
+        data_dir=tmp_path / "stack",
+        out=tmp_path / "runs",
+        tasks_per_step=6,
+        rollouts_per_task=4,
+        model_dir=model_dir,
+        run_name="verl",
+        extra={"agent": {"env": {"AGENT_SEED": "0", "QUICKSTART_REWARD": "tool"}}, "backend": {"kind": "verl"}},
+    )
+    result = run_quickstart(options, say=lambda line: None)
+    assert [row["step"] for row in result.rows] == [1, 2]
+    assert all(row["rollouts_failed"] == 0 and row["loss"] is not None for row in result.rows)
+    assert result.rows[-1]["weights_version"] == 2
+    before = load_file(result.run_dir / "weights" / "v0" / "model.safetensors")
+    after = load_file(result.run_dir / "weights" / "v1" / "model.safetensors")
+    assert before.keys() == after.keys()
+    unchanged = [name for name in before if before[name].equal(after[name])]
+    assert not unchanged, f"parameters not updated by step 1: {unchanged}"

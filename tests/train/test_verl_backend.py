@@ -51,7 +51,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_verl_matches_the_cpu_backend(tmp_path: Path, norm: str, lora_rank: int, verl_backend_factory) -> None:  # type: ignore[no-untyped-def]
     model = small_model(tmp_path)
     algorithm = AlgorithmSection(lr=1e-2, micro_batch_tokens=64, loss=LossSection(kl_coef=0.05))
-    settings = BackendSection(threads=1, lora_rank=lora_rank, lora_alpha=8.0)
+    settings = BackendSection(threads=1, lora_rank=lora_rank, lora_alpha=8)
     samples = renormalized(multi_turn_samples(0), norm)
     cpu = CpuBackend(model, algorithm, seed=0, settings=settings)
     verl = verl_backend_factory(model, algorithm, seed=0, settings=settings)
@@ -74,9 +74,44 @@ def test_verl_matches_the_cpu_backend(tmp_path: Path, norm: str, lora_rank: int,
     verl_saved = verl.save_weights(tmp_path / "verl")
     from safetensors.torch import load_file
 
-    name = "model.safetensors" if lora_rank == 0 else "adapters/default/adapter_model.safetensors"
-    expected, got = load_file(str(cpu_saved / name)), load_file(str(verl_saved / name))
-    assert set(got) <= set(expected)
-    for key, value in got.items():
-        torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-7)
+    # LoRA: the adapter (what vLLM serves) and the merged model (what the embedded engine loads)
+    names = ["model.safetensors"] + (["adapters/default/adapter_model.safetensors"] if lora_rank else [])
+    for name in names:
+        expected, got = load_file(str(cpu_saved / name)), load_file(str(verl_saved / name))
+        assert set(got) <= set(expected) and got, name
+        for key, value in got.items():
+            torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-7)
     verl.close()
+
+
+def role_of(sample: Sample) -> str:
+    """Two agent roles: rollouts r0..r2 are the planner's calls, the rest the coder's."""
+    return "planner" if sample.rollout_id in {"r0", "r1", "r2"} else "coder"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "verl"])
+def test_one_adapter_per_role(tmp_path: Path, backend: str, verl_backend_factory) -> None:  # type: ignore[no-untyped-def]
+    """Each role's calls train its own adapter on one base model; the other adapter gets none of its gradient."""
+    model = small_model(tmp_path)
+    algorithm = AlgorithmSection(lr=1e-2, micro_batch_tokens=64)
+    settings = BackendSection(threads=1, lora_rank=4, lora_alpha=8,
+                              lora_adapters={"planner": "planner", "coder": "coder"})  # fmt: skip
+    make = CpuBackend if backend == "cpu" else verl_backend_factory
+    samples = multi_turn_samples(0)
+    both = make(model, algorithm, seed=0, settings=settings, role_of=role_of)
+    _, grads = both.loss_and_gradients(samples)
+    planner_only = make(model, algorithm, seed=0, settings=settings, role_of=role_of)
+    _, planner_grads = planner_only.loss_and_gradients([s for s in samples if role_of(s) == "planner"])
+    planner = {k: v for k, v in grads.items() if ".planner." in k}
+    coder = {k: v for k, v in grads.items() if ".coder." in k}
+    # lora_B starts at 0, so lora_A's first gradient is 0: check B's
+    assert planner and coder and all(float(v.abs().sum()) > 0 for k, v in grads.items() if "lora_B" in k)
+    for key, value in planner.items():  # the coder's calls add nothing to the planner's adapter
+        torch.testing.assert_close(value, planner_grads[key], rtol=1e-5, atol=1e-8)
+    assert not any(".coder." in k and float(v.abs().sum()) > 0 for k, v in planner_grads.items())
+    both.update(samples)
+    saved = both.save_weights(tmp_path / "v1")
+    assert {p.name for p in (saved / "adapters").iterdir()} == {"coder", "planner"}
+    assert not (saved / "model.safetensors").exists()  # several adapters are served by vLLM, never merged
+    if backend == "verl":
+        both.close()

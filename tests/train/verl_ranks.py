@@ -24,7 +24,7 @@ def main() -> None:
     """Update once and save (rank 0), or follow (the others)."""
     model, out, lora_rank = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     algorithm = AlgorithmSection(lr=1e-2, micro_batch_tokens=64, loss=LossSection(kl_coef=0.05))
-    settings = BackendSection(threads=1, lora_rank=lora_rank, lora_alpha=8.0)
+    settings = BackendSection(threads=1, lora_rank=lora_rank, lora_alpha=8)
     backend = VerlBackend(model, algorithm, seed=0, settings=settings)
     if not backend.is_main:
         backend.follow()

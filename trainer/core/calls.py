@@ -17,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
+from schemas.bounds import Count, Int32
 from schemas.events import (
     AttemptStarted,
     CallStatus,
@@ -28,6 +30,7 @@ from schemas.events import (
     RolloutCreated,
     RolloutStatusChanged,
 )
+from schemas.refs import CallRef, PackedTokens, Resolver, UnresolvedReference
 
 
 class MalformedCall(ValueError):
@@ -95,14 +98,17 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     run_id: str
     rollout_id: str | None = None
     attempt_id: str | None = None
+    event_id: str = msgspec.field(default_factory=str)
     call_id: str
     mode: Mode = "train"
     status: CallStatus = "ok"
-    choice_index: int = 0
-    weights_version: int | None = None
-    prompt_ids: list[int] = []
-    response_ids: list[int] = []
+    choice_index: Count = 0
+    weights_version: Int32 | None = None
+    prompt_ids: list[Count] = []
+    response_ids: list[Count] = []
     logprobs: list[float] = []
+    prompt_ref: CallRef | UnsetType | None = UNSET
+    packed: PackedTokens | UnsetType | None = UNSET
 
 
 RecordedCall = ModelRequestRecorded | CallRecord
@@ -123,6 +129,14 @@ def call_from_event(event: RecordedCall) -> Call:
         weights_version=event.weights_version,
         choice_index=event.choice_index,
     )
+
+
+def _resolved(refs: Resolver, event: RecordedCall) -> RecordedCall:
+    """The call with its full prompt ids (a version-2 call may store only what it adds to an earlier one)."""
+    try:
+        return refs.resolve(event)
+    except UnresolvedReference as exc:
+        raise MalformedCall(f"call {event.call_id}: {exc}") from None
 
 
 def _succeeded_attempt(events: Sequence[Event | CallRecord], rollout_id: str | None) -> str | None:
@@ -165,10 +179,11 @@ def rollout_calls(events: Iterable[Event | CallRecord]) -> RolloutCalls:
     attempt = _succeeded_attempt(ordered, rollout_id)
     calls: list[Call] = []
     reward: float | None = None
+    refs = Resolver(requests=False)
     for event in ordered:
         if isinstance(event, ModelRequestRecorded | CallRecord):
             if event.attempt_id == attempt and event.status == "ok" and event.mode == "train":
-                calls.append(call_from_event(event))
+                calls.append(call_from_event(_resolved(refs, event)))
         elif isinstance(event, RewardReported) and event.attempt_id in (attempt, None):
             reward = event.value
     return RolloutCalls(

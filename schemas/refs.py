@@ -1,0 +1,274 @@
+"""Each token stored once: packed id arrays and references to an earlier call (schema version 2).
+
+An agent's next prompt is usually its previous prompt plus the previous response plus an
+observation. Recording every call's full prompt makes a rollout cost O(turns x context); so a
+version-2 `model_request` whose prompt starts with an earlier call of the same attempt carries a
+`prompt_ref` to that call and only the ids after the shared prefix:
+
+    full prompt = (referenced call's full prompt + its response ids)[:prompt_ref.tokens] + prompt_ids
+
+The request copy likewise keeps only what is new: keys listed in `prompt_ref.same` are the
+referenced call's (resolved) values unchanged, and a key in `prompt_ref.prefix` (a list, such as
+`messages`) is the referenced value's first n items followed by this event's items. References
+only point at `ok` calls of the same rollout attempt, recorded earlier on the same subject;
+`prompt_ref.seq` is the referenced message's stream sequence, so a monitor can fetch it directly
+(JetStream's direct get by sequence), and `prompt_ref.event_id` is its event id.
+
+Id and logprob arrays may be `packed`: base64 of little-endian unsigned 24-bit ids (`id_width` 3,
+when every id fits) or int32 ids (4), and of little-endian float32 (`logprob_width` 4, used only
+when exact) or float64 logprobs. A packed event carries
+empty JSON lists in `prompt_ids` / `response_ids` / `logprobs`.
+
+`upcast` turns any `model_request` as decoded (version 1, or version 2 packed) into the in-memory
+form with plain lists (the codec applies it on every decode); `Resolver` turns references into
+full prompts and requests for calls fed in stream order. Both are a few lines in any language.
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar
+
+import msgspec
+import numpy as np
+from msgspec import UNSET, UnsetType
+
+_SWAP = sys.byteorder != "little"
+
+
+class CallRef(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """Where a call's prompt and request continue an earlier call of the same attempt."""
+
+    event_id: str
+    """The referenced `model_request` event (same rollout, same attempt, status ok, earlier on the subject)."""
+    seq: int = 0
+    """Its stream sequence (0 when unknown): a monitor fetches it with a direct get."""
+    tokens: int = 0
+    """How many tokens of the referenced call's full prompt + response ids this prompt starts with."""
+    same: list[str] = []
+    """Request keys whose value is the referenced call's resolved value, unchanged."""
+    prefix: dict[str, int] = {}
+    """Request list keys whose first n items are the referenced call's first n items."""
+
+
+class PackedTokens(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """Id and logprob arrays as base64 of little-endian binary.
+
+    Ids: unsigned 24-bit (`id_width` 3, when every id fits) or int32 (4). Logprobs: float32
+    (`logprob_width` 4, when every value survives it exactly) or float64 (8).
+    """
+
+    prompt: str = ""
+    response: str = ""
+    logprobs: str = ""
+    logprob_width: int = 8
+    id_width: int = 4
+
+
+P = TypeVar("P", bound="_Packable")
+C = TypeVar("C", bound="_Call")
+
+
+class UnresolvedReference(LookupError):
+    """A call references an event the resolver has not seen (read the attempt's calls from its start)."""
+
+
+# ---- packing ------------------------------------------------------------------------------------
+
+
+def pack_ids(values: Sequence[int], width: int = 4) -> str:
+    """Ids as base64 of little-endian int32 (`width` 4), or of unsigned 24-bit integers (`width` 3).
+
+    Raises OverflowError for an id outside the width's range.
+    """
+    packed = np.asarray(values, dtype="<i4") if len(values) else np.zeros(0, dtype="<i4")
+    if width == 3:
+        if len(packed) and (int(packed.min()) < 0 or int(packed.max()) >= 1 << 24):
+            raise OverflowError("an id does not fit in 24 bits")
+        data = packed.view(np.uint8).reshape(-1, 4)[:, :3].tobytes()
+    else:
+        data = packed.tobytes()
+    return base64.b64encode(data).decode("ascii")
+
+
+def unpack_ids(text: str, width: int = 4) -> list[int]:
+    """The ids packed by `pack_ids`."""
+    return np.frombuffer(ids_int32(text, width), dtype="<i4").tolist()  # type: ignore[no-any-return]
+
+
+def ids_int32(text: str, width: int = 4) -> bytes:
+    """Packed ids as little-endian int32 bytes, whatever their width on the wire."""
+    data = base64.b64decode(text)
+    if width != 3:
+        return data
+    out = np.zeros((len(data) // 3, 4), dtype=np.uint8)
+    out[:, :3] = np.frombuffer(data, dtype=np.uint8).reshape(-1, 3)
+    return out.tobytes()
+
+
+def id_width(*arrays: Sequence[int]) -> int:
+    """3 when every id fits in 24 bits (every vocabulary in use does), else 4."""
+    for values in arrays:
+        if values and (min(values) < 0 or max(values) >= 1 << 24):
+            return 4
+    return 3
+
+
+def pack_floats(values: Sequence[float]) -> tuple[str, int]:
+    """Logprobs as base64 little-endian float32 when every value survives it exactly, else float64."""
+    narrow = array("f", values)
+    width = 4 if narrow.tolist() == list(values) else 8
+    packed = narrow if width == 4 else array("d", values)
+    if _SWAP:
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii"), width
+
+
+def unpack_floats(text: str, width: int) -> list[float]:
+    """The floats packed by `pack_floats` (`width` 4 or 8)."""
+    packed = array("f" if width == 4 else "d")
+    packed.frombytes(base64.b64decode(text))
+    if _SWAP:
+        packed.byteswap()
+    return packed.tolist()
+
+
+def pack(ids: Sequence[int], response: Sequence[int], logprobs: Sequence[float]) -> PackedTokens:
+    """The packed form of one call's prompt ids (or their new suffix), response ids and logprobs."""
+    text, width = pack_floats(logprobs)
+    ids_width = id_width(ids, response)
+    return PackedTokens(
+        prompt=pack_ids(ids, ids_width),
+        response=pack_ids(response, ids_width),
+        logprobs=text,
+        logprob_width=width,
+        id_width=ids_width,
+    )
+
+
+class _Packable(Protocol):
+    @property
+    def packed(self) -> PackedTokens | UnsetType | None: ...
+    @property
+    def prompt_ids(self) -> list[int]: ...
+    @property
+    def response_ids(self) -> list[int]: ...
+    @property
+    def logprobs(self) -> list[float]: ...
+
+
+def upcast(event: P) -> P:
+    """A decoded `model_request` (version 1, or 2 with packed arrays) in the in-memory form: plain lists.
+
+    Version-1 events already are; a packed version-2 event gets its arrays unpacked. References
+    are left as they are (`Resolver` needs the earlier calls).
+    """
+    packed = event.packed
+    if not packed:
+        return event
+    return msgspec.structs.replace(  # type: ignore[type-var]
+        event,  # type: ignore[arg-type]
+        packed=UNSET,
+        prompt_ids=unpack_ids(packed.prompt, packed.id_width) if packed.prompt else event.prompt_ids,
+        response_ids=unpack_ids(packed.response, packed.id_width) if packed.response else event.response_ids,
+        logprobs=unpack_floats(packed.logprobs, packed.logprob_width) if packed.logprobs else event.logprobs,
+    )
+
+
+def prompt_length(event: Any) -> int:
+    """How many prompt tokens a call consumed, whether or not its prompt is stored as a reference."""
+    ref = event.prompt_ref
+    return len(event.prompt_ids) + (ref.tokens if ref else 0)
+
+
+# ---- resolving ----------------------------------------------------------------------------------
+
+
+class _Call(Protocol):
+    @property
+    def event_id(self) -> str: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def prompt_ref(self) -> CallRef | UnsetType | None: ...
+    @property
+    def prompt_ids(self) -> list[int]: ...
+    @property
+    def response_ids(self) -> list[int]: ...
+
+
+def resolve_request(request: dict[str, Any], ref: CallRef, earlier: dict[str, Any]) -> dict[str, Any]:
+    """A request copy with the referenced call's inherited keys and list prefixes put back."""
+    full = {key: earlier[key] for key in ref.same if key in earlier}
+    for key, value in request.items():
+        n = ref.prefix.get(key)
+        if n is not None and isinstance(value, list):
+            full[key] = [*earlier.get(key, [])[:n], *value]
+        else:
+            full[key] = value
+    for key, n in ref.prefix.items():
+        if key not in full:
+            full[key] = list(earlier.get(key, [])[:n])
+    return full
+
+
+class Resolver:
+    """Turns references into full prompts (and requests) for calls fed in stream order.
+
+    Remembers each `ok` call's full token sequence (prompt + response) and request by event id,
+    least recently used evicted past `max_bytes` (a call referencing an evicted one raises
+    `UnresolvedReference`; a replay of one rollout at a time never does with the default).
+    """
+
+    def __init__(self, *, max_bytes: int = 1 << 30, requests: bool = True) -> None:
+        self.max_bytes = max_bytes
+        self.requests = requests
+        self.size = 0
+        self.seen: OrderedDict[str, tuple[list[int], dict[str, Any] | None]] = OrderedDict()
+
+    def prompt(self, call: _Call) -> list[int]:
+        """The call's full prompt ids; remembers the call when it is `ok`."""
+        ref = call.prompt_ref
+        prompt = call.prompt_ids
+        if ref:
+            prompt = [*self._earlier(ref)[0][: ref.tokens], *prompt]
+        return prompt
+
+    def _earlier(self, ref: CallRef) -> tuple[list[int], dict[str, Any] | None]:
+        earlier = self.seen.get(ref.event_id)
+        if earlier is None:
+            raise UnresolvedReference(f"the referenced call {ref.event_id} (stream sequence {ref.seq}) was not seen")
+        self.seen.move_to_end(ref.event_id)
+        return earlier
+
+    def remember(self, call: _Call, prompt: list[int], request: dict[str, Any] | None = None) -> None:
+        """Keep an `ok` call's full sequence (and request) for the calls that reference it."""
+        if call.status != "ok":
+            return
+        tokens = [*prompt, *call.response_ids]
+        self.seen[call.event_id] = (tokens, request if self.requests else None)
+        self.size += 8 * len(tokens)
+        while self.size > self.max_bytes and len(self.seen) > 1:
+            _, (old, _request) = self.seen.popitem(last=False)
+            self.size -= 8 * len(old)
+
+    def resolve(self, call: C) -> C:
+        """The call with its full prompt ids (and full request when it has one), remembered for later calls."""
+        ref = call.prompt_ref
+        if not ref:
+            self.remember(call, call.prompt_ids, getattr(call, "request", None))
+            return call
+        tokens, earlier_request = self._earlier(ref)
+        prompt = [*tokens[: ref.tokens], *call.prompt_ids]
+        changes: dict[str, Any] = {"prompt_ids": prompt, "prompt_ref": UNSET}
+        request = getattr(call, "request", None)
+        if request is not None and self.requests:
+            request = resolve_request(request, ref, earlier_request or {})
+            changes["request"] = request
+        resolved = msgspec.structs.replace(call, **changes)  # type: ignore[type-var]
+        self.remember(resolved, prompt, request)
+        return resolved  # type: ignore[no-any-return]

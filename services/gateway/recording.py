@@ -1,0 +1,199 @@
+"""Building the compact `model_request` events: references to an earlier call, packed arrays.
+
+The proxy hands every call's events (one per choice, full prompt and request) to `CallChains`
+before appending them. For each attempt it remembers the last few `ok` calls it recorded (their
+full prompt + response ids, their request, their stream sequence), and a new call whose prompt
+shares at least `MIN_SHARED` leading tokens with one of them is recorded as a reference to the
+one it shares most with, plus only the ids after that prefix; the request copy keeps only the keys
+that changed and, for a list such as `messages`, only the items after the shared ones (see
+`schemas/refs.py` for the wire form). Every event's arrays are packed (base64 int32 / float32).
+
+The memory is a cache bounded by bytes: an evicted or never-seen call (another gateway replica
+recorded it, this process restarted) just means the next call is recorded in full, so nothing
+depends on it for correctness. A reference points only at a call JetStream acknowledged, of the
+same rollout attempt, hence earlier on the same subject.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+from msgspec import UNSET, UnsetType
+
+from schemas import CallRef, ModelRequestRecorded
+from schemas.refs import pack
+from services.common.eventstore import Appended
+from services.gateway.payload import cut_request
+
+MIN_SHARED = 16
+"""Fewest shared leading tokens worth a reference (below it the call is recorded in full)."""
+PER_ATTEMPT = 8
+"""Recent `ok` calls remembered per attempt (harnesses with sub-agents interleave a few chains)."""
+
+_encode = msgspec.json.Encoder().encode
+AttemptKey = tuple[str, str | None, str | None]
+
+
+class _Recorded(msgspec.Struct, frozen=True, gc=False):
+    event_id: str
+    seq: int
+    tokens: Any  # numpy int32 array: the full prompt + response ids
+    request: dict[str, Any]
+    size: int
+
+
+def _shared(prompt: Any, tokens: Any) -> int:
+    """How many leading ids two int32 arrays share."""
+    n = min(len(prompt), len(tokens))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(prompt[:n] != tokens[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def _ids(values: Sequence[int]) -> Any | None:
+    try:
+        return np.asarray(values, dtype=np.int32) if values else None
+    except OverflowError:
+        return None
+
+
+def compact_request(
+    request: dict[str, Any], earlier: dict[str, Any]
+) -> tuple[dict[str, Any], list[str], dict[str, int]]:
+    """What a request adds to an earlier one: the changed keys, the new items of lists that extend.
+
+    Returns (the request to store, keys kept unchanged, list keys with how many items are shared).
+    """
+    stored: dict[str, Any] = {}
+    same: list[str] = []
+    prefix: dict[str, int] = {}
+    for key, value in request.items():
+        old = earlier.get(key, _MISSING)
+        if old is _MISSING:
+            stored[key] = value
+        elif old == value:
+            same.append(key)
+        elif isinstance(value, list) and isinstance(old, list):
+            n = 0
+            for a, b in zip(value, old, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n:
+                prefix[key] = n
+                stored[key] = value[n:]
+            else:
+                stored[key] = value
+        else:
+            stored[key] = value
+    return stored, same, prefix
+
+
+_MISSING = object()
+
+
+class CallChains:
+    """The recent `ok` calls of each attempt, for recording new calls as references (bounded by bytes)."""
+
+    def __init__(self, max_bytes: int = 256 << 20, *, compact: bool = True) -> None:
+        self.max_bytes = max_bytes
+        self.references = compact
+        self.size = 0
+        self.attempts: OrderedDict[AttemptKey, list[_Recorded]] = OrderedDict()
+        self.referenced = 0
+
+    def compact(self, events: list[ModelRequestRecorded]) -> list[ModelRequestRecorded]:
+        """The events as recorded: a reference and the new ids where an earlier call is shared, arrays packed."""
+        if not events:
+            return events
+        if not self.references:  # the version-1 form: full JSON lists
+            return [msgspec.structs.replace(event, schema_version=1) for event in events]
+        first = events[0]
+        base: _Recorded | None = None
+        shared = 0
+        prompt = _ids(first.prompt_ids)
+        if prompt is not None and first.status == "ok":
+            for recorded in reversed(self.attempts.get(_key(first), [])):
+                n = _shared(prompt, recorded.tokens)
+                if n > shared:
+                    base, shared = recorded, n
+        if base is None or shared < MIN_SHARED:
+            return [_packed(event, event.prompt_ids, event.request, UNSET) for event in events]
+        self.referenced += 1
+        request, same, prefix = compact_request(first.request, base.request)
+        ref = CallRef(event_id=base.event_id, seq=base.seq, tokens=shared, same=same, prefix=prefix)
+        rest = first.prompt_ids[shared:]
+        return [_packed(event, rest, request, ref) for event in events]
+
+    def remember(self, events: list[ModelRequestRecorded], appended: Sequence[Appended]) -> None:
+        """Keep the acknowledged `ok` calls (full events, as built before `compact`) for later references."""
+        if not self.references:
+            return
+        for event, ack in zip(events, appended, strict=True):
+            if event.status != "ok" or not event.prompt_ids or ack.duplicate:
+                continue
+            tokens = _ids([*event.prompt_ids, *event.response_ids])
+            if tokens is None:
+                continue
+            size = tokens.nbytes + len(_encode(event.request))
+            if size > self.max_bytes:
+                continue
+            key = _key(event)
+            calls = self.attempts.pop(key, [])
+            calls.append(_Recorded(event.event_id, ack.seq, tokens, event.request, size))
+            self.size += size
+            while len(calls) > PER_ATTEMPT:
+                self.size -= calls.pop(0).size
+            self.attempts[key] = calls
+            while self.size > self.max_bytes and self.attempts:
+                _, old = self.attempts.popitem(last=False)
+                self.size -= sum(r.size for r in old)
+
+    def new_request_bytes(self, key: AttemptKey, request: dict[str, Any]) -> int:
+        """Bytes of the request copy a call would record: what the attempt's latest calls do not hold."""
+        best = len(_encode(request))
+        for recorded in self.attempts.get(key, [])[-2:] if self.references else []:
+            stored, _same, _prefix = compact_request(request, recorded.request)
+            best = min(best, len(_encode(stored)))
+        return best
+
+    def forget(self, run_id: str, rollout_id: str, attempt_id: str | None) -> None:
+        """Drop an attempt's calls (it ended: nothing will reference them)."""
+        old = self.attempts.pop((run_id, rollout_id, attempt_id), None)
+        if old:
+            self.size -= sum(r.size for r in old)
+
+
+def _key(event: ModelRequestRecorded) -> AttemptKey:
+    return (event.run_id, event.rollout_id, event.attempt_id)
+
+
+def _packed(
+    event: ModelRequestRecorded, prompt: list[int], request: dict[str, Any], ref: CallRef | UnsetType | None
+) -> ModelRequestRecorded:
+    if not (prompt or event.response_ids or event.logprobs):
+        return msgspec.structs.replace(event, prompt_ids=[], request=request, prompt_ref=ref)
+    try:
+        packed = pack(prompt, event.response_ids, event.logprobs)
+    except OverflowError:  # ids outside int32: JSON lists then
+        return msgspec.structs.replace(event, prompt_ids=prompt, request=request, prompt_ref=ref)
+    return msgspec.structs.replace(
+        event, prompt_ids=[], response_ids=[], logprobs=[], request=request, prompt_ref=ref, packed=packed
+    )
+
+
+def cut(event: ModelRequestRecorded, reason: str) -> ModelRequestRecorded:
+    """A failed call's event without the bulk that made it too large to store (its request copy, its ids)."""
+    return msgspec.structs.replace(
+        event,
+        request=cut_request(event.request, reason),
+        response={},
+        prompt_ids=[],
+        response_ids=[],
+        logprobs=[],
+    )

@@ -1,0 +1,122 @@
+"""Resolving version-2 call references on the projector's side, so its rows hold full prompts.
+
+A `model_request` with `prompt_ref` stores only the ids after a prefix of an earlier call's
+prompt + response (see `schemas/refs.py`). The projector keeps each `ok` call's full packed
+sequence (int32 bytes) by event id, bounded by bytes. Before a batch is prepared, `prime` makes
+sure every referenced call is known: one the cache lost (the projector restarted mid-attempt, or
+evicted it) is read back from the stream by its sequence (a direct get), recursively, so a
+reference never depends on the cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import msgspec
+from nats.aio.msg import Msg
+
+from schemas.refs import CallRef, PackedTokens, ids_int32
+from services.common.eventstore import EventStore
+from services.projector.packing import pack_int32_json
+
+MAX_CHAIN = 100_000
+
+
+class RefError(ValueError):
+    """A referenced call cannot be found: the event's prompt cannot be resolved."""
+
+
+class _Refs(msgspec.Struct, gc=False):
+    """The fields of a `model_request` that resolving reads."""
+
+    event_id: str = ""
+    status: str = "ok"
+    prompt_ids: msgspec.Raw = msgspec.Raw(b"[]")
+    response_ids: msgspec.Raw = msgspec.Raw(b"[]")
+    prompt_ref: CallRef | None = None
+    packed: PackedTokens | None = None
+
+
+_decode_refs = msgspec.json.Decoder(_Refs).decode
+
+
+class RefCache:
+    """Full packed sequences (prompt + response, int32 little-endian) of `ok` calls by event id."""
+
+    def __init__(self, max_bytes: int = 128 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.size = 0
+        self.entries: OrderedDict[str, bytes] = OrderedDict()
+        self.fetched = 0
+
+    def prompt(self, ref: CallRef | None, new: bytes) -> bytes:
+        """The full packed prompt: the referenced call's first `ref.tokens` ids, then `new`."""
+        if ref is None:
+            return new
+        base = self.entries.get(ref.event_id)
+        if base is None:
+            raise RefError(f"the referenced call {ref.event_id} (stream sequence {ref.seq}) is not known")
+        self.entries.move_to_end(ref.event_id)
+        return base[: 4 * ref.tokens] + new
+
+    def keep(self, event_id: str, status: str, sequence: bytes) -> None:
+        """Remember an `ok` call's full sequence for the calls that reference it."""
+        if status != "ok" or not sequence or len(sequence) > self.max_bytes:
+            return
+        old = self.entries.pop(event_id, None)
+        self.size += len(sequence) - (len(old) if old else 0)
+        self.entries[event_id] = sequence
+        while self.size > self.max_bytes:
+            _, dropped = self.entries.popitem(last=False)
+            self.size -= len(dropped)
+
+    def learn(self, data: bytes) -> None:
+        """Resolve and remember one call from its JSON bytes (RefError when its own reference is unknown)."""
+        call = _decode_refs(data)
+        packed = call.packed
+        if packed is not None:
+            new = ids_int32(packed.prompt, packed.id_width)
+            response = ids_int32(packed.response, packed.id_width)
+        else:
+            new = pack_int32_json(bytes(call.prompt_ids))
+            response = pack_int32_json(bytes(call.response_ids))
+        self.keep(call.event_id, call.status, self.prompt(call.prompt_ref, new) + response)
+
+    async def prime(self, store: EventStore, msgs: Sequence[Msg]) -> None:
+        """Read back from the stream every call the batch references that is neither known nor in the batch."""
+        in_batch: set[str] = set()
+        for msg in msgs:
+            if not msg.subject.endswith(".model_request"):
+                continue
+            try:
+                call = _decode_refs(msg.data)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                continue  # prepare makes it a dead letter
+            ref = call.prompt_ref
+            if ref is not None and ref.event_id not in in_batch and ref.event_id not in self.entries:
+                await self._fetch(store, ref)
+            in_batch.add(call.event_id)
+
+    async def _fetch(self, store: EventStore, ref: CallRef) -> None:
+        """Read the referenced call and the unknown calls it references in turn, then learn them oldest first."""
+        chain: list[bytes] = []
+        while ref.seq > 0 and ref.event_id not in self.entries and len(chain) < MAX_CHAIN:
+            try:
+                raw = await store.js.get_msg(store.stream, ref.seq)
+            except Exception:
+                break
+            data = raw.data or b""
+            call = _decode_refs(data)
+            if call.event_id != ref.event_id:
+                break
+            chain.append(data)
+            if call.prompt_ref is None:
+                break
+            ref = call.prompt_ref
+        for data in reversed(chain):
+            self.fetched += 1
+            try:
+                self.learn(data)
+            except (RefError, ValueError):
+                return

@@ -1,0 +1,96 @@
+"""Calls visible from their start: a gateway killed mid-stream leaves its call `aborted`, recorded by
+another gateway within the reaper's interval."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fake_vllm import FakeVLLM
+from gw_harness import ADMIN, SECRET, GatewayHandle, Served, gateway_settings
+
+from services.common.eventstore import EventStore
+from services.devstack.embedded import NatsServer, free_port
+from services.gateway import create_app
+
+INTERVAL_S = 0.5
+
+
+def _events(url: str, subject: str) -> list[dict[str, Any]]:
+    async def read() -> list[dict[str, Any]]:
+        store = await EventStore.connect(url, ensure=False)
+        try:
+            return [json.loads(m.data) async for b in store.read_raw(subject) for m in b]
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+def _start_gateway(nats_url: str, port: int, tmp: Path) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "NATS_URL": nats_url,
+        "ROLLWIRE_ADMIN_TOKEN": ADMIN,
+        "ROLLWIRE_SECRET": SECRET,
+        "ROLLWIRE_GATEWAY_PORT": str(port),
+        "ROLLWIRE_REAPER_INTERVAL_S": str(INTERVAL_S),
+    }
+    log = open(tmp / "gateway.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.gateway"], env=env, stdout=log, stderr=log)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError((tmp / "gateway.log").read_text())
+
+
+def test_kill_9_mid_stream_leaves_the_call_aborted(fake_vllm: FakeVLLM, run_id: str, tmp_path: Path) -> None:
+    nats = NatsServer(tmp_path / "nats").start()
+    settings = gateway_settings(nats.url, reaper_interval_s=INTERVAL_S)
+    port = free_port()
+    victim = _start_gateway(nats.url, port, tmp_path)
+    try:
+        with Served(create_app(settings), settings.port) as served:
+            survivor = GatewayHandle(served, settings)
+            rollout, attempt = survivor.running(run_id, fake_vllm.url)
+            fake_vllm.token_delay_s = 0.2
+            base = attempt["proxy_base_url"].replace(survivor.url, f"http://127.0.0.1:{port}")
+            body = {"model": "fake", "messages": [{"role": "user", "content": "go"}], "max_tokens": 100, "stream": True}
+            headers = {"authorization": f"Bearer {attempt['token']}"}
+            with httpx.stream("POST", f"{base}/chat/completions", json=body, headers=headers, timeout=30) as answer:
+                assert answer.status_code == 200
+                next(answer.iter_bytes())  # the stream has begun: the engine is generating
+                victim.send_signal(signal.SIGKILL)
+                victim.wait(10)
+                killed = time.monotonic()
+            subject = f"rl.{run_id}.rollout.{rollout['rollout_id']}"
+            markers = _events(nats.url, f"{subject}.event.call_started")
+            assert len(markers) == 1
+            call_id = markers[0]["payload"]["call_id"]
+            aborted: list[dict[str, Any]] = []
+            while not aborted and time.monotonic() - killed < 8 * INTERVAL_S + 5:
+                time.sleep(0.1)
+                aborted = _events(nats.url, f"{subject}.model_request")
+            waited = time.monotonic() - killed
+            survivor.admin.close()
+        assert [c["call_id"] for c in aborted] == [call_id]
+        assert aborted[0]["status"] == "aborted" and "stopped before recording" in aborted[0]["error"]
+        assert aborted[0]["attempt_id"] == attempt["attempt_id"]
+        assert waited < 8 * INTERVAL_S + 5
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        nats.stop()

@@ -1,0 +1,137 @@
+"""Version-2 calls (references and packed arrays) replay exactly as the version-1 recording of the same run."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections import Counter
+from typing import Any
+
+import msgspec
+from agentrun import agent_run
+
+from schemas import Event, ModelRequestRecorded, Resolver, decode, encode
+from schemas.refs import id_width, ids_int32, pack_floats, pack_ids, unpack_floats, unpack_ids
+from services.common.eventstore import Appended, EventStore
+from services.gateway.recording import CallChains, compact_request
+from services.tools.replay import ReplayReport, replay_run
+from trainer.core import build_step, collect_rollouts
+
+SCHEMES = ["merge=exact", "per-call+token-mean", "rloo+rollout-mean"]
+
+
+async def record(store: EventStore, events: list[Event], chains: CallChains) -> None:
+    """Append a run as the gateway does: each call through `CallChains` (compacted, then remembered)."""
+    for event in events:
+        if isinstance(event, ModelRequestRecorded):
+            acks = [await store.append(e) for e in chains.compact([event])]
+            chains.remember([event], acks)
+        else:
+            await store.append(event)
+
+
+def _samples(report: ReplayReport) -> list[Any]:
+    return [[msgspec.structs.asdict(s) for s in scheme.samples] for scheme in report.schemes]
+
+
+async def test_replay_of_a_compact_recording_equals_the_full_one(store: EventStore, run_id: str) -> None:
+    full_run, compact_run = f"{run_id}-full", f"{run_id}-compact"
+    full_events = agent_run(full_run, groups=4, per_group=4, seed=5)
+    compact_events = agent_run(compact_run, groups=4, per_group=4, seed=5)
+    full, compact = CallChains(compact=False), CallChains()
+    await record(store, full_events, full)
+    await record(store, compact_events, compact)
+    assert compact.referenced > 10  # the run's multi-turn rollouts were recorded as references
+    raw = [m.data async for batch in store.read_raw(f"rl.{compact_run}.rollout.*.model_request") for m in batch]
+    assert all(json.loads(data)["schema_version"] == 2 for data in raw)
+    assert sum(b'"prompt_ref"' in data for data in raw) == compact.referenced
+    old = [m.data async for batch in store.read_raw(f"rl.{full_run}.rollout.*.model_request") for m in batch]
+    assert all(json.loads(data)["schema_version"] == 1 and b'"packed"' not in data for data in old)
+    assert sum(map(len, raw)) < sum(map(len, old))
+
+    before = await replay_run(store, full_run, compare_specs=SCHEMES)
+    after = await replay_run(store, compact_run, compare_specs=SCHEMES, budget=5)
+    assert _samples(after) == _samples(before)
+    expected = build_step(collect_rollouts(full_events).rollouts, before.schemes[0].config)
+    assert [s.response_tokens for s in expected.samples] == [s.response_tokens for s in after.schemes[0].samples]
+    # typed reads of the compact run give the trainer the same rollouts
+    typed = [s.event async for s in store.read_run(compact_run)]
+    mine = collect_rollouts(typed).rollouts
+    theirs = collect_rollouts(full_events).rollouts
+    assert [[c.prompt_ids for c in r.calls] for r in mine] == [[c.prompt_ids for c in r.calls] for r in theirs]
+    assert [[c.logprobs for c in r.calls] for r in mine] == [[c.logprobs for c in r.calls] for r in theirs]
+
+
+async def test_read_rollout_and_resolved_give_full_prompts_and_requests(store: EventStore, run_id: str) -> None:
+    events = agent_run(run_id, groups=1, per_group=2, seed=1)
+    chains = CallChains()
+    await record(store, events, chains)
+    originals = {e.event_id: e for e in events if isinstance(e, ModelRequestRecorded)}
+    per_rollout = Counter(e.rollout_id for e in originals.values())
+    rollout_id = per_rollout.most_common(1)[0][0]
+    assert rollout_id is not None and per_rollout[rollout_id] > 2
+    history = await store.read_rollout(run_id, rollout_id)
+    calls = [s.event for s in history if isinstance(s.event, ModelRequestRecorded)]
+    assert calls and all(not c.prompt_ref for c in calls)
+    for call in calls:
+        original = originals[call.event_id]
+        assert (call.prompt_ids, call.response_ids, call.logprobs) == (
+            original.prompt_ids,
+            original.response_ids,
+            original.logprobs,
+        )
+    # a monitor that sees only the last call resolves it through direct gets
+    last = [m async for batch in store.read_raw(f"rl.{run_id}.rollout.{rollout_id}.model_request") for m in batch][-1]
+    event = decode(last.data)
+    assert isinstance(event, ModelRequestRecorded) and event.prompt_ref
+    resolved = await store.resolved(event)
+    assert resolved.prompt_ids == originals[event.event_id].prompt_ids
+
+
+def test_request_copy_keeps_only_what_is_new_and_resolves_back() -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    first: dict[str, Any] = {
+        "model": "m",
+        "tools": tools,
+        "messages": [{"role": "user", "content": "a"}],
+        "temperature": 1.0,
+    }
+    second: dict[str, Any] = {
+        "model": "m",
+        "tools": tools,
+        "messages": [*first["messages"], {"role": "assistant", "content": "b"}, {"role": "tool", "content": "c"}],
+        "temperature": 0.5,
+        "top_p": 0.9,
+    }
+    stored, same, prefix = compact_request(second, first)
+    assert stored == {"messages": second["messages"][1:], "temperature": 0.5, "top_p": 0.9}
+    assert sorted(same) == ["model", "tools"] and prefix == {"messages": 1}
+    base = ModelRequestRecorded(run_id="r", rollout_id="x", call_id="c1", prompt_ids=[1] * 20, request=first)
+    chains = CallChains()
+    chains.remember([base], [Appended(seq=1)])
+    nxt = ModelRequestRecorded(run_id="r", rollout_id="x", call_id="c2", prompt_ids=[1] * 20 + [2], request=second)
+    (compact,) = chains.compact([nxt])
+    assert compact.prompt_ref and compact.prompt_ref.tokens == 20
+    again = decode(encode(compact))
+    assert isinstance(again, ModelRequestRecorded) and again.prompt_ids == [2]
+    refs = Resolver()
+    refs.resolve(base)
+    resolved = refs.resolve(again)
+    assert resolved.request == second and resolved.prompt_ids == nxt.prompt_ids
+
+
+def test_logprobs_pack_as_float32_only_when_exact() -> None:
+    exact = [-0.5, -1.25, 0.0]
+    text, width = pack_floats(exact)
+    assert width == 4 and len(base64.b64decode(text)) == 12 and unpack_floats(text, width) == exact
+    text, width = pack_floats([-0.1])
+    assert width == 8 and unpack_floats(text, width) == [-0.1]
+
+
+def test_ids_pack_in_24_bits_when_they_fit_else_32() -> None:
+    small = [0, 5, (1 << 24) - 1]
+    assert id_width(small) == 3 and unpack_ids(pack_ids(small, 3), 3) == small
+    assert len(base64.b64decode(pack_ids(small, 3))) == 9
+    assert ids_int32(pack_ids(small, 3), 3) == ids_int32(pack_ids(small, 4), 4)
+    large = [1 << 24, -1]
+    assert id_width(small, large) == 4 and unpack_ids(pack_ids(large, 4), 4) == large
