@@ -125,7 +125,8 @@ def main() -> None:
     directory = Path(tempfile.mkdtemp(prefix="bench-gpu-train-"))
     params = build_model(directory, config, device)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"device {gpu}; model Qwen2 {params / 1e6:.0f}M parameters, bf16; {tokens} tokens per update")
+    dtype = "bf16" if device == "cuda" else "fp32"
+    print(f"device {gpu}; model Qwen2 {params / 1e6:.2f}M parameters, {dtype}; {tokens} tokens per update")
     layers, hidden = config.num_hidden_layers, config.hidden_size
     for kind in args.backends.split(","):
         for length in lengths:

@@ -34,8 +34,9 @@ from schemas.ids import (
 )
 from schemas.refs import CallRef, PackedTokens
 
-SCHEMA_VERSION = 2
-"""2: a `model_request` may carry `prompt_ref` (only the new ids and request parts) and `packed` arrays."""
+SCHEMA_VERSION = 3
+"""2: a `model_request` may carry `prompt_ref` (only the new ids and request parts) and `packed` arrays.
+3: `model_request` gained `agent`, `endpoint`, `started_at` and the sampling parameters."""
 
 RolloutStatus = Literal["queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
@@ -172,6 +173,16 @@ class ModelRequestRecorded(Event, frozen=True, kw_only=True, tag="model_request"
     usage: dict[str, Count] = {}
     latency_s: float = 0.0
     error: str | None = None
+    agent: str | None = None
+    """The agent (role, sub-agent) that made the call: the proxy path's `agent/{name}` or `X-Rollwire-Agent`."""
+    endpoint: str | None = None
+    """The registered model name the proxy routed the call to (`model` is what the endpoint answered)."""
+    started_at: float | None = None
+    """Unix time the call was admitted (after the phase gate); `time` is when it was recorded."""
+    temperature: float | None = None
+    """Sampling parameters the engine sampled with (None: the engine's default, 1.0 / 1.0 / off)."""
+    top_p: float | None = None
+    top_k: int | None = None
     api: CallApi = "chat"
     prompt_ref: CallRef | UnsetType | None = UNSET
     packed: PackedTokens | UnsetType | None = UNSET

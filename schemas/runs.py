@@ -69,6 +69,12 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     evaluator_command: list[str] | None = None
     reward_from: RewardFrom = "agent"
     env: dict[str, str] = {}
+    train_agents: list[str] = []
+    """Agent names whose calls the run trains ([]: every agent)."""
+    train_models: list[str] = []
+    """Registered model names the run trains ([]: not declared; the trainer's config decides)."""
+    agent_models: dict[str, str] = {}
+    """Routing: agent name -> the registered model its calls go to, whatever the request's `model` says."""
     limits: CallLimits = msgspec.field(default_factory=CallLimits)
     budget: AttemptBudget = msgspec.field(default_factory=AttemptBudget)
     model_aliases: dict[str, str] = {}
@@ -79,6 +85,11 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         check_int("max_attempts", self.max_attempts, 1, optional=False)
         if not self.timeout_s > 0:
             raise msgspec.ValidationError("timeout_s must be positive - at `$.timeout_s`")
+        for i, name in enumerate([*self.train_agents, *self.train_models]):
+            check_id(f"train_agents/train_models[{i}]", name)
+        for agent, model in self.agent_models.items():
+            check_id("agent_models key", agent)
+            check_id(f"agent_models[{agent}]", model)
         if self.reward_from == "evaluator" and not self.evaluator_command and self.backend == "local":
             raise msgspec.ValidationError(
                 "reward_from is 'evaluator' but no evaluator_command is set - at `$.evaluator_command`"

@@ -45,6 +45,7 @@ class NewRollout(msgspec.Struct, frozen=True, kw_only=True):
     group_id: str
     input: Any
     metadata: dict[str, Any] = {}
+    mode: str = "train"
 
 
 def _error(response: httpx.Response) -> str:

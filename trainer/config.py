@@ -35,6 +35,7 @@ import msgspec
 
 from schemas.runs import RewardFrom
 from trainer.core import AdapterConfig, AdapterConfigError
+from trainer.run_sections import ExecBackend, FrozenSection, PolicySection, ValidationSection
 
 Mode = Literal["sync", "async"]
 BackendKind = Literal["cpu", "verl"]
@@ -81,11 +82,16 @@ class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     `reward_from = "evaluator"` only the evaluator's reward counts (the gateway refuses the agent's).
     """
 
-    command: list[str]
+    command: list[str] = []
     env: dict[str, str] = {}
     timeout_s: float = 600.0
     concurrency: int = 32
     max_attempts: int = 1
+    retry_backoff_s: float = 1.0
+    backend: ExecBackend = "local"
+    job_template: str | None = None
+    """A Kubernetes Job template file (YAML with placeholders) for `backend = "kubernetes"`."""
+    image: str | None = None
     evaluator_command: list[str] | None = None
     reward_from: RewardFrom = "agent"
 
@@ -95,6 +101,7 @@ class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     path: str
     served_name: str = "policy"
+    agents: list[str] = []
 
 
 class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -228,6 +235,9 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     engine: EngineSection = EngineSection()
     algorithm: AlgorithmSection = AlgorithmSection()
     async_: AsyncSection = msgspec.field(default_factory=AsyncSection, name="async")
+    policies: list[PolicySection] = []
+    frozen: list[FrozenSection] = []
+    validation: ValidationSection | None = None
     stack: StackSection = StackSection()
     metrics: MetricsSection = MetricsSection()
 
@@ -355,7 +365,12 @@ def _check_run_and_agent(config: TrainConfig) -> None:
     need(bool(config.run.name) and "/" not in config.run.name, "run.name", "must be a non-empty id without '/'")
     need(config.data.tasks_per_step >= 1, "data.tasks_per_step", "must be at least 1")
     need(config.data.rollouts_per_task >= 1, "data.rollouts_per_task", "must be at least 1")
-    need(bool(config.agent.command), "agent.command", "must name the program to run, as a list of strings")
+    agent = config.agent
+    k8s = agent.backend == "kubernetes"
+    need(bool(agent.command) or k8s, "agent.command", "must name the program to run, as a list of strings")
+    need(not k8s or bool(agent.job_template), "agent.job_template", 'is required with agent.backend = "kubernetes"')
+    need(agent.retry_backoff_s >= 0, "agent.retry_backoff_s", "must be >= 0")
+    _check_models(config)
     need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
     need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
     need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
@@ -365,7 +380,7 @@ def _check_run_and_agent(config: TrainConfig) -> None:
         "must name the program to run, as a list of strings, or be left out",
     )
     need(
-        config.agent.reward_from == "agent" or bool(config.agent.evaluator_command),
+        config.agent.reward_from == "agent" or bool(config.agent.evaluator_command) or k8s,
         "agent.reward_from",
         "is 'evaluator' but agent.evaluator_command is not set",
     )
@@ -416,6 +431,25 @@ def _resolve(base: Path, value: str) -> str:
 CONFIG_DIR = "{config_dir}"
 
 
+def _check_models(config: TrainConfig) -> None:
+    """Model names unique, agents routed to at most one model, frozen models served one way, validation in range."""
+    names = [config.model.served_name, *(p.name for p in config.policies), *(f.name for f in config.frozen)]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"policies/frozen: model name {dupes[0]!r} is used twice; each model needs its own name")
+    groups = [config.model.agents, *(p.agents for p in config.policies), *(f.agents for f in config.frozen)]
+    routed = [agent for group in groups for agent in group]
+    twice = sorted({a for a in routed if routed.count(a) > 1})
+    if twice:
+        raise ConfigError(f"agents: agent {twice[0]!r} is routed to two models; give each agent one model")
+    for i, frozen in enumerate(config.frozen):
+        if (frozen.path is None) == (frozen.base_url is None):
+            raise ConfigError(f"frozen[{i}]: give exactly one of path (weights to serve) or base_url (an endpoint)")
+    val = config.validation
+    if val is not None and (val.every < 1 or val.rollouts_per_task < 1):
+        raise ConfigError("validation.every and validation.rollouts_per_task: must be at least 1")
+
+
 def _agent_commands(agent: AgentSection, base_dir: Path | None) -> AgentSection:
     """`python` as this interpreter and `{config_dir}` as the config's directory in the agent's settings."""
     where = str(base_dir.resolve()) if base_dir is not None else "."
@@ -450,7 +484,21 @@ def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None
             model=msgspec.structs.replace(config.model, path=_resolve(base_dir, config.model.path)),
             stack=msgspec.structs.replace(config.stack, data_dir=_resolve(base_dir, config.stack.data_dir)),
         )
+        config = _resolve_models(config, base_dir)
     return config
+
+
+def _resolve_models(config: TrainConfig, base_dir: Path) -> TrainConfig:
+    """The paths of `[[policies]]`, `[[frozen]]`, `[validation]` and the job template, against `base_dir`."""
+    val = config.validation
+    template = config.agent.job_template
+    return msgspec.structs.replace(
+        config,
+        policies=[msgspec.structs.replace(p, path=_resolve(base_dir, p.path)) for p in config.policies],
+        frozen=[msgspec.structs.replace(f, path=_resolve(base_dir, f.path) if f.path else None) for f in config.frozen],
+        validation=msgspec.structs.replace(val, path=_resolve(base_dir, val.path)) if val else None,
+        agent=msgspec.structs.replace(config.agent, job_template=_resolve(base_dir, template) if template else None),
+    )
 
 
 def load_config(path: Path) -> TrainConfig:

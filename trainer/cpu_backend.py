@@ -82,7 +82,7 @@ class CpuBackend:
     def _reference_logprobs(self, batch: Any) -> torch.Tensor | None:
         if self.loss_config.kl_coef <= 0.0:
             return None
-        temperature = self.algorithm.loss_temperature
+        temperature = batch.temperature if batch.temperature is not None else self.algorithm.loss_temperature
         with torch.no_grad():
             if self.reference is not None:
                 logits = forward_logits(self.reference, batch.input_ids, batch.attention_mask)
@@ -93,10 +93,13 @@ class CpuBackend:
 
     def micro_batch_loss(self, samples: Sequence[Sample]) -> tuple[torch.Tensor, LossMetrics]:
         """The summed policy loss of some samples under the current weights (to backpropagate)."""
-        batch = collate(samples, pad_id=self.pad_id).to(self.device)
+        batch = collate(samples, pad_id=self.pad_id, default_temperature=self.algorithm.loss_temperature)
+        batch = batch.to(self.device)
         ref = self._reference_logprobs(batch)
         logits = forward_logits(self.model, batch.input_ids, batch.attention_mask)  # [B, T, V]
-        logprobs = token_logprobs(logits, batch.input_ids, temperature=self.algorithm.loss_temperature)  # [B, T-1]
+        # each sample at the temperature its calls were sampled at (the engine's logprobs are of that)
+        temperature = batch.temperature if batch.temperature is not None else self.algorithm.loss_temperature
+        logprobs = token_logprobs(logits, batch.input_ids, temperature=temperature)  # [B, T-1]
         return policy_loss(logprobs, batch, self.loss_config, ref_logprobs=ref, logits=logits.detach())
 
     def _groups(self, samples: Sequence[Sample]) -> list[tuple[str | None, list[Sample]]]:

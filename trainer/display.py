@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 DEFAULT_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("reward_mean", "reward", "{:.2f}"),
+    ("val/reward", "val/reward", "{:.2f}"),
     ("samples_per_rollout", "samples/rollout", "{:.2f}"),
     ("merge_ratio", "calls/sample", "{:.2f}"),
     ("entropy", "entropy", "{:.2f}"),
@@ -22,6 +23,8 @@ def format_row(row: dict[str, Any], fields: Sequence[tuple[str, str, str]]) -> s
     """One step as `step 3  reward 0.41  ...` (missing values shown as `-`)."""
     parts = [f"step {row.get('step')}"]
     for key, label, fmt in fields:
+        if key not in row and key.startswith("val/"):
+            continue  # a step without a validation pass
         value = row.get(key)
         parts.append(f"{label} {fmt.format(value) if isinstance(value, int | float) else '-'}")
     return "  ".join(parts)

@@ -39,7 +39,6 @@ from typing import Any
 import msgspec
 
 from schemas.events import TERMINAL_STATUSES, CustomEvent
-from schemas.runs import RunSpec
 from services.common.eventstore import EventStore
 from trainer.backend import TrainingBackend, UpdateMetrics, build_backend
 from trainer.checkpoint import InFlightGroup, RunDir, TrainerState
@@ -47,6 +46,7 @@ from trainer.clients import GatewayClient, NewRollout, ServiceUrls
 from trainer.config import TrainConfig, config_to_mapping
 from trainer.core import (
     TRAIN_STEP_EVENT,
+    AdapterConfig,
     RolloutCalls,
     StepBatch,
     build_step,
@@ -56,9 +56,12 @@ from trainer.core import (
 )
 from trainer.dataset import TaskOrder, load_jsonl
 from trainer.engines import ServingEngine, connect_engine, register_replicas
+from trainer.extra_policies import OtherModels
 from trainer.loggers import open_sinks, tensorboard_dir
 from trainer.metrics import MetricsLog
+from trainer.policies import failure_row, run_spec, trained_adapter, trained_models
 from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group
+from trainer.validation import ValidationPass
 
 Row = dict[str, Any]
 
@@ -86,6 +89,7 @@ def step_row(
     trained_version: int,
     update: UpdateMetrics | None,
     times: dict[str, float],
+    adapter: AdapterConfig | None = None,
 ) -> Row:
     """The metrics of one step, as one row of the CSV (see `trainer.metrics.COLUMNS`)."""
     stats = batch.stats
@@ -134,6 +138,7 @@ def step_row(
             for key, value in found.items():
                 agent.setdefault(key, []).append(value)
     row |= {f"agent_{key}": statistics.fmean(values) for key, values in sorted(agent.items())}
+    row |= failure_row(rollouts, [r for g in replayed for r in g.skipped.values()], batch, adapter or AdapterConfig())
     row |= {f"time_{name}_s": round(seconds, 4) for name, seconds in times.items()}
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
@@ -159,6 +164,10 @@ class Trainer:
         self.order = TaskOrder(len(self.tasks), config.run.seed, config.data.shuffle)
         self.metrics: MetricsLog | None = None
         self.backend: TrainingBackend | None = None
+        self.adapter = trained_adapter(config.adapter, trained_models(config))
+        self.others = OtherModels(config, self.run_dir.root, self.adapter)
+        self._others_row: Row = {}
+        self.validation = ValidationPass(config.validation, self.run_id, self.adapter) if config.validation else None
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -169,6 +178,7 @@ class Trainer:
         (self.run_dir.root / "config.json").write_text(json.dumps(config_to_mapping(config), indent=2))
         resumed = self.run_dir.latest_checkpoint() if config.run.resume else None
         self.backend = build_backend(config)
+        self.others.prepare()
         if resumed is not None:
             state, backend_state = resumed
             self.backend.load_weights(self.run_dir.weights(state.weights_version))
@@ -186,21 +196,8 @@ class Trainer:
         return state
 
     def run_spec(self) -> dict[str, Any]:
-        """The run's executor settings, as the gateway records them (`RunSpec`)."""
-        agent = self.config.agent
-        spec = RunSpec(
-            run_id=self.run_id,
-            name=self.run_id,
-            backend="local",
-            command=list(agent.command),
-            concurrency=agent.concurrency,
-            timeout_s=agent.timeout_s,
-            max_attempts=agent.max_attempts,
-            env=dict(agent.env),
-            evaluator_command=list(agent.evaluator_command) if agent.evaluator_command else None,
-            reward_from=agent.reward_from,
-        )
-        return msgspec.to_builtins(spec)  # type: ignore[no-any-return]
+        """The run's executor settings, as the gateway records them (`RunSpec`, `trainer.policies.run_spec`)."""
+        return msgspec.to_builtins(run_spec(self.config, self.run_id))  # type: ignore[no-any-return]
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -216,6 +213,7 @@ class Trainer:
         try:
             await gateway.start_run(self.run_spec())
             await self._serve(engine, gateway, state.weights_version)
+            await self.others.serve(gateway, self.run_id)
             await watch.start(await store.last_sequence())
             if in_flight:
                 await watch.adopt(r for g in in_flight for r in g.rollout_ids)
@@ -229,6 +227,7 @@ class Trainer:
                         await gateway.cancel_rollout(rollout_id, "the training run finished")
         finally:
             await watch.stop()
+            await asyncio.to_thread(self.others.close)
             await gateway.close()
             await engine.close()
             await store.close()
@@ -298,15 +297,22 @@ class Trainer:
             elapsed_s=done - started,
         )
         await asyncio.to_thread(self._checkpoint, state)
-        row = step_row(step, new_version, replayed, batch, stale, version, update, times)
-        row["elapsed_s"] = round(done - started, 3)
+        row = step_row(step, new_version, replayed, batch, stale, version, update, times, self.adapter)
+        row |= self._others_row
+        if self.validation is not None and self.validation.due(step):
+            row |= await self.validation.run(step, gateway, watch, store)
+        row["elapsed_s"] = round(time.monotonic() - started, 3)
         self.metrics.add(row)
         if self.on_step is not None:
             self.on_step(row)
         return state, in_flight, row
 
     async def _top_up(
-        self, step: int, state: TrainerState, in_flight: list[InFlightGroup], gateway: GatewayClient,
+        self,
+        step: int,
+        state: TrainerState,
+        in_flight: list[InFlightGroup],
+        gateway: GatewayClient,
         watch: StatusWatch,
     ) -> tuple[list[InFlightGroup], int]:
         """Declare the groups that bring the run up to its target in flight; returns them all and the task count."""
@@ -318,7 +324,7 @@ class Trainer:
                 rollout_id=rollout_id,
                 group_id=group.group_id,
                 input=self.tasks[self.order.index(group.task_index)],
-                metadata={"task_index": group.task_index, "step": step},
+                metadata={"task_index": group.task_index, "step": step, "group_size": len(group.rollout_ids)},
             )
             for group in fresh
             for rollout_id in group.rollout_ids
@@ -335,7 +341,7 @@ class Trainer:
     ) -> tuple[list[ReplayedGroup], StepBatch, int]:
         """Replay the ended groups and build the step's samples; records what was trained and writes the samples."""
         config = self.config
-        replayed = [await replay_group(store, self.run_id, group) for group in ended]
+        replayed = [await replay_group(store, self.run_id, group, self.adapter.selection()) for group in ended]
         rollouts = [r for g in replayed for r in g.rollouts]
         if replayed and not rollouts and (step == 1 or state.step == 0):
             reasons = sorted({reason for g in replayed for reason in g.skipped.values()})
@@ -346,13 +352,20 @@ class Trainer:
         stale = 0
         if config.run.mode == "async":
             rollouts, stale = drop_stale_calls(rollouts, state.weights_version, config.async_.max_staleness)
-        batch = build_step(rollouts, config.adapter)
+        main = self.config.model.served_name  # each trained model learns from its own calls only
+        batch = build_step([r.for_model(main) for r in rollouts], self.adapter.for_models((main,)))
+        self.others.cut(rollouts)
         await self._record_step(store, step, state.weights_version, rollouts)
         await asyncio.to_thread(self._write_samples, step, rollouts, batch)
         return replayed, batch, stale
 
     async def _train_and_serve(
-        self, step: int, version: int, batch: StepBatch, gateway: GatewayClient, engine: ServingEngine,
+        self,
+        step: int,
+        version: int,
+        batch: StepBatch,
+        gateway: GatewayClient,
+        engine: ServingEngine,
         times: dict[str, float],
     ) -> tuple[UpdateMetrics | None, int]:
         """Inside the phase gate: update, save v+1 and make every replica serve it; returns the update and version.
@@ -377,6 +390,7 @@ class Trainer:
             times["save"] = time.monotonic() - mark
             mark = time.monotonic()
             await engine.load(path.resolve(), new_version)
+        self._others_row = await self.others.update()  # the run's other trained models, same gate
         await gateway.set_phase(self.run_id, "rollout", new_version, key=f"{self.run_id}-rollout-{step}")
         times["reload"] = time.monotonic() - mark
         return update, new_version
@@ -393,7 +407,7 @@ class Trainer:
             "step": step,
             "weights_version": version,
             "max_staleness": config.async_.max_staleness if config.run.mode == "async" else None,
-            "adapter": msgspec.to_builtins(config.adapter),
+            "adapter": msgspec.to_builtins(self.adapter),
         }
         await store.append_many(
             CustomEvent(
@@ -408,7 +422,7 @@ class Trainer:
 
     def _write_samples(self, step: int, rollouts: Sequence[RolloutCalls], batch: StepBatch) -> None:
         """The step's samples as `rollwire replay --format json` reports them, for audit and comparison."""
-        rewards = {r.rollout_id: rollout_reward(r, self.config.adapter) for r in rollouts}
+        rewards = {r.rollout_id: rollout_reward(r, self.adapter) for r in rollouts}
         rows = (
             sample_row(s, step=step, reward=rewards[s.rollout_id] or 0.0, advantage=s.advantage,
                        token_weight=s.token_weight)

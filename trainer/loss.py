@@ -43,10 +43,12 @@ class PolicyBatch(msgspec.Struct, frozen=True, kw_only=True):
     old_logprobs: torch.Tensor  # [B, T-1] float, behaviour logprobs of input_ids[:, 1:] (0 off-mask)
     advantages: torch.Tensor  # [B, T-1] float, the sample's advantage on each of its positions
     token_weight: torch.Tensor  # [B, T-1] float, the sample's loss weight on each of its positions
+    temperature: torch.Tensor | None = None  # [B, 1, 1] float, the temperature each row was sampled at
 
     def to(self, device: torch.device | str) -> PolicyBatch:
         """The same batch on another device."""
-        return PolicyBatch(**{f: getattr(self, f).to(device) for f in self.__struct_fields__})
+        fields = {f: getattr(self, f) for f in self.__struct_fields__}
+        return PolicyBatch(**{f: None if v is None else v.to(device) for f, v in fields.items()})  # type: ignore[arg-type]
 
 
 class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,8 +84,12 @@ class LossMetrics(msgspec.Struct, frozen=True, kw_only=True):
     entropy: float | None = None
 
 
-def collate(samples: Sequence[Sample], *, pad_id: int = 0) -> PolicyBatch:
-    """Right-pad samples into a `PolicyBatch` (one row per sample, in order)."""
+def collate(samples: Sequence[Sample], *, pad_id: int = 0, default_temperature: float = 1.0) -> PolicyBatch:
+    """Right-pad samples into a `PolicyBatch` (one row per sample, in order).
+
+    A row's temperature is its sample's recorded sampling temperature (greedy counts as 1, as the
+    engine reports it), else `default_temperature` (calls recorded without one).
+    """
     if not samples:
         raise ValueError("collate needs at least one sample")
     batch, length = len(samples), max(len(s.tokens) for s in samples)
@@ -110,14 +116,30 @@ def collate(samples: Sequence[Sample], *, pad_id: int = 0) -> PolicyBatch:
         old_logprobs=old_logprobs[:, 1:],
         advantages=advantages[:, 1:],
         token_weight=token_weight[:, 1:],
+        temperature=torch.tensor(
+            [_temperature(s.temperature, default_temperature) for s in samples], dtype=torch.float32
+        ).view(-1, 1, 1),
     )
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+def _row_temperature(batch: PolicyBatch) -> float | torch.Tensor:
+    return 1.0 if batch.temperature is None else batch.temperature
+
+
+def _temperature(recorded: float | None, default: float) -> float:
+    if recorded is None:
+        return default
+    return recorded if recorded > 0.0 else 1.0
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, *, temperature: float | torch.Tensor = 1.0
+) -> torch.Tensor:
     """Log-probability of each next token under the logits: [B, T, V] x [B, T] -> [B, T-1].
 
     Column t is log p(input_ids[:, t+1] | input_ids[:, :t+1]). Divide by the sampling
-    `temperature` so the result is comparable to the engine's behaviour logprobs.
+    `temperature` (a number, or [B, 1, 1] per row: `PolicyBatch.temperature`) so the result is
+    comparable to the engine's behaviour logprobs.
     """
     shifted = logits[:, :-1, :].float() / temperature  # [B, T-1, V]
     targets = input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
@@ -125,7 +147,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, temperature
     return picked - torch.logsumexp(shifted, dim=-1)  # [B, T-1]
 
 
-def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+def token_entropy(logits: torch.Tensor, *, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Entropy of each next-token distribution: [B, T, V] -> [B, T-1] (aligned like `token_logprobs`)."""
     logp = torch.log_softmax(logits[:, :-1, :].float() / temperature, dim=-1)  # [B, T-1, V]
     return -(logp.exp() * logp).sum(-1)  # [B, T-1]
@@ -181,6 +203,8 @@ def policy_loss(
             ratio_mean=_masked_mean(ratio, mask, tokens),
             approx_kl=_masked_mean(ratio - 1.0 - log_ratio, mask, tokens),
             kl_ref=None if kl_ref is None else _masked_mean(kl_ref, mask, tokens),
-            entropy=None if logits is None else _masked_mean(token_entropy(logits), mask, tokens),
+            entropy=None
+            if logits is None
+            else _masked_mean(token_entropy(logits, temperature=_row_temperature(batch)), mask, tokens),
         )
     return loss, metrics

@@ -25,7 +25,7 @@ from schemas.events import TERMINAL_STATUSES
 from schemas.ids import ROLLOUT_STATUS
 from services.common.eventstore import EventStore
 from trainer.checkpoint import InFlightGroup
-from trainer.core import MalformedCall, NotTrainable, RolloutCalls, rollout_calls
+from trainer.core import MalformedCall, NotTrainable, RolloutCalls, Selection, rollout_calls
 
 AGENT_METRICS_EVENT = "metrics"
 
@@ -129,15 +129,17 @@ def _agent_metrics(events: Sequence[object], attempt_id: str | None) -> dict[str
     return found
 
 
-async def replay_group(store: EventStore, run_id: str, group: InFlightGroup) -> ReplayedGroup:
-    """Read every rollout of an ended group from the stream and extract its training calls."""
+async def replay_group(
+    store: EventStore, run_id: str, group: InFlightGroup, select: Selection | None = None
+) -> ReplayedGroup:
+    """Read every rollout of an ended group from the stream and extract its training calls (`select`ed)."""
     rollouts: list[RolloutCalls] = []
     skipped: dict[str, str] = {}
     metrics: list[dict[str, float]] = []
     for rollout_id in group.rollout_ids:
         events = [stored.event for stored in await store.read_rollout(run_id, rollout_id)]
         try:
-            calls = rollout_calls(events)
+            calls = rollout_calls(events, select)
         except NotTrainable as exc:
             skipped[rollout_id] = exc.reason
             continue

@@ -102,10 +102,11 @@ def reference_from_model(model: torch.nn.Module, samples: Any, temperature: floa
     from trainer.loss import collate, token_logprobs
 
     pad = getattr(model.config, "pad_token_id", None)
-    batch = collate(samples, pad_id=pad if isinstance(pad, int) else 0)
+    batch = collate(samples, pad_id=pad if isinstance(pad, int) else 0, default_temperature=temperature)
     with torch.no_grad():
         logits = forward_logits(model, batch.input_ids, batch.attention_mask)
-        logprobs = token_logprobs(logits, batch.input_ids, temperature=temperature)  # [B, T-1]
+        per_row = batch.temperature if batch.temperature is not None else temperature
+        logprobs = token_logprobs(logits, batch.input_ids, temperature=per_row)  # [B, T-1]
     rows = []
     for row, sample in enumerate(samples):
         aligned = torch.zeros(len(sample.tokens))

@@ -161,3 +161,17 @@ def report_reward(value: float, *, name: str | None = None, step: int | None = N
 def emit(name: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
     """Emit a custom event for the current attempt (see `Attempt.emit`)."""
     return current().emit(name, payload)
+
+
+def agent_base_url(name: str, base_url: str | None = None) -> str:
+    """The OpenAI base URL of agent `name` of this attempt: `OPENAI_BASE_URL` with `/agent/{name}` before `/openai/v1`.
+
+    Calls through it are recorded with `agent = name`, and routed to the model the run gives that
+    agent. A harness that cannot vary its base URL sends the `X-Rollwire-Agent: name` header instead.
+    """
+    base = (base_url or os.environ.get("OPENAI_BASE_URL") or "").rstrip("/")
+    if not base.endswith("/openai/v1"):
+        raise AgentkitError(f"OPENAI_BASE_URL {base!r} is not a Rollwire proxy base URL (ending in /openai/v1)")
+    if not name or any(c in name for c in "./*> \t\n"):
+        raise AgentkitError(f"agent name {name!r} must be an id (no '.', '*', '>', '/' or whitespace)")
+    return f"{base.removesuffix('/openai/v1')}/agent/{name}/openai/v1"

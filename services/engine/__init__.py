@@ -2,7 +2,7 @@
 
     python -m services.engine --model DIR --port 8000      # without --model: the tiny default model
 
-Gives the gateway what it asks vLLM for (prompt and response token ids, raw logprobs, streaming,
+Gives the gateway what it asks vLLM for (prompt and response token ids, processed logprobs, streaming,
 tool calls, weight reloads with versions) on a laptop CPU, so the whole loop runs without a GPU.
 
 Modules, from the wire inwards:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from services.engine.output import ChoiceBuilder, TokenDelta
-from services.engine.sampling import SamplingParams, raw_logprobs, sample_token, top_entries
+from services.engine.sampling import SamplingParams, sample_token, sampled_logprobs, top_entries
 from services.engine.weights import Weights
 
 
@@ -58,9 +58,9 @@ def _cache_of(output: Any) -> Any:
 def _choose(
     row_logits: torch.Tensor, builder: ChoiceBuilder, params: SamplingParams, gen: torch.Generator
 ) -> TokenDelta:
-    """Sample a token from logits [V] and record it with its raw logprob."""
+    """Sample a token from logits [V] and record it with its logprob under the distribution sampled from."""
     token = sample_token(row_logits, params, gen)
-    logprobs = raw_logprobs(row_logits)
+    logprobs = sampled_logprobs(row_logits, params)
     return builder.add(token, float(logprobs[token]), top_entries(logprobs, params.top_logprobs))
 
 

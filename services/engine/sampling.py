@@ -1,12 +1,12 @@
 """Choosing the next token from a row of logits, and the logprobs reported for it.
 
-Logprob definition (vLLM's default `raw_logprobs` mode): the reported logprob of a token, and every
-`top_logprobs` entry, is the model's raw `log_softmax(logits)` at temperature 1, before temperature
-scaling, top-k and top-p. It is the probability the current weights give the token, which is what a
-trainer recomputes with a forward pass and what importance ratios compare against. It equals the
-log-probability under the distribution the token was drawn from only when temperature is 1 and no
-top-k/top-p truncation is active; with other settings the sampling distribution is the processed one
-below and the reported number is still the raw model logprob.
+Logprob definition (vLLM's `processed_logprobs` mode, `--logprobs-mode processed_logprobs`): the
+reported logprob of a token, and every `top_logprobs` entry, is the log-probability under the
+distribution the token was actually drawn from: the logits divided by the temperature, then top-k
+and top-p truncation (tokens outside get -inf), then `log_softmax`. That is the behaviour
+probability an importance ratio needs; the raw model logprob (temperature 1, no truncation) is
+that only when sampling was plain. Greedy requests (temperature 0) report the truncated
+distribution at temperature 1, as vLLM does.
 
 Sampling: temperature 0 is greedy (argmax, lowest id on ties). Otherwise logits are divided by the
 temperature, top-k keeps the k largest, top-p keeps the smallest prefix of tokens (by decreasing
@@ -57,23 +57,37 @@ def _truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
+def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [V] as sampled from: over the temperature (1 when greedy), then top-k / top-p truncated."""
+    temperature = params.temperature if params.temperature > 0.0 else 1.0
+    return _truncate(logits.float() / temperature, params.top_k, params.top_p)
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token id drawn from logits [V] (float32) under `params`."""
     if params.temperature == 0.0:
         return int(torch.argmax(logits).item())
-    processed = _truncate(logits / params.temperature, params.top_k, params.top_p)
-    probs = torch.softmax(processed, dim=-1)
+    probs = torch.softmax(processed_logits(logits, params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
-    """Raw model logprobs [V] (temperature 1, no truncation): the numbers reported to clients."""
+    """Raw model logprobs [V] (temperature 1, no truncation)."""
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def sampled_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logprobs [V] of the distribution a token is drawn from (-inf outside top-k / top-p): what is reported."""
+    return torch.log_softmax(processed_logits(logits, params), dim=-1)
+
+
 def top_entries(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    """The k most likely (token id, logprob) pairs, most likely first."""
+    """The k most likely (token id, logprob) pairs, most likely first.
+
+    A token outside top-k / top-p has logprob -inf, reported as -9999.0 as vLLM's API does (JSON
+    has no infinity).
+    """
     if k <= 0:
         return []
     values, ids = torch.topk(logprobs, k)
-    return list(zip(ids.tolist(), values.tolist(), strict=True))
+    return [(i, v if v != float("-inf") else -9999.0) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]

@@ -759,7 +759,7 @@ async def get_run(request: Request, run_id: str) -> Response:
     gw.admin(request)
     view = await gw.reader.run(_id("run_id", run_id))
     if view is None:
-        raise not_found(f"run {run_id} was never started (POST /api/runs)")
+        raise not_found(f"run {run_id} has no events: it was never started (POST /api/runs) nor given a rollout")
     body = {
         "run_id": run_id,
         "name": view.name,

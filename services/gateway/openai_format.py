@@ -8,6 +8,7 @@ asked for: the extras are removed unless its own request set them. Pure function
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -64,6 +65,16 @@ def prepare_request(body: dict[str, Any], upstream_model: str) -> tuple[dict[str
             "include_usage": True,
         }
     return upstream, wants
+
+
+def sampling_params(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's `temperature`, `top_p` and `top_k` as recorded on the call (absent: None)."""
+    out: dict[str, Any] = {"temperature": None, "top_p": None, "top_k": None}
+    for key, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
+        value = body.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            out[key] = kind(value)
+    return out
 
 
 def _logprob_values(choice: dict[str, Any]) -> list[float]:

@@ -26,7 +26,7 @@ from services.gateway.context import Gateway
 from services.gateway.errors import unavailable
 from services.gateway.frontends.base import Translator, error_body
 from services.gateway.limits import check_call, clamp_max_tokens
-from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion
+from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion, sampling_params
 from services.gateway.payload import refusal
 from services.gateway.readmodel import RolloutView
 from services.gateway.recording import cut
@@ -59,6 +59,8 @@ class Call(msgspec.Struct, kw_only=True):
     stream: bool
     translator: Translator
     started: float = 0.0
+    started_at: float = 0.0
+    agent: str | None = None
 
 
 class Outcome(msgspec.Struct, kw_only=True):
@@ -100,6 +102,7 @@ class Pipeline:
                     view.run_id, view.rollout_id, call.attempt_id, call.call_id, call.mode, call.model.name
                 )
             call.started = time.perf_counter()
+            call.started_at = time.time()
             if call.stream:
                 await self._stream(call, receive, send)
             else:
@@ -137,6 +140,10 @@ class Pipeline:
             "latency_s": time.perf_counter() - call.started,
             "error": outcome.error,
             "api": call.api,
+            "agent": call.agent,
+            "endpoint": call.model.name,
+            "started_at": call.started_at,
+            **sampling_params(call.recorded_request),
         }
         if not outcome.records:
             return [ModelRequestRecorded(event_id=f"{call_id}-0", **common)]

@@ -5,6 +5,9 @@
     /proxy/rollout/{rid}/attempt/{aid}/mode/{train|val}/anthropic/
         HEAD, POST v1/messages, POST v1/messages/count_tokens, GET v1/models
 
+An agent of a multi-agent harness names itself with `agent/{name}` after the mode, or with the
+`X-Rollwire-Agent` header (`agents.py`); the name is recorded on its calls and may route them.
+
 This is the hot path, so it is a plain ASGI handler (no routing or validation framework in the
 way), admission is checked against the in-memory state (`state.py`), the upstream is one pooled
 `UpstreamClient` (`upstream.py`), and JSON goes through msgspec.
@@ -25,6 +28,7 @@ import msgspec
 
 from schemas import ModelRequestRecorded, new_id
 from schemas.ids import MODEL_REQUEST
+from services.gateway.agents import AGENT_HEADER, agent_name, routed_model, split_agent
 from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_json
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
@@ -57,12 +61,13 @@ class Route(msgspec.Struct, frozen=True):
     mode: str
     api: Api
     rest: str
+    agent: str | None = None
 
 
 def parse_route(path: str) -> Route:
     """The route of a `/proxy/rollout/...` path (404 naming the served APIs when it is not one)."""
-    parts = path[len(PREFIX) :].split("/")
-    # rid / attempt / aid / mode / m / api [/ v1] / rest...
+    agent, parts = split_agent(path[len(PREFIX) :].split("/"))
+    # rid / attempt / aid / mode / m [/ agent / name] / api [/ v1] / rest...
     if len(parts) < 6 or parts[1] != "attempt" or parts[3] != "mode":
         raise not_found(
             f"unknown proxy path; use /proxy/rollout/{{rid}}/attempt/{{aid}}/mode/{{train|val}}/...: {SERVED}"
@@ -71,9 +76,9 @@ def parse_route(path: str) -> Route:
     if mode not in ("train", "val"):
         raise not_found(f"unknown proxy mode {mode!r}; use train or val")
     if api == "openai" and parts[6:7] == ["v1"]:
-        return Route(rollout_id, attempt_id, mode, "openai", "/".join(parts[7:]))
+        return Route(rollout_id, attempt_id, mode, "openai", "/".join(parts[7:]), agent)
     if api == "anthropic":
-        return Route(rollout_id, attempt_id, mode, "anthropic", "/".join(parts[6:]).rstrip("/"))
+        return Route(rollout_id, attempt_id, mode, "anthropic", "/".join(parts[6:]).rstrip("/"), agent)
     raise not_found(f"the proxy does not serve {'/'.join(parts[5:])!r}: {SERVED}")
 
 
@@ -101,6 +106,9 @@ class Proxy:
 
         try:
             route = parse_route(scope["path"])
+            agent = agent_name(route.agent, header(scope, AGENT_HEADER))
+            if agent != route.agent:
+                route = msgspec.structs.replace(route, agent=agent)
             handler = ROUTES.get((route.api, scope["method"], route.rest))
             if handler is None:
                 raise not_found(f"the proxy does not serve {scope['method']} {route.rest or '/'}: {SERVED}")
@@ -168,9 +176,17 @@ class Proxy:
             )
         return models
 
-    def choose(self, view: RolloutView, requested: Any) -> ModelEntry:
-        """The endpoint for a call: those `requested` names (or its alias), else the run's; one per rollout."""
+    def choose(self, view: RolloutView, requested: Any, agent: str | None = None) -> ModelEntry:
+        """The endpoint for a call: the agent's routed model, else those `requested` names (or its alias),
+        else the run's; one endpoint per rollout of a pool.
+        """
         models = self.models(view)
+        spec = self.gw.state.runs.get(view.run_id)
+        route = routed_model(spec[0] if spec else None, agent)
+        if route is not None:  # the run routes this agent to its model, whatever the request says
+            if not any(m.name == route for m in models):
+                raise unavailable(f"run {view.run_id} routes agent {agent} to model {route}, which is not registered")
+            requested = route
         requested = self.gw.state.model_alias(view.run_id, requested)
         matching = [m for m in models if requested in (m.name, m.served_model)]
         # A rollout sticks to one endpoint (its prefix cache), the same through every gateway.
@@ -186,7 +202,7 @@ class Proxy:
 
     def call(self, view: RolloutView, route: Route, model: ModelEntry, **fields: Any) -> Call:
         """A call of this route to `model` (the front end supplies payload, request and translator)."""
-        return Call(view=view, attempt_id=route.attempt_id, mode=route.mode, model=model, **fields)
+        return Call(view=view, attempt_id=route.attempt_id, mode=route.mode, model=model, agent=route.agent, **fields)
 
     async def previous(self, view: RolloutView, attempt_id: str, response_id: Any) -> list[Turn]:
         """The turns of this attempt's recorded call `resp_<call_id>` and its answer (404 if none)."""
@@ -220,7 +236,7 @@ class Proxy:
         send: Send,
     ) -> None:
         """Send a canonical conversation through the pipeline (the Responses and Messages front ends)."""
-        model = self.choose(view, conv.model)
+        model = self.choose(view, conv.model, route.agent)
         recorded = conv.chat_body()
         upstream, _ = prepare_request(recorded, model.upstream_model)
         call_id = new_id()
@@ -246,7 +262,7 @@ async def _chat(proxy: Proxy, scope: Scope, receive: Receive, send: Send, route:
     request = await proxy.json_body(scope, receive)
     if not isinstance(request.get("messages"), list):
         raise ApiError(422, 'chat completions need a list of "messages"', field="messages")
-    model = proxy.choose(view, request.get("model"))
+    model = proxy.choose(view, request.get("model"), route.agent)
     payload, translator = chat.prepare(request, model.upstream_model)
     call = proxy.call(
         view,
@@ -290,7 +306,7 @@ async def _count_tokens(proxy: Proxy, scope: Scope, receive: Receive, send: Send
     view = await proxy.admit(scope, route)
     request = await proxy.json_body(scope, receive)
     conv = messages.conversation({"max_tokens": 1, **request})
-    model = proxy.choose(view, conv.model)
+    model = proxy.choose(view, conv.model, route.agent)
     headers = {"content-type": "application/json"} | (
         {"authorization": f"Bearer {model.api_key}"} if model.api_key else {}
     )

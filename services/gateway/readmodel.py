@@ -195,7 +195,8 @@ class RunView(msgspec.Struct, kw_only=True):
     run_id: str
     name: str
     config: dict[str, Any]
-    started_at: float
+    started_at: float | None
+    """None for a run with events that was never declared (`POST /api/runs`)."""
     seq: int
     rollouts: dict[str, int] = {}
 
@@ -274,12 +275,14 @@ class StreamRolloutReader:
         async for stored in self.store.read(RUN_SUBJECT.format(run=run_id)):
             if isinstance(stored.event, RunStarted) and started is None:
                 started = (stored.event, stored.seq)
-        if started is None:
-            return None
-        event, seq = started
         counts: dict[str, int] = {}
         for view in await self._fold_all(run_id):
             counts[view.status] = counts.get(view.status, 0) + 1
+        if started is None:  # rollouts without a declared run still make a run
+            if not counts:
+                return None
+            return RunView(run_id=run_id, name="", config={}, started_at=None, seq=0, rollouts=counts)
+        event, seq = started
         return RunView(
             run_id=run_id, name=event.name, config=dict(event.config), started_at=event.time, seq=seq, rollouts=counts
         )

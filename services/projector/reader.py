@@ -321,16 +321,20 @@ class PostgresRolloutReader:
         return [_event_from_row(row) for row in rows]
 
     async def run(self, run_id: str) -> RunView | None:
-        """A run's spec and its rollouts by status, or None when no run was started with this id."""
+        """A run's spec and its rollouts by status, or None when the stream has no event of this run.
+
+        A run that has events but was never declared (`POST /api/runs`) has an empty spec, no
+        `started_at` and `seq` 0: `GET /api/runs` lists it, so `GET /api/runs/{run}` answers it too.
+        """
         check_id("run_id", run_id)
         async with self.acquire() as conn:
-            row = await conn.fetchrow("SELECT * FROM runs WHERE run_id = $1 AND started_seq IS NOT NULL", run_id)
+            row = await conn.fetchrow("SELECT * FROM runs WHERE run_id = $1", run_id)
             if row is None:
                 return None
             counts = await self._status_counts(conn, [run_id])
         return RunView(
             run_id=run_id, name=row["name"] or "", config=_loads(row["config"]) or {}, started_at=row["started_at"],
-            seq=row["started_seq"], rollouts=counts.get(run_id, {}),
+            seq=row["started_seq"] or 0, rollouts=counts.get(run_id, {}),
         )  # fmt: skip
 
     # ---- summaries --------------------------------------------------------------------------

@@ -90,6 +90,12 @@ def replay(
     std: bool | None = typer.Option(None, "--std/--no-std", help="Divide advantages by the group's std."),
     norm: str | None = typer.Option(None, "--norm", help="token-mean | seq-mean-token-mean | rollout-mean"),
     step: int | None = typer.Option(None, "--step", help="Only the rollouts the trainer trained in step N."),
+    agents: str | None = typer.Option(
+        None, "--agents", help="Train only these agents' calls (comma-separated; 'all' = every agent)."
+    ),
+    models: str | None = typer.Option(
+        None, "--models", help="Train only calls to these registered models (comma-separated; 'all' = every model)."
+    ),
     compare: list[str] | None = typer.Option(
         None, "--compare", help="Schemes to put side by side (e.g. --compare rollout-mean seq-mean-token-mean)."
     ),
@@ -111,7 +117,11 @@ def replay(
         _choice("--format", fmt, FORMATS)
         if more and not compare:
             raise UsageError(f"unexpected argument(s) {' '.join(more)}; schemes to compare follow --compare")
-    options = {"merge": merge, "advantage": advantage, "estimator": estimator, "std": std, "norm": norm}
+    from services.tools.schemes import names
+
+    with _one_line_errors():
+        selection = {"agents": names("agents", agents), "models": names("models", models)}
+    options = {"merge": merge, "advantage": advantage, "estimator": estimator, "std": std, "norm": norm, **selection}
     specs = [*(compare or []), *(more or [])]
     report = _run(
         nats_url,

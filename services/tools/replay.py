@@ -59,7 +59,7 @@ def replay_chunk(chunk: list[UnitInput], configs: list[AdapterConfig]) -> list[l
     """Replay a chunk of units under every config: per unit, one `UnitRows` per config (worker side)."""
     results = []
     for item in chunk:
-        rollouts, skipped = unit_rollouts(item)
+        rollouts, skipped = unit_rollouts(item, configs[0].selection() if configs else None)
         results.append([unit_rows(item.unit.step, rollouts, config, skipped) for config in configs])
     return results
 
@@ -109,15 +109,21 @@ async def replay_run(
 ) -> ReplayReport:
     """Rebuild the run's samples under the base scheme and each `compare_specs` scheme.
 
-    `options` are the command's scheme options (`merge`, `advantage`, `estimator`, `std`, `norm`;
-    None = the run's recorded adapter config, else the adapter's default). `step` replays only the
+    `options` are the command's scheme options (`merge`, `advantage`, `estimator`, `std`, `norm`,
+    and the selection `agents`, `models`; None = the run's recorded adapter config, else the
+    adapter's default). Every compared scheme takes the base's selection. `step` replays only the
     rollouts the trainer recorded in that step. `budget` is the calls per stream read, `workers`
     the worker processes (default: `default_workers()` for a large run, none for a small one).
     Raises `RunNotFound`, `ReplayError` or the adapter's `AdapterConfigError`, each for the user.
     """
     index = await index_run(store, run_id, nats_url=nats_url)
     base = base_config(index.recorded_adapter, options or {})
-    accumulators = [SchemeAccumulator(scheme) for scheme in schemes(base, compare_specs)]
+    selection = {"agents": base.agents, "models": base.models}
+    compared = [
+        msgspec.structs.replace(s, config=AdapterConfig.from_mapping({**msgspec.structs.asdict(s.config), **selection}))
+        for s in schemes(base, compare_specs)
+    ]
+    accumulators = [SchemeAccumulator(scheme) for scheme in compared]
     await _replay_units(store, index, accumulators, step, default_workers() if workers is None else workers, budget)
     skipped = index.skipped()
     if step is not None:

@@ -85,6 +85,11 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     reward_mean: float
     min_weights_version: int | None
     max_weights_version: int | None
+    calls_context: int = 0
+    rollouts_failed_scored: int = 0
+    rollouts_failed_dropped: int = 0
+    groups_skipped: int = 0
+    rollouts_in_skipped_groups: int = 0
 
 
 class SchemeReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,6 +123,8 @@ class UnitRows(msgspec.Struct, kw_only=True):
     max_version: int | None
     skipped: dict[str, str] = {}
     """Rollouts of the unit the adapter could not take (`malformed-call`)."""
+    counts: dict[str, int] = {}
+    """The failure policy's and the selection's counters (`StepStats` names)."""
 
 
 def unit_rows(
@@ -127,7 +134,7 @@ def unit_rows(
     skipped: Mapping[str, str] | None = None,
 ) -> UnitRows:
     """Merge one unit's rollouts and give them their advantages: the adapter's functions, then rows."""
-    merged, dropped = merge_rollouts(rollouts, config)
+    merged, drops = merge_rollouts(rollouts, config)
     advantages, baselines = rollout_advantages(merged, config)
     rollout_rows: list[RolloutRow] = []
     sample_rows: list[list[SampleRow]] = []
@@ -158,7 +165,14 @@ def unit_rows(
         rollouts=rollout_rows,
         samples=sample_rows,
         groups=groups,
-        dropped=dropped,
+        dropped=drops.no_reward,
+        counts={
+            "calls_context": sum(m.calls_context for m in merged),
+            "rollouts_failed_scored": sum(1 for m in merged if m.failure is not None),
+            "rollouts_failed_dropped": drops.failed,
+            "groups_skipped": drops.groups_skipped,
+            "rollouts_in_skipped_groups": drops.in_skipped_groups,
+        },
         deduped=sum(m.calls_deduped for m in merged),
         too_long=sum(m.calls_too_long for m in merged),
         min_version=min(versions, default=None),
@@ -181,6 +195,7 @@ class SchemeAccumulator:
         self.too_long = 0
         self.versions: list[int] = []
         self.skipped: dict[str, str] = {}
+        self.counts: Counter[str] = Counter()
 
     def add_rows(self, unit: UnitRows, order: Mapping[str, int]) -> None:
         """Collect a unit replayed by `unit_rows` (here or in a worker)."""
@@ -193,6 +208,7 @@ class SchemeAccumulator:
         self.deduped += unit.deduped
         self.too_long += unit.too_long
         self.skipped.update(unit.skipped)
+        self.counts.update(unit.counts)
         self.versions.extend(v for v in (unit.min_version, unit.max_version) if v is not None)
         if len(self.versions) > 2:
             self.versions = [min(self.versions), max(self.versions)]
@@ -245,6 +261,11 @@ class SchemeAccumulator:
             reward_mean=sum(r.reward for r in rollouts) / len(rollouts) if rollouts else 0.0,
             min_weights_version=min(self.versions, default=None),
             max_weights_version=max(self.versions, default=None),
+            calls_context=self.counts["calls_context"],
+            rollouts_failed_scored=self.counts["rollouts_failed_scored"],
+            rollouts_failed_dropped=self.counts["rollouts_failed_dropped"],
+            groups_skipped=self.counts["groups_skipped"],
+            rollouts_in_skipped_groups=self.counts["rollouts_in_skipped_groups"],
         )
 
 

@@ -28,6 +28,8 @@ OPTION_KEYS: dict[str, str] = {
     "estimator": "estimator",
     "std": "scale_std",
     "norm": "norm",
+    "agents": "agents",
+    "models": "models",
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -63,6 +65,19 @@ def describe(config: AdapterConfig) -> str:
             config.norm,
         ]
     )
+
+
+def names(option: str, value: str | None) -> tuple[str, ...] | None:
+    """A comma-separated `--agents` / `--models` value as names (None: not given; "" or "all": every one)."""
+    if value is None:
+        return None
+    if value.strip() in ("", "all"):
+        return ()
+    found = tuple(n.strip() for n in value.split(",") if n.strip())
+    bad = [n for n in found if any(c in n for c in "./*> \t")]
+    if bad:
+        raise AdapterConfigError(f"--{option}: {bad[0]!r} is not a name; give names joined by ',' (or 'all')")
+    return found
 
 
 def spec_help() -> str:

@@ -38,7 +38,15 @@ from schemas import MalformedEvent, upcast
 from schemas.events import AnyEvent, CustomEvent, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, RUN_ALL, check_id
 from services.common.eventstore import EventStore, StoredEvent, _stream_sequence
-from trainer.core import TRAIN_STEP_EVENT, MalformedCall, NotTrainable, RolloutCalls, drop_stale_calls, rollout_calls
+from trainer.core import (
+    TRAIN_STEP_EVENT,
+    MalformedCall,
+    NotTrainable,
+    RolloutCalls,
+    Selection,
+    drop_stale_calls,
+    rollout_calls,
+)
 from trainer.core.calls import CallRecord
 
 CALL_BUDGET = 2048
@@ -203,6 +211,7 @@ async def index_run(store: EventStore, run_id: str, *, nats_url: str = "") -> Ru
         if isinstance(event, RunStarted):
             adapter = event.config.get("adapter")
             recorded = dict(adapter) if isinstance(adapter, Mapping) else recorded
+            recorded = _spec_selection(event.config, recorded)
             continue
         if event.rollout_id is None:
             continue
@@ -243,6 +252,15 @@ async def index_run(store: EventStore, run_id: str, *, nats_url: str = "") -> Ru
             if entry.skip is None and entry.step is None:
                 entry.skip = "not-in-a-step"
     return RunIndex(run_id=run_id, rollouts=rollouts, recorded_adapter=recorded, has_steps=has_steps)
+
+
+def _spec_selection(spec: Mapping[str, Any], recorded: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The run spec's declared selection (`train_agents`, `train_models`) under the recorded adapter config."""
+    selection = {key: list(spec[name]) for key, name in (("agents", "train_agents"), ("models", "train_models"))
+                 if isinstance(spec.get(name), list) and spec[name]}  # fmt: skip
+    if not selection:
+        return recorded
+    return {**selection, **(recorded or {})}
 
 
 def plan_units(index: RunIndex, step: int | None = None) -> list[Unit]:
@@ -302,7 +320,7 @@ def decode_call(data: bytes) -> CallRecord:
         raise MalformedEvent(str(exc)) from None
 
 
-def unit_rollouts(item: UnitInput) -> tuple[list[RolloutCalls], dict[str, str]]:
+def unit_rollouts(item: UnitInput, select: Selection | None = None) -> tuple[list[RolloutCalls], dict[str, str]]:
     """Decode a unit's calls and give each rollout's history to the adapter's `rollout_calls`.
 
     A rollout with a call that cannot be trained on (no token ids, missing logprobs) is skipped as
@@ -314,7 +332,7 @@ def unit_rollouts(item: UnitInput) -> tuple[list[RolloutCalls], dict[str, str]]:
         calls = [(seq, decode_call(data)) for seq, data in raw]
         merged = heapq.merge(small, calls, key=lambda pair: pair[0])
         try:
-            rollout = rollout_calls(event for _, event in merged)
+            rollout = rollout_calls((event for _, event in merged), select)
         except MalformedCall:
             skipped[rollout_id] = "malformed-call"
             continue

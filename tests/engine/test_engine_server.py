@@ -103,15 +103,38 @@ def test_non_stream_returns_token_ids_logprobs_and_usage(
     assert resp.model_extra is not None and resp.model_extra["weights_version"] == 0
 
 
-def test_logprobs_match_a_fresh_forward_pass(client: openai.OpenAI, tiny_model_dir: Path) -> None:
+def _nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Logprobs [N, V] of the distribution sampled from, recomputed here without the engine's code.
+
+    Temperature first, then the nucleus: per row, the most likely tokens whose probability mass
+    before them is below top_p; the rest are impossible; renormalised over the nucleus.
+    """
+    scaled = logits / temperature
+    out = torch.full_like(scaled, float("-inf"))
+    for row in range(scaled.shape[0]):
+        probs = torch.softmax(scaled[row], dim=-1).tolist()
+        order = sorted(range(len(probs)), key=lambda i: -probs[i])
+        mass, keep = 0.0, []
+        for i in order:
+            if mass >= top_p and keep:
+                break
+            keep.append(i)
+            mass += probs[i]
+        kept = scaled[row, keep]
+        out[row, keep] = kept - torch.logsumexp(kept, dim=0)
+    return out
+
+
+def test_logprobs_are_those_of_the_distribution_sampled_from(client: openai.OpenAI, tiny_model_dir: Path) -> None:
+    temperature, top_p = 0.7, 0.9
     resp = client.chat.completions.create(
         model=SERVED_NAME,
         messages=HELLO,
         max_tokens=24,
         n=2,
         logprobs=True,
-        temperature=0.8,
-        top_p=0.9,
+        temperature=temperature,
+        top_p=top_p,
         seed=5,
         stop=["e"],
         extra_body={"return_token_ids": True},
@@ -126,9 +149,12 @@ def test_logprobs_match_a_fresh_forward_pass(client: openai.OpenAI, tiny_model_d
         reported = torch.tensor([e.logprob for e in choice.logprobs.content])
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([prompt_ids + token_ids])).logits[0].float()
-        scores = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)  # [response, V]
+        scores = _nucleus_logprobs(logits[len(prompt_ids) - 1 : -1], temperature, top_p)  # [response, V]
         rescored = scores.gather(1, torch.tensor(token_ids)[:, None])[:, 0]
+        assert torch.isfinite(rescored).all()  # every sampled token was inside its nucleus
         assert torch.allclose(reported, rescored, atol=1e-4), (reported - rescored).abs().max()
+        raw = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1).gather(1, torch.tensor(token_ids)[:, None])
+        assert not torch.allclose(reported, raw[:, 0], atol=1e-2)  # the raw T=1 logprob is another number
 
 
 def test_greedy_is_deterministic_and_is_the_argmax(client: openai.OpenAI, tiny_model_dir: Path) -> None:

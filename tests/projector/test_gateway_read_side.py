@@ -76,3 +76,22 @@ async def test_postgres_unreachable_is_a_clear_503_and_writes_still_work(fresh_n
             assert read.status_code == 503 and "read models (Postgres) cannot be reached" in read.json()["error"]
             assert "writes still work" in read.json()["error"]
             assert (await client.get("/api/runs")).status_code == 503
+
+
+async def test_a_run_with_rollouts_but_never_declared_has_a_summary(fresh_nats: NatsServer, database: str) -> None:
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    with gateway(fresh_nats.url, database) as server:
+        async with httpx.AsyncClient(base_url=server.url, headers=auth, timeout=30) as client:
+            async with running_projector(fresh_nats.url, database):
+                batch = [{"run_id": "undeclared", "rollout_id": f"u{i}", "input": i} for i in range(3)]
+                created = await client.post("/api/rollouts", json={"rollouts": batch})
+                assert created.status_code == 201, created.text
+                seq = created.json()["seq"]
+                listed = (await client.get("/api/runs", params={"min_seq": seq})).json()
+                assert [r["run_id"] for r in listed["runs"]] == ["undeclared"]
+                run = await client.get("/api/runs/undeclared", params={"min_seq": seq})
+                assert run.status_code == 200, run.text
+                body = run.json()
+                assert body["spec"] == {} and body["started_at"] is None and body["rollouts"] == {"queuing": 3}
+                assert body["summary"]["rollouts"] == 3 and body["summary"]["started"] is False
+                assert (await client.get("/api/runs/nothing-here")).status_code == 404

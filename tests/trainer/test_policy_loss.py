@@ -169,3 +169,60 @@ def test_collate_aligns_targets_and_pads() -> None:
         assert batch.loss_mask[row, : n - 1].tolist() == s.loss_mask[1:]
         assert batch.old_logprobs[row, : n - 1].tolist() == pytest.approx(s.logprobs[1:])
         assert batch.loss_mask[row, n - 1 :].sum() == 0 and batch.token_weight[row, n - 1 :].sum() == 0
+
+
+def test_the_loss_recomputes_logprobs_at_each_samples_own_temperature() -> None:
+    """Behaviour logprobs recorded at T=0.7 and T=1.3 (as the engine reports them) give ratio 1 on policy."""
+    from services.engine.sampling import SamplingParams, sampled_logprobs
+
+    model = tiny_model().eval()
+    samples = []
+    for temperature, seed in ((0.7, 1), (1.3, 2), (None, 3)):
+        gen = torch.Generator().manual_seed(seed)
+        prompt = [5, 17, 33, 2]
+        tokens, logprobs = list(prompt), [0.0] * len(prompt)
+        params = SamplingParams(max_tokens=6, temperature=temperature or 1.0)
+        with torch.no_grad():
+            for _ in range(6):
+                row = model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
+                scores = sampled_logprobs(row, params)
+                token = int(torch.multinomial(scores.exp(), 1, generator=gen))
+                tokens.append(token)
+                logprobs.append(float(scores[token]))
+        samples.append(
+            Sample(
+                rollout_id=f"r{seed}",
+                group_id="g",
+                index=0,
+                tokens=tokens,
+                loss_mask=[0] * 4 + [1] * 6,
+                logprobs=logprobs,
+                call_ids=["c"],
+                response_tokens=6,
+                temperature=temperature,
+                advantage=1.0,
+                token_weight=1.0,
+            )
+        )
+    batch = collate(samples, default_temperature=1.0)
+    assert batch.temperature.view(-1).tolist() == pytest.approx([0.7, 1.3, 1.0])
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    new = token_logprobs(logits, batch.input_ids, temperature=batch.temperature)
+    mask = batch.loss_mask.bool()
+    assert torch.allclose(new[mask], batch.old_logprobs[mask], atol=1e-5)
+    at_one = token_logprobs(logits, batch.input_ids)  # one temperature for all: the ratio is off
+    assert not torch.allclose(at_one[mask], batch.old_logprobs[mask], atol=1e-2)
+    _, metrics = policy_loss(new, batch, PolicyLossConfig())
+    assert metrics.ratio_mean == pytest.approx(1.0, abs=1e-5) and metrics.clip_fraction == 0.0
+
+
+def test_a_call_at_another_temperature_starts_its_own_sample() -> None:
+    calls = [
+        Call(call_id="a", prompt_ids=[1, 2], response_ids=[3], logprobs=[-1.0], temperature=0.7),
+        Call(call_id="b", prompt_ids=[1, 2, 3, 4], response_ids=[5], logprobs=[-1.0], temperature=1.0),
+        Call(call_id="c", prompt_ids=[1, 2, 3, 4, 5, 6], response_ids=[7], logprobs=[-1.0], temperature=1.0),
+    ]
+    rollout = RolloutCalls(run_id="r", rollout_id="ro", group_id=None, attempt_id=None, reward=1.0, calls=calls)
+    batch = build_step([rollout], AdapterConfig())
+    assert [(s.call_ids, s.temperature) for s in batch.samples] == [(["a"], 0.7), (["b", "c"], 1.0)]

@@ -17,17 +17,21 @@ from trainer.core.calls import (
     MalformedCall,
     NotTrainable,
     RolloutCalls,
+    Selection,
     call_from_event,
     collect_rollouts,
+    context_call,
     events_by_rollout,
     rollout_calls,
 )
 from trainer.core.config import AdapterConfig, AdapterConfigError, AdvantageLevel
 from trainer.core.dedup import dedup_calls
+from trainer.core.failures import POLICY_FAILURES, FailureKind, failure_kind
 from trainer.core.merge import MergeMode, MergeResult, Sample, merge_calls
 from trainer.core.rows import SampleRow, sample_row
 from trainer.core.staleness import TRAIN_STEP_EVENT, drop_stale_calls
 from trainer.core.step import (
+    Drops,
     MergedRollout,
     StepBatch,
     StepStats,
@@ -42,6 +46,7 @@ from trainer.core.weights import NORMS, Norm, loss_weights
 
 __all__ = [
     "NORMS",
+    "POLICY_FAILURES",
     "SKIP_REASONS",
     "TRAIN_STEP_EVENT",
     "AdapterConfig",
@@ -50,7 +55,9 @@ __all__ = [
     "Call",
     "CallRecord",
     "CollectedRollouts",
+    "Drops",
     "Estimator",
+    "FailureKind",
     "MalformedCall",
     "MergeMode",
     "MergeResult",
@@ -60,15 +67,18 @@ __all__ = [
     "RolloutCalls",
     "Sample",
     "SampleRow",
+    "Selection",
     "StepBatch",
     "StepStats",
     "build_step",
     "build_steps",
     "call_from_event",
     "collect_rollouts",
+    "context_call",
     "dedup_calls",
     "drop_stale_calls",
     "events_by_rollout",
+    "failure_kind",
     "group_advantages",
     "group_baselines",
     "loss_weights",

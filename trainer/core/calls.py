@@ -10,10 +10,18 @@ only the fields read here (a replay decodes that, skipping the request and respo
 The reward is the last `RewardReported` of that attempt (or one reported for the rollout as a
 whole, without an attempt id); `None` when there is none, and `AdapterConfig.missing_reward`
 decides later whether such a rollout is dropped or filled.
+
+Which calls are trained is a `Selection` (agent names, registered model names): the selected calls
+are `calls` (checked trainable), every other `ok` call of the attempt is `context` (never trained,
+never fatal: a judge, a frozen helper, an external API without token ids). Context calls still
+count for dedup (an answer a later call extends was used) and their tokens reach samples only as
+observations inside a trained call's prompt. A rollout that failed is trainable when the policy
+caused it (`trainer.core.failures`): its last attempt's calls, with `failure` set.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
@@ -21,6 +29,7 @@ from msgspec import UNSET, UnsetType
 
 from schemas.bounds import Count, Int32
 from schemas.events import (
+    TERMINAL_STATUSES,
     AttemptStarted,
     CallStatus,
     Event,
@@ -31,6 +40,7 @@ from schemas.events import (
     RolloutStatusChanged,
 )
 from schemas.refs import CallRef, PackedTokens, Resolver, UnresolvedReference
+from trainer.core.failures import FailureKind, failure_kind
 
 
 class MalformedCall(ValueError):
@@ -42,6 +52,8 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
 
     `logprobs[i]` is the behaviour log-probability of `response_ids[i]`; `choice_index` tells
     sibling choices of one request (`n > 1`) apart, so they are never taken for retries.
+    `started_at` / `ended_at` (Unix seconds, None when unknown) tell a retry from a fan-out;
+    `agent` and `model` (the registered model name) decide whether the run trains the call.
     """
 
     call_id: str
@@ -50,8 +62,15 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: list[float]
     weights_version: int | None = None
     choice_index: int = 0
+    agent: str | None = None
+    model: str = ""
+    started_at: float | None = None
+    ended_at: float | None = None
+    temperature: float | None = None
+    finish_reason: str | None = None
 
-    def __post_init__(self) -> None:
+    def check_trainable(self) -> Call:
+        """This call, or `MalformedCall` when it lacks prompt ids or one logprob per response token."""
         if not self.prompt_ids:
             raise MalformedCall(
                 f"call {self.call_id} has no prompt token ids; the engine must return token ids "
@@ -62,6 +81,28 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
                 f"call {self.call_id} has {len(self.response_ids)} response tokens but {len(self.logprobs)} "
                 "logprobs; the engine must return one logprob per sampled token"
             )
+        return self
+
+
+def same_model(endpoint: str, model: str) -> bool:
+    """Whether a call's registered endpoint is `model` or one of its replicas (`{model}-r{i}`)."""
+    if endpoint == model:
+        return True
+    head, _, index = endpoint.rpartition("-r")
+    return head == model and index.isdigit()
+
+
+class Selection(msgspec.Struct, frozen=True, kw_only=True):
+    """Which calls a run trains: agent names and registered model names (empty: no restriction)."""
+
+    agents: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+
+    def trains(self, call: Call) -> bool:
+        """True when the call is training data under this selection."""
+        if self.agents and call.agent not in self.agents:
+            return False
+        return not self.models or any(same_model(call.model, m) for m in self.models)
 
 
 class RolloutCalls(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,6 +114,18 @@ class RolloutCalls(msgspec.Struct, frozen=True, kw_only=True):
     attempt_id: str | None
     reward: float | None
     calls: list[Call]
+    context: list[Call] = []
+    """The attempt's other `ok` calls (not selected): never trained, kept for dedup and counts."""
+    group_size: int | None = None
+    """Rollouts declared in its group (`RolloutCreated.metadata["group_size"]`, set by the trainer)."""
+    failure: FailureKind | None = None
+    """Set when the rollout failed: `timeout`, `agent-error` or `length` (the policy's doing)."""
+
+    def for_model(self, model: str) -> RolloutCalls:
+        """The rollout with only the calls to `model` trained; the other trained calls become context."""
+        mine = [c for c in self.calls if same_model(c.model, model)]
+        others = [c for c in self.calls if not same_model(c.model, model)]
+        return msgspec.structs.replace(self, calls=mine, context=[*self.context, *others])
 
 
 class NotTrainable(ValueError):
@@ -84,7 +137,7 @@ class NotTrainable(ValueError):
         self.reason = reason
 
 
-SKIP_REASONS = ("no-created-event", "val-mode", "not-succeeded")
+SKIP_REASONS = ("no-created-event", "val-mode", "not-succeeded", "infrastructure")
 
 
 class CallRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -107,6 +160,14 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     prompt_ids: list[Count] = []
     response_ids: list[Count] = []
     logprobs: list[float] = []
+    time: float = msgspec.field(default_factory=time.time)
+    latency_s: float = 0.0
+    model: str = ""
+    finish_reason: str | None = None
+    agent: str | None = None
+    endpoint: str | None = None
+    started_at: float | None = None
+    temperature: float | None = None
     prompt_ref: CallRef | UnsetType | None = UNSET
     packed: PackedTokens | UnsetType | None = UNSET
 
@@ -121,6 +182,16 @@ def call_from_event(event: RecordedCall) -> Call:
     Raises `MalformedCall` when the record lacks what training needs: prompt token ids, and one
     logprob per response token. Both come from the engine (vLLM: `return_token_ids`, `logprobs`).
     """
+    return context_call(event).check_trainable()
+
+
+def context_call(event: RecordedCall) -> Call:
+    """The adapter's view of a recorded call, unchecked (a context call need not be trainable).
+
+    The call started at `started_at` (recorded since schema 2), else `latency_s` before it was
+    recorded; it ended when it was recorded (`time`).
+    """
+    started = event.started_at if event.started_at is not None else event.time - event.latency_s
     return Call(
         call_id=event.call_id,
         prompt_ids=event.prompt_ids,
@@ -128,6 +199,12 @@ def call_from_event(event: RecordedCall) -> Call:
         logprobs=event.logprobs,
         weights_version=event.weights_version,
         choice_index=event.choice_index,
+        agent=event.agent,
+        model=event.endpoint or event.model,
+        started_at=started if event.time else None,
+        ended_at=event.time or None,
+        temperature=event.temperature,
+        finish_reason=event.finish_reason,
     )
 
 
@@ -139,11 +216,13 @@ def _resolved(refs: Resolver, event: RecordedCall) -> RecordedCall:
         raise MalformedCall(f"call {event.call_id}: {exc}") from None
 
 
-def _succeeded_attempt(events: Sequence[Event | CallRecord], rollout_id: str | None) -> str | None:
-    """The attempt id of the final status event, which must say `succeeded`.
+def _final_attempt(
+    events: Sequence[Event | CallRecord], rollout_id: str | None
+) -> tuple[str | None, RolloutStatusChanged]:
+    """The attempt id and the event of the final status, which must be terminal.
 
-    A `succeeded` event without an attempt id falls back to the last `AttemptStarted`; a rollout
-    that never tracked attempts yields `None`, which then matches calls recorded without one.
+    An end without an attempt id falls back to the last `AttemptStarted`; a rollout that never
+    tracked attempts yields `None`, which then matches calls recorded without one.
     """
     final: RolloutStatusChanged | None = None
     last_started: str | None = None
@@ -152,17 +231,20 @@ def _succeeded_attempt(events: Sequence[Event | CallRecord], rollout_id: str | N
             final = event
         elif isinstance(event, AttemptStarted):
             last_started = event.attempt_id
-    if final is None or final.status != "succeeded":
+    if final is None or final.status not in TERMINAL_STATUSES:
         raise NotTrainable(rollout_id, "not-succeeded", f"final status {final.status if final else 'none'}")
-    return final.attempt_id if final.attempt_id is not None else last_started
+    return (final.attempt_id if final.attempt_id is not None else last_started), final
 
 
-def rollout_calls(events: Iterable[Event | CallRecord]) -> RolloutCalls:
+def rollout_calls(events: Iterable[Event | CallRecord], select: Selection | None = None) -> RolloutCalls:
     """The training calls and reward of one rollout, from its events in stream order.
 
-    Raises `NotTrainable` for a rollout that yields no training data (no `RolloutCreated` seen,
-    declared in `val` mode, or not finished as succeeded), and `MalformedCall` for a kept call that
-    cannot be trained on. Events of another rollout are an error (`ValueError`).
+    `select` says which calls are trained (default: all); the attempt's other `ok` calls are
+    `context`. A rollout that failed because of the policy (see `trainer.core.failures`) is returned
+    with `failure` set and no reward; the adapter scores it. Raises `NotTrainable` for a rollout
+    that yields no training data (no `RolloutCreated` seen, declared in `val` mode, not ended, or
+    ended by the infrastructure or a cancel), and `MalformedCall` for a selected call that cannot
+    be trained on. Events of another rollout are an error (`ValueError`).
     """
     ordered = list(events)
     rollout_id = next((e.rollout_id for e in ordered if e.rollout_id is not None), None)
@@ -176,16 +258,31 @@ def rollout_calls(events: Iterable[Event | CallRecord]) -> RolloutCalls:
         raise NotTrainable(rollout_id, "no-created-event", "replay the rollout's whole history")
     if created.mode != "train":
         raise NotTrainable(rollout_id, "val-mode")
-    attempt = _succeeded_attempt(ordered, rollout_id)
+    attempt, final = _final_attempt(ordered, rollout_id)
+    select = select or Selection()
     calls: list[Call] = []
+    context: list[Call] = []
     reward: float | None = None
     refs = Resolver(requests=False)
     for event in ordered:
         if isinstance(event, ModelRequestRecorded | CallRecord):
             if event.attempt_id == attempt and event.status == "ok" and event.mode == "train":
-                calls.append(call_from_event(_resolved(refs, event)))
+                call = context_call(_resolved(refs, event))
+                if select.trains(call):
+                    calls.append(call.check_trainable())
+                else:
+                    context.append(call)
         elif isinstance(event, RewardReported) and event.attempt_id in (attempt, None):
             reward = event.value
+    failure: FailureKind | None = None
+    if final.status != "succeeded":
+        last = max([*calls, *context], key=lambda c: c.ended_at or 0.0, default=None)
+        kind = failure_kind(final.status, final.reason, last.finish_reason if last else None)
+        if kind is None or final.status == "cancelled":
+            raise NotTrainable(rollout_id, "not-succeeded", f"final status {final.status}")
+        if kind == "infrastructure":
+            raise NotTrainable(rollout_id, "infrastructure", final.reason or "")
+        failure, reward = kind, None
     return RolloutCalls(
         run_id=created.run_id,
         rollout_id=rollout_id,
@@ -193,7 +290,15 @@ def rollout_calls(events: Iterable[Event | CallRecord]) -> RolloutCalls:
         attempt_id=attempt,
         reward=reward,
         calls=calls,
+        context=context,
+        failure=failure,
+        group_size=_group_size(created),
     )
+
+
+def _group_size(created: RolloutCreated) -> int | None:
+    size = created.metadata.get("group_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 class CollectedRollouts(msgspec.Struct, frozen=True, kw_only=True):
@@ -212,7 +317,9 @@ def events_by_rollout(events: Iterable[Event]) -> dict[str, list[Event]]:
     return grouped
 
 
-def collect_rollouts(events: Iterable[Event] | Mapping[str, Sequence[Event]]) -> CollectedRollouts:
+def collect_rollouts(
+    events: Iterable[Event] | Mapping[str, Sequence[Event]], select: Selection | None = None
+) -> CollectedRollouts:
     """`rollout_calls` for every rollout in an event history, in order of first appearance.
 
     Accepts a flat event stream (a run replayed from `rl.<run>.>`) or events already split by
@@ -223,7 +330,7 @@ def collect_rollouts(events: Iterable[Event] | Mapping[str, Sequence[Event]]) ->
     skipped: dict[str, str] = {}
     for rollout_id, rollout_events in grouped.items():
         try:
-            rollouts.append(rollout_calls(rollout_events))
+            rollouts.append(rollout_calls(rollout_events, select))
         except NotTrainable as exc:
             skipped[rollout_id] = exc.reason
     return CollectedRollouts(rollouts=rollouts, skipped=skipped)

@@ -12,6 +12,7 @@ from typing import Any, Literal, get_args
 import msgspec
 
 from trainer.core.advantages import Estimator
+from trainer.core.calls import Selection
 from trainer.core.merge import MergeMode
 from trainer.core.weights import Norm
 
@@ -36,7 +37,11 @@ class AdapterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     - scale_std / std_eps: divide advantages by the group's std plus `std_eps`;
     - norm: `rollout-mean` (default), `token-mean` or `seq-mean-token-mean`;
     - max_length: longest sample in tokens (a longer call is dropped, never truncated); None = no limit;
-    - missing_reward: `drop` a rollout that reported no reward, or a number to use as its reward.
+    - missing_reward: `drop` a rollout that reported no reward, or a number to use as its reward;
+    - agents / models: the selection, agent names and registered model names whose calls are trained
+      (empty: every agent / every model); the other calls are context (`trainer.core.calls`);
+    - failed_reward: the reward of a rollout the policy made fail (timeout, agent error, runaway
+      length), kept in its group; `drop` drops it (`trainer.core.failures`).
     """
 
     merge: MergeMode = "exact"
@@ -47,6 +52,9 @@ class AdapterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     norm: Norm = "rollout-mean"
     max_length: int | None = None
     missing_reward: float | Literal["drop"] = "drop"
+    agents: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    failed_reward: float | Literal["drop"] = 0.0
 
     def __post_init__(self) -> None:
         _check_choice("merge", self.merge, get_args(MergeMode))
@@ -70,6 +78,16 @@ class AdapterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 f"missing_reward = {self.missing_reward!r} is not allowed; choose 'drop' or a number (the fill reward)"
             )
 
+        for key, names in (("agents", self.agents), ("models", self.models)):
+            if not isinstance(names, tuple | list) or not all(isinstance(n, str) and n for n in names):
+                raise AdapterConfigError(f"{key} = {names!r} is not allowed; give a list of names ([] = all)")
+        if self.failed_reward != "drop" and (
+            isinstance(self.failed_reward, bool) or not isinstance(self.failed_reward, int | float)
+        ):
+            raise AdapterConfigError(
+                f"failed_reward = {self.failed_reward!r} is not allowed; choose 'drop' or a number (default 0)"
+            )
+
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> AdapterConfig:
         """Build a config from plain data (a YAML/JSON section, CLI options), naming any bad key."""
@@ -79,8 +97,24 @@ class AdapterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise AdapterConfigError(
                 f"unknown adapter setting(s) {', '.join(unknown)}; the settings are: {', '.join(cls.__struct_fields__)}"
             )
+        values = dict(mapping)
+        for key in ("agents", "models"):
+            if isinstance(values.get(key), list):
+                values[key] = tuple(values[key])
         # Direct construction runs `__post_init__`, whose messages list the allowed values.
-        return cls(**mapping)
+        return cls(**values)
+
+    def selection(self) -> Selection:
+        """Which calls this config trains (`agents`, `models`)."""
+        return Selection(agents=tuple(self.agents), models=tuple(self.models))
+
+    def for_models(self, models: tuple[str, ...]) -> AdapterConfig:
+        """This config training only calls to `models`."""
+        return AdapterConfig.from_mapping({**msgspec.structs.asdict(self), "models": models})
+
+    def failure_reward(self) -> float | None:
+        """The reward of a rollout the policy made fail, or None when such rollouts are dropped."""
+        return None if self.failed_reward == "drop" else float(self.failed_reward)
 
     def fill_reward(self) -> float | None:
         """The reward given to a rollout that reported none, or None when such rollouts are dropped."""

@@ -1,10 +1,21 @@
-"""Retried calls: within one attempt, a call whose prompt ids repeat an earlier call's supersedes it.
+"""Retried calls: within one attempt, a call superseded by an identical later one is dropped.
 
 A harness retries a request (timeout, rate limit, a malformed tool call it rejected) by sending the
-same prompt again; only the last answer is what the conversation continued from. So of the calls
-with identical prompt ids, the last is kept, at the last one's position in the call order (that is
-where the conversation actually resumed). Sibling choices of one request (`n > 1`, told apart by
-`choice_index`) share a prompt without being retries, so the key is (prompt ids, choice index).
+same prompt again once the first try is over; only the last answer is what the conversation
+continued from. But identical prompts are not always retries: a harness that fans one prompt out
+to several sub-agents (best-of-n, parallel workers started from the same system prompt and task)
+sends them concurrently, and uses every answer. So an earlier call counts as a retried one only
+when all of this holds (DESIGN §3):
+
+- a later call of the attempt has the same prompt ids (and the same `choice_index`: sibling
+  choices of one `n > 1` request share a prompt without being retries);
+- the earlier call had ended before that later call started (concurrent twins are a fan-out);
+- no other call of the attempt extends the earlier call's prompt + response (its answer was used).
+
+Times come from the events (`Call.started_at`, `Call.ended_at`); a call without them is taken to
+have ended before the next one started (stream order). The "extends" check also looks at
+`context` calls: a trained call whose answer only a frozen helper consumed was still used. The
+retry is dropped; the kept call stays at its own position in the call order.
 """
 
 from __future__ import annotations
@@ -22,17 +33,42 @@ def _bucket_key(call: Call) -> tuple[int, int, int, int, int]:
     return (call.choice_index, n, ids[0] if n else -1, ids[n // 2] if n else -1, ids[-1] if n else -1)
 
 
-def dedup_calls(calls: Sequence[Call]) -> list[Call]:
-    """The calls with every retried one removed: of equal prompts, the last, at its own position."""
+def _ended_before(earlier: Call, later: Call) -> bool:
+    """True when `earlier` had ended before `later` started (unknown times: stream order says yes)."""
+    if earlier.ended_at is None or later.started_at is None:
+        return True
+    return earlier.ended_at <= later.started_at
+
+
+def _extended(call: Call, others: Sequence[Call]) -> bool:
+    """True when some other call's prompt starts with this call's prompt + response."""
+    prompt, response = call.prompt_ids, call.response_ids
+    n = len(prompt) + len(response)
+    for other in others:
+        ids = other.prompt_ids
+        if other is call or len(ids) < n or not response:
+            continue
+        if ids[len(prompt) : n] == response and ids[: len(prompt)] == prompt:
+            return True
+    return False
+
+
+def dedup_calls(calls: Sequence[Call], context: Sequence[Call] = ()) -> list[Call]:
+    """The calls with every retried one removed (see the module docstring), in their own order."""
     buckets: dict[tuple[int, int, int, int, int], list[int]] = {}
     superseded: set[int] = set()
+    everything: list[Call] | None = None
     for i in range(len(calls) - 1, -1, -1):
         later = buckets.setdefault(_bucket_key(calls[i]), [])
-        prompt = calls[i].prompt_ids
-        if any(calls[j].prompt_ids == prompt for j in later):
-            superseded.add(i)
-        else:
-            later.append(i)
+        call = calls[i]
+        twins = [j for j in later if calls[j].prompt_ids == call.prompt_ids]
+        if any(_ended_before(call, calls[j]) for j in twins):
+            if everything is None:
+                everything = [*calls, *context]
+            if not _extended(call, everything):
+                superseded.add(i)
+                continue
+        later.append(i)
     if not superseded:
         return list(calls)
     return [call for i, call in enumerate(calls) if i not in superseded]

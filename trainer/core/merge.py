@@ -25,6 +25,9 @@ extends no chain opens one. A chain that was extended is no longer its old state
 forking from the old state (two branches from one turn) opens a new chain whose prompt carries the
 shared turn with mask 0, so no sampled token is ever trained twice.
 
+Temperature. The loss recomputes a sample's logprobs under one temperature, so a call sampled at
+another temperature than a chain's does not extend it (it opens a chain of its own).
+
 Length. A merged sample is exactly as long as its last call's prompt plus response (the chain is
 a prefix of that prompt), so a chain can only outgrow `max_length` through a call that is itself
 too long. Such a call closes the chain it would have extended (later calls open new chains) and is
@@ -69,6 +72,8 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     max_weights_version: int | None = None
     advantage: float = 0.0
     token_weight: float = 0.0
+    temperature: float | None = None
+    """The sampling temperature of its calls (None: not recorded); the loss recomputes logprobs under it."""
 
     @property
     def num_calls(self) -> int:
@@ -86,7 +91,7 @@ class MergeResult(msgspec.Struct, frozen=True, kw_only=True):
 class _Chain:
     """An open sample under construction (mutable; only `merge_calls` sees it)."""
 
-    __slots__ = ("call_ids", "logprobs", "mask", "response_tokens", "tokens", "touched", "versions")
+    __slots__ = ("call_ids", "logprobs", "mask", "response_tokens", "temperature", "tokens", "touched", "versions")
 
     def __init__(self, call: Call, touched: int) -> None:
         prompt, response = call.prompt_ids, call.response_ids
@@ -99,6 +104,7 @@ class _Chain:
         self.response_tokens = len(response)
         self.versions: list[int] = [] if call.weights_version is None else [call.weights_version]
         self.touched = touched
+        self.temperature = call.temperature
 
     def extend(self, call: Call, touched: int) -> None:
         """Append the call's unseen prompt suffix (observation, mask 0) and its response (mask 1)."""
@@ -128,14 +134,21 @@ class _Chain:
             response_tokens=self.response_tokens,
             min_weights_version=min(self.versions) if self.versions else None,
             max_weights_version=max(self.versions) if self.versions else None,
+            temperature=self.temperature,
         )
 
 
-def _longest_prefix_chain(chains: Sequence[_Chain], prompt: Sequence[int]) -> _Chain | None:
-    """The longest open chain whose whole token sequence is a prefix of `prompt` (ties: most recent)."""
+def _longest_prefix_chain(chains: Sequence[_Chain], call: Call) -> _Chain | None:
+    """The longest open chain (same temperature) whose whole token sequence is a prefix of the call's prompt.
+
+    Ties go to the most recent chain.
+    """
+    prompt = call.prompt_ids
     best: _Chain | None = None
     best_len = -1
     for chain in chains:
+        if chain.temperature != call.temperature:
+            continue
         tokens = chain.tokens
         n = len(tokens)
         # Cheap rejections first; only a surviving candidate pays for the full comparison.
@@ -170,7 +183,7 @@ def merge_calls(
     live: list[_Chain] = []
     too_long = 0
     for position, call in enumerate(calls):
-        parent = _longest_prefix_chain(live, call.prompt_ids) if mode == "exact" else None
+        parent = _longest_prefix_chain(live, call) if mode == "exact" else None
         if max_length is not None and len(call.prompt_ids) + len(call.response_ids) > max_length:
             too_long += 1
             if parent is not None:

@@ -11,6 +11,7 @@ Advantages are only meaningful when each group's rollouts are all in the batch.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Sequence
 
 import msgspec
@@ -34,6 +35,8 @@ class MergedRollout(msgspec.Struct, frozen=True, kw_only=True):
     calls: int
     calls_deduped: int
     calls_too_long: int
+    calls_context: int = 0
+    failure: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -68,6 +71,13 @@ class StepStats(msgspec.Struct, frozen=True, kw_only=True):
     group_baselines: dict[str, float]
     min_weights_version: int | None
     max_weights_version: int | None
+    calls_context: int = 0
+    """`ok` calls the run does not train (other agents or models): context, never samples."""
+    rollouts_failed_scored: int = 0
+    """Rollouts the policy made fail, kept in their group with `failed_reward`."""
+    rollouts_failed_dropped: int = 0
+    groups_skipped: int = 0
+    rollouts_in_skipped_groups: int = 0
 
 
 class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,7 +93,7 @@ def _group_key(group_id: str | None, rollout_id: str) -> Hashable:
 
 def merge_rollout(rollout: RolloutCalls, config: AdapterConfig, reward: float) -> MergedRollout:
     """Dedup then merge one rollout's calls under `config` (its reward already decided)."""
-    calls = dedup_calls(rollout.calls)
+    calls = dedup_calls(rollout.calls, rollout.context)
     merged = merge_calls(
         calls,
         rollout_id=rollout.rollout_id,
@@ -99,32 +109,67 @@ def merge_rollout(rollout: RolloutCalls, config: AdapterConfig, reward: float) -
         calls=len(rollout.calls),
         calls_deduped=len(rollout.calls) - len(calls),
         calls_too_long=merged.calls_too_long,
+        calls_context=len(rollout.context),
+        failure=rollout.failure,
     )
 
 
 def rollout_reward(rollout: RolloutCalls, config: AdapterConfig) -> float | None:
-    """The reward a rollout trains with: its own, else the configured fill (None: it is dropped)."""
+    """The reward a rollout trains with: its own, else the configured fill (None: it is dropped).
+
+    A rollout the policy made fail (`failure` set) scores `failed_reward` whatever it reported.
+    """
+    if rollout.failure is not None:
+        return config.failure_reward()
     return rollout.reward if rollout.reward is not None else config.fill_reward()
 
 
-def merge_rollouts(rollouts: Sequence[RolloutCalls], config: AdapterConfig) -> tuple[list[MergedRollout], int]:
+class Drops(msgspec.Struct, frozen=True, kw_only=True):
+    """Rollouts of a batch left out before advantages, by why."""
+
+    no_reward: int = 0
+    failed: int = 0
+    """Rollouts the policy made fail, dropped because `failed_reward = "drop"`."""
+    groups_skipped: int = 0
+    """Declared groups left with fewer than two rollouts: no baseline to compare against."""
+    in_skipped_groups: int = 0
+
+    @property
+    def total(self) -> int:
+        """Every rollout left out."""
+        return self.no_reward + self.failed + self.in_skipped_groups
+
+
+def merge_rollouts(rollouts: Sequence[RolloutCalls], config: AdapterConfig) -> tuple[list[MergedRollout], Drops]:
     """Every rollout deduplicated and merged; rollouts without a reward dropped or filled.
 
-    Returns the merged rollouts (input order) and how many were dropped for a missing reward.
+    A group declared with two rollouts or more (`group_size`) but left with fewer than two (the
+    others failed on the infrastructure, or had no reward) is skipped: a lone rollout has no
+    baseline. Returns the merged rollouts (input order) and what was dropped.
     """
     seen: set[str] = set()
-    merged: list[MergedRollout] = []
-    dropped = 0
+    kept: list[tuple[RolloutCalls, float]] = []
+    no_reward = failed = 0
     for rollout in rollouts:
         if rollout.rollout_id in seen:
             raise ValueError(f"rollout {rollout.rollout_id} appears twice in the batch; pass each rollout once")
         seen.add(rollout.rollout_id)
         reward = rollout_reward(rollout, config)
         if reward is None:
-            dropped += 1
+            if rollout.failure is not None:
+                failed += 1
+            else:
+                no_reward += 1
             continue
-        merged.append(merge_rollout(rollout, config, reward))
-    return merged, dropped
+        kept.append((rollout, reward))
+    sizes = Counter(r.group_id for r, _ in kept if r.group_id is not None)
+    declared = {r.group_id: r.group_size for r, _ in kept if r.group_size is not None}
+    lone = {g for g, n in sizes.items() if n < 2 and (declared.get(g) or 0) >= 2}
+    merged = [merge_rollout(r, config, reward) for r, reward in kept if r.group_id not in lone]
+    drops = Drops(
+        no_reward=no_reward, failed=failed, groups_skipped=len(lone), in_skipped_groups=len(kept) - len(merged)
+    )
+    return merged, drops
 
 
 def rollout_advantages(
@@ -166,7 +211,7 @@ def _finish_step(
     advantages: Sequence[Sequence[float]],
     baselines: dict[str, float],
     config: AdapterConfig,
-    dropped: int,
+    drops: Drops,
 ) -> StepBatch:
     raw = [s for m in merged for s in m.samples]
     weights = loss_weights(raw, config.norm)
@@ -180,7 +225,7 @@ def _finish_step(
     groups = {m.group_id for m in merged if m.group_id is not None}
     stats = StepStats(
         rollouts=len(merged),
-        rollouts_dropped_no_reward=dropped,
+        rollouts_dropped_no_reward=drops.no_reward,
         rollouts_without_samples=sum(1 for c in counts if c == 0),
         ungrouped_rollouts=sum(1 for m in merged if m.group_id is None),
         groups=len(groups),
@@ -198,6 +243,11 @@ def _finish_step(
         group_baselines={g: baselines[g] for g in sorted(groups) if g in baselines},
         min_weights_version=low,
         max_weights_version=high,
+        calls_context=sum(m.calls_context for m in merged),
+        rollouts_failed_scored=sum(1 for m in merged if m.failure is not None),
+        rollouts_failed_dropped=drops.failed,
+        groups_skipped=drops.groups_skipped,
+        rollouts_in_skipped_groups=drops.in_skipped_groups,
     )
     return StepBatch(samples=samples, stats=stats)
 
@@ -215,18 +265,18 @@ def build_steps(
     never split (one larger than `max_tokens` makes a step alone). An empty batch gives one empty
     step, so the figures of a batch that was all dropped are still reported.
     """
-    merged, dropped = merge_rollouts(rollouts, config)
+    merged, drops = merge_rollouts(rollouts, config)
     advantages, baselines = rollout_advantages(merged, config)
     plan = plan_steps([m.tokens for m in merged], max_tokens=max_tokens, max_rollouts=max_rollouts) or [[]]
     steps = []
     for n, idx in enumerate(plan):
         part = [merged[i] for i in idx]
-        steps.append(_finish_step(part, [advantages[i] for i in idx], baselines, config, dropped if n == 0 else 0))
+        steps.append(_finish_step(part, [advantages[i] for i in idx], baselines, config, drops if n == 0 else Drops()))
     return steps
 
 
 def build_step(rollouts: Sequence[RolloutCalls], config: AdapterConfig) -> StepBatch:
     """One optimizer step from a batch of rollouts: dedup → merge → advantages → loss weights."""
-    merged, dropped = merge_rollouts(rollouts, config)
+    merged, drops = merge_rollouts(rollouts, config)
     advantages, baselines = rollout_advantages(merged, config)
-    return _finish_step(merged, advantages, baselines, config, dropped)
+    return _finish_step(merged, advantages, baselines, config, drops)

@@ -1,0 +1,195 @@
+"""The run's other models: each `[[policies]]` entry trained beside `[model]`, each `[[frozen]]` one served.
+
+A run may train several models (say two agent roles on two models). `[model]` is trained by the
+loop as always; every `[[policies]]` entry gets here its own backend (optimizer, weights), its own
+embedded engine (a `python -m services.engine` process on a free port), its own weights versions
+under `<run>/policies/<name>/weights/vN`, and its own samples: the step's rollouts cut to its
+calls (`RolloutCalls.for_model`), the same rollout rewards, its own advantages and loss weights.
+It updates inside the same phase gate as `[model]`, so no call of the run runs while any model
+changes weights. `[[frozen]]` models are served (an engine on `path`, or a running `base_url`) and
+registered, never trained. The proxy routes each agent to its model through the run spec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from services.devstack.embedded import free_port
+from trainer.backend import TrainingBackend, UpdateMetrics, build_backend
+from trainer.clients import GatewayClient
+from trainer.config import TrainConfig
+from trainer.core import AdapterConfig, RolloutCalls, StepBatch, build_step
+from trainer.engines import EmbeddedEngine, register_replicas
+from trainer.run_sections import PolicySection
+
+Row = dict[str, Any]
+
+
+class EngineProcess:
+    """An embedded engine serving `model_dir` as `name` in a child process (its log in `log`)."""
+
+    def __init__(self, model_dir: str, name: str, log: Path) -> None:
+        self.port = free_port()
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log, "ab")  # closed in stop()
+        args = [sys.executable, "-m", "services.engine", "--model", model_dir, "--port", str(self.port),
+                "--served-name", name, "--threads", "1"]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    async def ready(self, timeout_s: float = 180.0) -> None:
+        """Wait until it answers `/v1/models` (RuntimeError naming its log if it exits first)."""
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the engine for {self._log.name} exited with {self.proc.returncode}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{self.base}/v1/models")).status_code == 200:
+                        return
+                await asyncio.sleep(0.2)
+        raise RuntimeError(f"the engine logging to {self._log.name} did not start in {timeout_s:.0f}s")
+
+    def stop(self) -> None:
+        """Terminate the engine and wait for it."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+class ExtraPolicy:
+    """One `[[policies]]` model: backend, engine, versions (see the module docstring)."""
+
+    def __init__(self, config: TrainConfig, policy: PolicySection, root: Path) -> None:
+        self.name = policy.name
+        self.root = root / "policies" / policy.name
+        model = msgspec.structs.replace(config.model, path=policy.path, served_name=policy.name, agents=policy.agents)
+        self.config = msgspec.structs.replace(config, model=model, policies=[], frozen=[])
+        self.backend: TrainingBackend | None = None
+        self.engine: EngineProcess | None = None
+        self.version = 0
+
+    def weights(self, version: int) -> Path:
+        """The weights directory of one of its versions."""
+        return self.root / "weights" / f"v{version}"
+
+    def prepare(self) -> None:
+        """Load its weights (its last saved version when the run resumes) and save v0 if new."""
+        self.backend = build_backend(self.config)
+        marker = self.root / "version.json"
+        if marker.is_file():
+            self.version = int(json.loads(marker.read_text())["version"])
+            self.backend.load_weights(self.weights(self.version))
+        else:
+            self.backend.save_weights(self.weights(0))
+
+    async def serve(self, gateway: GatewayClient, run_id: str) -> None:
+        """Start its engine on its current weights and register it for the run under its name."""
+        self.engine = EngineProcess(str(self.weights(self.version)), self.name, self.root / "engine.log")
+        await self.engine.ready()
+        engine = EmbeddedEngine(self.engine.base)
+        await engine.load(self.weights(self.version).resolve(), self.version)
+        await register_replicas(gateway, engine, run_id, self.name)
+        await engine.close()
+
+    async def update(self, batch: StepBatch) -> UpdateMetrics | None:
+        """Train on its samples; save and serve a new version when the weights changed."""
+        assert self.backend is not None and self.engine is not None
+        if not batch.samples:
+            return None
+        update = await asyncio.to_thread(self.backend.update, batch.samples)
+        if update.optimizer_steps:
+            self.version += 1
+            path = await asyncio.to_thread(self.backend.save_weights, self.weights(self.version))
+            engine = EmbeddedEngine(self.engine.base)
+            await engine.load(path.resolve(), self.version)
+            await engine.close()
+            (self.root / "version.json").write_text(json.dumps({"version": self.version}))
+        return update
+
+    def close(self) -> None:
+        """Stop its engine and release its backend."""
+        if self.engine is not None:
+            self.engine.stop()
+        if self.backend is not None:
+            self.backend.close()
+
+
+class OtherModels:
+    """Every `[[policies]]` and `[[frozen]]` model of a run; empty (and free) for a one-model run."""
+
+    def __init__(self, config: TrainConfig, root: Path, adapter: AdapterConfig) -> None:
+        self.config = config
+        self.adapter = adapter
+        self.policies = [ExtraPolicy(config, p, root) for p in config.policies]
+        self.frozen_engines: list[EngineProcess] = []
+        self.root = root
+        self.batches: dict[str, StepBatch] = {}
+
+    def prepare(self) -> None:
+        """Load every extra policy's weights (blocking: run it in a thread)."""
+        for policy in self.policies:
+            policy.prepare()
+
+    async def serve(self, gateway: GatewayClient, run_id: str) -> None:
+        """Serve and register every extra policy and every frozen model."""
+        for policy in self.policies:
+            await policy.serve(gateway, run_id)
+        for frozen in self.config.frozen:
+            if frozen.path is not None:
+                process = EngineProcess(frozen.path, frozen.name, self.root / "frozen" / f"{frozen.name}.log")
+                self.frozen_engines.append(process)
+                await process.ready()
+                base_url, served = f"{process.base}/v1", frozen.name
+            else:
+                base_url, served = str(frozen.base_url), frozen.served_model or frozen.name
+            key = f"{run_id}-frozen-{frozen.name}-{hashlib.sha256(base_url.encode()).hexdigest()[:12]}"
+            await gateway.register_model(
+                run_id, name=frozen.name, base_url=base_url, served_model=served, weights_version=None, key=key
+            )
+
+    def cut(self, rollouts: list[RolloutCalls]) -> None:
+        """Build each extra policy's step from its own calls (kept for `update`)."""
+        self.batches = {}
+        for policy in self.policies:
+            config = AdapterConfig.from_mapping({**msgspec.structs.asdict(self.adapter), "models": (policy.name,)})
+            self.batches[policy.name] = build_step([r.for_model(policy.name) for r in rollouts], config)
+
+    async def update(self) -> Row:
+        """Inside the phase gate: update every extra policy; its figures as `{name}/...` columns."""
+        row: Row = {}
+        for policy in self.policies:
+            batch = self.batches.get(policy.name)
+            if batch is None:
+                continue
+            update = await policy.update(batch)
+            stats = batch.stats
+            row |= {f"{policy.name}/samples": stats.samples, f"{policy.name}/merge_ratio": stats.merge_ratio,
+                    f"{policy.name}/samples_per_rollout": stats.samples_per_rollout_mean,
+                    f"{policy.name}/weights_version": policy.version}  # fmt: skip
+            if update is not None:
+                row |= {f"{policy.name}/loss": update.loss, f"{policy.name}/entropy": update.entropy,
+                        f"{policy.name}/grad_norm": update.grad_norm}  # fmt: skip
+        return row
+
+    def close(self) -> None:
+        """Stop every engine this started and release the backends."""
+        for policy in self.policies:
+            policy.close()
+        for process in self.frozen_engines:
+            process.stop()

@@ -1,0 +1,45 @@
+"""Config sections for what a run trains and how its agents run: `[[policies]]`, `[[frozen]]`, `[validation]`.
+
+Kept beside `trainer.config` (which holds `TrainConfig`) so that module stays one screen per part.
+`[model]` is the first trained policy; each `[[policies]]` entry is one more (its own weights,
+engine, optimizer); each `[[frozen]]` entry is a model served for context only. `agents` routes
+agent names to a model (an agent no entry names goes to `[model]`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+RewardFrom = Literal["agent", "evaluator"]
+ExecBackend = Literal["local", "kubernetes"]
+
+
+class PolicySection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[[policies]]`: one more trained model: its registered `name`, starting weights and agents."""
+
+    name: str
+    path: str
+    agents: list[str] = []
+
+
+class FrozenSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[[frozen]]`: a model served for context only: weights at `path` (an embedded engine) or a
+    running OpenAI-compatible endpoint at `base_url` (`served_model` names its model there)."""
+
+    name: str
+    path: str | None = None
+    base_url: str | None = None
+    served_model: str | None = None
+    agents: list[str] = []
+
+
+class ValidationSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[validation]`: every `every` steps, each task of `path` runs `rollouts_per_task` times in `val`
+    mode through the same harness; never trained on, its mean reward is `val/reward`."""
+
+    path: str
+    every: int = 5
+    rollouts_per_task: int = 1
+    max_tasks: int | None = None
