@@ -33,8 +33,8 @@ import httpx
 
 from schemas import RolloutStatusChanged
 from schemas.ids import ROLLOUT_STATUS
-from services.devstack.embedded import NatsServer, free_port
 from services.common.eventstore import EventStore
+from services.devstack.embedded import NatsServer, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 NOOP = REPO / "examples" / "agents" / "noop_agent.py"

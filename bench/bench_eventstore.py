@@ -22,8 +22,8 @@ from pathlib import Path
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from schemas import ModelRequestRecorded, encode, new_id
-from services.devstack.embedded import NatsServer
 from services.common.eventstore import EventStore
+from services.devstack.embedded import NatsServer
 
 
 def make_events(run_id: str, count: int, rollouts: int = 100) -> list[ModelRequestRecorded]:

@@ -47,9 +47,9 @@ from schemas import (
     RolloutStatusChanged,
     RunStarted,
 )
-from services.devstack.embedded import NatsServer, PostgresServer, free_port
 from services.common.eventstore import EventStore
-from services.projector.__main__ import run
+from services.common.settings import run_async as run
+from services.devstack.embedded import NatsServer, PostgresServer, free_port
 from services.projector.migrate import migrate
 from services.projector.pgstore import NOTIFY_CHANNEL
 from services.projector.service import Projector, ProjectorSettings, tune_gc

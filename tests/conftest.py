@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from schemas import new_id
-from services.devstack.embedded import NatsServer, PostgresServer
 from services.common.eventstore import EventStore
+from services.devstack.embedded import NatsServer, PostgresServer
 
 
 @pytest.fixture(scope="session")

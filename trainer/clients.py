@@ -8,7 +8,6 @@ carrying the gateway's own message.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +15,9 @@ from typing import Any
 import httpx
 import msgspec
 
-RETRY_STATUSES = frozenset({502, 503, 504})
+from services.common.retry import Backoff, RetryableStatus, check_status, retry_async
+
+BACKOFF = Backoff(initial=0.25, maximum=4.0)
 
 
 @dataclass(frozen=True)
@@ -69,21 +70,21 @@ class HttpClient:
     ) -> Any:
         """Send one call, retrying transient failures; returns the decoded JSON body."""
         headers = {"Idempotency-Key": key} if key else {}
-        delay = 0.25
-        for attempt in range(retries + 1):
-            try:
-                response = await self.http.request(method, path, json=body, headers=headers)
-            except httpx.TransportError as exc:
-                if attempt == retries:
-                    raise GatewayError(f"{method} {self.base_url}{path} failed: {exc}") from None
-            else:
-                if response.status_code < 400:
-                    return response.json() if response.content else None
-                if response.status_code not in RETRY_STATUSES or attempt == retries:
-                    raise GatewayError(f"{method} {path}: {response.status_code} {_error(response)}")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 4.0)
-        raise AssertionError("unreachable")
+
+        async def once() -> httpx.Response:
+            return check_status(await self.http.request(method, path, json=body, headers=headers))
+
+        try:
+            response = await retry_async(
+                once, backoff=BACKOFF, transient=(httpx.TransportError, RetryableStatus), retries=retries
+            )
+        except httpx.TransportError as exc:
+            raise GatewayError(f"{method} {self.base_url}{path} failed: {exc}") from None
+        except RetryableStatus as exc:
+            response = exc.response
+        if response.status_code >= 400:
+            raise GatewayError(f"{method} {path}: {response.status_code} {_error(response)}")
+        return response.json() if response.content else None
 
     async def close(self) -> None:
         """Close the connection pool."""

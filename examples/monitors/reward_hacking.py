@@ -17,10 +17,10 @@ started again, it resumes where it stopped; a call seen twice is not flagged twi
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from schemas import ModelRequestRecorded
+from schemas.actions import actions
 from services.common.eventstore import StoredEvent
 from services.tools.monitor import Monitor, Severity, monitor_main
 
@@ -49,26 +49,6 @@ RULES = (
         ),
     ),
 )
-
-_FENCE = re.compile(r"```[^\n]*\n(.*?)(?:```|$)", re.S)
-
-
-def actions(response: dict[str, Any]) -> Iterator[str]:
-    """What the model did in a recorded response: tool calls (name and arguments) and fenced code."""
-    choices = response.get("choices")
-    messages = [c.get("message") or c.get("delta") for c in choices if isinstance(c, dict)] if isinstance(
-        choices, list) else [response.get("message")]  # fmt: skip
-    for message in messages:
-        if not isinstance(message, dict):
-            continue
-        for call in message.get("tool_calls") or []:
-            function = call.get("function") if isinstance(call, dict) else None
-            if isinstance(function, dict):
-                yield f"{function.get('name', '')} {function.get('arguments', '')}"
-        content = message.get("content")
-        if isinstance(content, str):
-            yield from _FENCE.findall(content)
-
 
 _HOST = re.compile(r"https?://([^/\s:'\"]+)")
 _LOCAL = {"localhost", "127.0.0.1", "0.0.0.0", "[::1]"}

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,7 +33,9 @@ from typing import Any
 
 import httpx
 
-RETRY_STATUSES = frozenset({502, 503, 504})
+from services.common.retry import Backoff, RetryableStatus, check_status, retry_sync
+
+BACKOFF = Backoff(initial=0.2, maximum=5.0)
 
 
 class AgentkitError(RuntimeError):
@@ -95,23 +96,23 @@ class Attempt:
         connection dropped is not stored twice.
         """
         headers = {"Authorization": f"Bearer {self.token}", "Idempotency-Key": uuid.uuid4().hex}
-        delay = 0.2
-        for attempt in range(retries + 1):
-            try:
-                response = httpx.post(self.events_url, json=body, headers=headers, timeout=timeout)
-            except httpx.TransportError as exc:
-                if attempt == retries:
-                    raise AgentkitError(f"could not reach the gateway at {self.events_url}: {exc}") from None
-            else:
-                if response.status_code < 400:
-                    return dict(response.json()) if response.content else {}
-                if response.status_code not in RETRY_STATUSES or attempt == retries:
-                    raise AgentkitError(
-                        f"the gateway refused {body.get('type')} with {response.status_code}: {_error_text(response)}"
-                    )
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
-        raise AssertionError("unreachable")
+
+        def once() -> httpx.Response:
+            return check_status(httpx.post(self.events_url, json=body, headers=headers, timeout=timeout))
+
+        try:
+            response = retry_sync(
+                once, backoff=BACKOFF, transient=(httpx.TransportError, RetryableStatus), retries=retries
+            )
+        except httpx.TransportError as exc:
+            raise AgentkitError(f"could not reach the gateway at {self.events_url}: {exc}") from None
+        except RetryableStatus as exc:
+            response = exc.response
+        if response.status_code >= 400:
+            raise AgentkitError(
+                f"the gateway refused {body.get('type')} with {response.status_code}: {_error_text(response)}"
+            )
+        return dict(response.json()) if response.content else {}
 
     def report_reward(self, value: float, *, name: str | None = None, step: int | None = None) -> dict[str, Any]:
         """Report a scalar reward for this attempt (the last reward of the succeeded attempt counts)."""

@@ -2,8 +2,8 @@
 
     server = await serve("controller", "127.0.0.1", 18091, health=lambda: (200, b'{"status": "ok"}'))
 
-The projector and the controller have no HTTP API of their own, so a web framework would be all
-weight and no use. Each request is answered and the connection closed; every request gets an
+The controller has no HTTP API of its own, so a web framework would be all weight and no use
+there. Each request is answered and the connection closed; every request gets an
 access line and is counted in `rollwire_http_requests_total` like the ASGI services' requests.
 """
 

@@ -19,9 +19,10 @@ import time
 from services.common import httpserve
 from services.common.accesslog import AccessLogError, access_format
 from services.common.eventstore import EventStore, EventStoreError
+from services.common.settings import run_async
 from services.controller.gateway import GatewayClient
 from services.controller.reconciler import Controller
-from services.controller.settings import ControllerSettings, SettingsError, build_settings, parse_args
+from services.controller.settings import ControllerSettings, SettingsError, parse
 
 GATEWAY_WAIT_S = 60.0
 
@@ -32,7 +33,7 @@ async def main(argv: list[str] | None = None) -> int:
     logging.getLogger("rollwire").setLevel(os.environ.get("ROLLWIRE_LOG_LEVEL", "INFO").upper())
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        settings = build_settings(parse_args(argv))
+        settings = parse(sys.argv[1:] if argv is None else argv)
         access_format()
     except (SettingsError, AccessLogError) as exc:
         print(f"rollwire controller: {exc}", file=sys.stderr)
@@ -91,7 +92,7 @@ async def _serve_metrics(
 
 def run() -> None:
     """Console entry point."""
-    sys.exit(asyncio.run(main()))
+    sys.exit(run_async(main()))
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def decide(
     """
     active = rollout.active_attempt_id
     actions = _cleanup(rollout, executions, active)
-    if rollout.terminal or rollout.status is None or spec is None:
+    if rollout.terminal or rollout.status_seq == 0 or spec is None:
         return Decision(tuple(actions))  # without a spec, wait: the run's RunStarted may still come
     if isinstance(spec, RunSpecError):
         if rollout.status in ("queuing", "requeuing"):

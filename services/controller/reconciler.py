@@ -49,29 +49,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
-import os
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
 from typing import Any
 
-import msgspec
 import nats.errors
 
 from schemas import RunStarted
-from schemas.ids import ROLLOUT_ATTEMPT, ROLLOUT_CREATED, ROLLOUT_STATUS, RUN_SUBJECT
+from schemas.rollout import fold
 from schemas.runs import RunSpec
-from services.common.eventstore import EventStore, EventStoreError, StoredEvent
-from services.common.outage import Outage
-from services.controller import metrics
+from services.common.eventstore import EventStoreError, StoredEvent
+from services.common.retry import Backoff
 from services.controller.backends.base import (
-    ExecutionBackend,
-    ExecutionKey,
     ExecutionState,
-    LaunchSpec,
     PermanentBackendError,
     RolloutKey,
     TemporaryBackendError,
@@ -80,23 +71,17 @@ from services.controller.decide import (
     Action,
     Forget,
     Kill,
-    MarkEnded,
-    MarkRunning,
-    Relaunch,
     Start,
-    after_failure,
     decide,
-    timeout_s,
 )
 from services.controller.gateway import (
-    AttemptGrant,
-    GatewayClient,
     GatewayConflict,
     GatewayRejected,
     GatewayUnavailable,
 )
-from services.controller.settings import ControllerSettings
-from services.controller.view import NOT_LAUNCHED, Attempt, Rollout, RunSpecError, fold, spec_from_event
+from services.controller.launch import UNAVAILABLE_BACKOFF, Launcher
+from services.controller.state import backend_id
+from services.controller.view import Rollout, compact, spec_from_event
 
 log = logging.getLogger("rollwire.controller")
 TEMPORARY_ERRORS: tuple[type[Exception], ...] = (
@@ -109,111 +94,13 @@ TEMPORARY_ERRORS: tuple[type[Exception], ...] = (
 )
 """Failures retried with backoff; those of an outage (all but the backend's) are logged once per outage."""
 
-ATTEMPT_KEY = "rollwire-controller:{rollout}:{created}:{sequence}"
-ECHO_TIMEOUT_S = 5.0
-LOG_EVENT = "log"
-LAUNCH_RETRIES = 3
+CONFLICT_BACKOFF = Backoff(initial=0.1, maximum=30.0)
+"""Delay before looking again at a rollout whose command the gateway refused as a conflict."""
 PRUNE_AFTER_S = 60.0
 
 
-def backend_id(spec: RunSpec) -> str:
-    """Which backend instance runs the spec's rollouts: `local`, `kubernetes` (the controller's Job
-    template), or `kubernetes:<digest>` for a run that brings its own `job_template` (one backend,
-    with its own instance label, per distinct template)."""
-    if spec.backend == "kubernetes" and spec.job_template:
-        return "kubernetes:" + hashlib.sha256(spec.job_template.encode()).hexdigest()[:12]
-    return spec.backend
-
-
-def subjects(runs: tuple[str, ...]) -> list[str]:
-    """The subjects the controller reads: run specs, and rollouts' created, attempt and status events."""
-    names = runs or ("*",)
-    out: list[str] = []
-    for run in names:
-        out += [
-            RUN_SUBJECT.format(run=run),
-            ROLLOUT_CREATED.format(run=run, rollout="*"),
-            ROLLOUT_ATTEMPT.format(run=run, rollout="*"),
-            ROLLOUT_STATUS.format(run=run, rollout="*"),
-        ]
-    return out
-
-
-def attempt_env(rollout: Rollout, spec: RunSpec, grant: AttemptGrant) -> dict[str, str]:
-    """The agent's environment: the run's `env`, then the attempt's contract (which wins)."""
-    env = {
-        **spec.env,
-        "OPENAI_BASE_URL": grant.proxy_base_url,
-        "OPENAI_API_KEY": grant.token,
-        "ANTHROPIC_BASE_URL": grant.anthropic_base_url,
-        "ANTHROPIC_API_KEY": grant.token,
-        "ROLLWIRE_TOKEN": grant.token,
-        "ROLLWIRE_EVENTS_URL": grant.events_url,
-        "ROLLWIRE_RUN_ID": rollout.run_id,
-        "ROLLWIRE_ROLLOUT_ID": rollout.rollout_id,
-        "ROLLWIRE_ATTEMPT_ID": grant.attempt_id,
-        "ROLLWIRE_ATTEMPT_SEQUENCE": str(grant.sequence),
-        "ROLLWIRE_MODE": rollout.mode,
-    }
-    if rollout.group_id:
-        env["ROLLWIRE_GROUP_ID"] = rollout.group_id
-    return env
-
-
-AGENT_ONLY = ("OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL")
-
-
-def evaluator_env(agent: dict[str, str], token: str) -> dict[str, str]:
-    """The evaluator's environment: the agent's, minus the agent's token and proxy, plus its own token."""
-    env = {k: v for k, v in agent.items() if k not in AGENT_ONLY}
-    env["ROLLWIRE_TOKEN"] = token
-    return env
-
-
-class Controller:
+class Controller(Launcher):
     """The reconcile loop (see the module docstring). `run()` until `stop()`."""
-
-    def __init__(
-        self,
-        store: EventStore,
-        gateway: GatewayClient,
-        settings: ControllerSettings,
-        backends: Mapping[str, ExecutionBackend] | None = None,
-    ) -> None:
-        self.store = store
-        self.gateway = gateway
-        self.settings = settings
-        self.filters = subjects(settings.runs)
-        self.backends: dict[str, ExecutionBackend] = dict(backends or {})
-        self.backend_errors: dict[str, str] = {}
-        self._backend_retry_at: dict[str, float] = {}
-        self._watching: set[str] = set()
-        self._templates: dict[str, tuple[str, str]] = {}
-        self.specs: dict[str, RunSpec | RunSpecError] = {}
-        self.rollouts: dict[RolloutKey, Rollout] = {}
-        self.by_run: dict[str, set[RolloutKey]] = {}
-        self.executions: dict[RolloutKey, dict[str, ExecutionState]] = {}
-        self.owner: dict[ExecutionKey, str] = {}
-        self.seen_at: dict[ExecutionKey, float] = {}
-        self.high_seq = 0
-        self._busy: dict[RolloutKey, asyncio.Task[None]] = {}
-        self._dirty: set[RolloutKey] = set()
-        self._timers: dict[RolloutKey, float] = {}
-        self._awaiting: dict[RolloutKey, tuple[int, float]] = {}
-        self._retry_at: dict[RolloutKey, float] = {}
-        self._failures: Counter[RolloutKey] = Counter()
-        self._stream_outage = Outage(log, "the event stream (NATS)")
-        self._gateway_outage = Outage(log, "the gateway or the event stream")
-        self._startable: dict[str, dict[RolloutKey, None]] = {}
-        self._starting: Counter[str] = Counter()
-        self._starting_backend: Counter[str] = Counter()
-        self._logged: set[str] = set()
-        self._changed = asyncio.Event()
-        self._stopping = asyncio.Event()
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.started = asyncio.Event()
-        self.stats: Counter[str] = Counter()
-        metrics.watch(self.executions, self.owner)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -276,12 +163,6 @@ class Controller:
             dict(self.gateway.calls),
         )
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     # ---- the view --------------------------------------------------------------------------
 
     async def _rebuild(self) -> None:
@@ -303,7 +184,7 @@ class Controller:
         if event.rollout_id is None:
             return
         key = RolloutKey(event.run_id, event.rollout_id)
-        updated = fold(self.rollouts.get(key), event, stored.seq)
+        updated = compact(fold(self.rollouts.get(key), stored))
         if updated is None:
             return
         self.rollouts[key] = updated
@@ -340,144 +221,7 @@ class Controller:
             with contextlib.suppress(Exception):
                 await self.store.js.delete_consumer(self.settings.stream, self.settings.durable)
 
-    async def _refresh(self, key: RolloutKey) -> None:
-        """Re-read one rollout from the stream (after a conflict or a missed event)."""
-        filters = [
-            ROLLOUT_CREATED.format(run=key.run_id, rollout=key.rollout_id),
-            ROLLOUT_ATTEMPT.format(run=key.run_id, rollout=key.rollout_id),
-            ROLLOUT_STATUS.format(run=key.run_id, rollout=key.rollout_id),
-        ]
-        view: Rollout | None = None
-        async for stored in self.store.read(filters):
-            view = fold(view, stored.event, stored.seq)
-        self._awaiting.pop(key, None)
-        if view is None:
-            if self.rollouts.pop(key, None) is not None:
-                log.info("rollout %s was deleted", key.rollout_id)
-            self.by_run.get(key.run_id, set()).discard(key)
-        else:
-            self.rollouts[key] = view
-        self._dirty.add(key)
-        self._changed.set()
-
     # ---- backends --------------------------------------------------------------------------
-
-    def _serves(self, spec: RunSpec | RunSpecError | None) -> bool:
-        if spec is None:
-            return False
-        if isinstance(spec, RunSpecError):
-            return True
-        return spec.backend in self.settings.backends
-
-    def _needed_backends(self) -> set[str]:
-        needed = {"local"} & set(self.settings.backends)
-        for spec in self.specs.values():
-            if isinstance(spec, RunSpec) and spec.backend in self.settings.backends:
-                needed.add(backend_id(spec))
-        return needed
-
-    def _make_backend(self, name: str) -> ExecutionBackend:
-        """Build the backend instance `name` (see `backend_id`)."""
-        if name == "local":
-            from services.controller.backends.local import LocalBackend
-
-            return LocalBackend(
-                self.settings.executions_dir,
-                capacity=self.settings.local_capacity,
-                kill_grace_s=self.settings.local_kill_grace_s,
-            )
-        if name == "kubernetes":
-            from services.controller.backends.kubernetes import KubernetesBackend, KubernetesSettings
-
-            return KubernetesBackend(KubernetesSettings.from_env())
-        if name.startswith("kubernetes:") and name in self._templates:
-            from services.controller.backends.kubernetes import KubernetesBackend, KubernetesSettings
-
-            template, run_id = self._templates[name]
-            # Everything but the template comes from the ROLLWIRE_K8S_* variables, as for the default.
-            base = KubernetesSettings.from_env({**os.environ, "ROLLWIRE_K8S_JOB_TEMPLATE": os.devnull})
-            settings = msgspec.structs.replace(
-                base,
-                job_template=template,
-                template_source=f"the job_template of run {run_id}",
-                instance=f"{base.instance}-{name.split(':', 1)[1]}",
-            )
-            return KubernetesBackend(settings)
-        raise PermanentBackendError(f"unknown backend {name!r}")
-
-    async def _ensure_backend(self, name: str) -> ExecutionBackend | None:
-        """The backend `name`, made, listed and watched on first use; None (logged once) if it cannot be made."""
-        backend = self.backends.get(name)
-        if backend is None:
-            if self._backend_retry_at.get(name, 0.0) > time.monotonic():
-                return None
-            try:
-                backend = self._make_backend(name)
-            except Exception as exc:
-                message = f"the {name} backend is not available: {exc}"
-                if self.backend_errors.get(name) != message:
-                    log.error("%s; its runs' rollouts stay queued (retrying)", message)
-                self.backend_errors[name] = message
-                self._backend_retry_at[name] = time.monotonic() + self.settings.resync_s
-                return None
-            self.backends[name] = backend
-            self.backend_errors.pop(name, None)
-        if name not in self._watching:
-            self._watching.add(name)
-            try:
-                await self._relist(name, backend)
-            except Exception as exc:
-                log.warning("cannot list the %s backend yet: %s", name, exc)
-            self._spawn(self._watch(name, backend))
-        return backend
-
-    async def _watch(self, name: str, backend: ExecutionBackend) -> None:
-        while not self._stopping.is_set():
-            try:
-                async for state in backend.watch():
-                    self._on_state(name, state)
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("watching the %s backend failed (%s); watching again in 1s", name, exc)
-                await asyncio.sleep(1.0)
-
-    def _on_state(self, name: str, state: ExecutionState) -> None:
-        key = state.key
-        rollout_key = key.rollout
-        known = self.executions.setdefault(rollout_key, {})
-        self.owner[key] = name
-        self.seen_at[key] = time.monotonic()
-        if state.deleted:
-            view = self.rollouts.get(rollout_key)
-            # Keep the last word on the active attempt so its reason is reported, not "vanished".
-            if view is not None and view.active_attempt_id == key.attempt_id and state.terminal:
-                known[key.attempt_id] = msgspec.structs.replace(state, deleted=False)
-            else:
-                known.pop(key.attempt_id, None)
-        else:
-            known[key.attempt_id] = state
-        self._dirty.add(rollout_key)
-        self._changed.set()
-
-    async def _relist(self, name: str, backend: ExecutionBackend) -> None:
-        """Merge a fresh listing: update what it shows, drop what it no longer has (unless newer)."""
-        began = time.monotonic()
-        states = await backend.list()
-        listed = {state.key for state in states}
-        for state in states:
-            if self.seen_at.get(state.key, 0.0) <= began:
-                self._on_state(name, state)
-        for key, owner in list(self.owner.items()):
-            if owner == name and key not in listed and self.seen_at.get(key, 0.0) <= began:
-                known = self.executions.get(key.rollout, {})
-                current = known.get(key.attempt_id)
-                if current is not None and not current.terminal:
-                    known.pop(key.attempt_id, None)
-                    self._dirty.add(key.rollout)
-                self.owner.pop(key, None)
-                self.seen_at.pop(key, None)
 
     async def _resync(self) -> None:
         """The periodic full reconcile: re-list every backend, re-check statuses, look at everything."""
@@ -661,7 +405,7 @@ class Controller:
             log.info("rollout %s moved on (%s); re-reading it", key.rollout_id, exc)
             await self._safe_refresh(key)
             # Should the gateway keep refusing what the view calls for, do not ask in a tight loop.
-            self._retry_later(key, min(30.0, 0.1 * 2 ** self._failures[key]))
+            self._retry_later(key, CONFLICT_BACKOFF.delay(self._failures[key]))
             self._failures[key] += 1
         except GatewayRejected as exc:
             if exc.status_code == 404:
@@ -670,7 +414,7 @@ class Controller:
                 log.error("gateway refused a command for rollout %s: %s", key.rollout_id, exc)
                 self._retry_later(key, 60.0)
         except TEMPORARY_ERRORS as exc:
-            delay = getattr(exc, "retry_after", None) or min(30.0, 0.5 * 2 ** self._failures[key])
+            delay = getattr(exc, "retry_after", None) or UNAVAILABLE_BACKOFF.delay(self._failures[key])
             self._failures[key] += 1
             if isinstance(exc, TemporaryBackendError):
                 log.warning("rollout %s: %s; retrying in %.1fs", key.rollout_id, exc, delay)
@@ -691,179 +435,4 @@ class Controller:
             self._dirty.add(key)
             self._changed.set()
 
-    async def _safe_refresh(self, key: RolloutKey) -> None:
-        try:
-            await self._refresh(key)
-        except Exception as exc:
-            log.warning("cannot re-read rollout %s: %s", key.rollout_id, exc)
-            self._retry_later(key, 1.0)
-
-    def _retry_later(self, key: RolloutKey, delay: float) -> None:
-        self._retry_at[key] = time.time() + delay
-
     # ---- actions ---------------------------------------------------------------------------
-
-    async def _act(self, key: RolloutKey, actions: Sequence[Action]) -> None:
-        for action in actions:
-            match action:
-                case Kill(attempt_id=aid, reason=reason):
-                    log.info("stopping rollout %s attempt %s: %s", key.rollout_id, aid, reason)
-                    await self._cancel(key, aid)
-                    self.stats["killed"] += 1
-                case Forget(attempt_id=aid):
-                    await self._cancel(key, aid)
-                    self._logged.discard(aid)
-                case MarkRunning(attempt_id=aid):
-                    await self._set_status(key, "running", aid, None)
-                    self._link_logs(key, aid)
-                    self.stats["running"] += 1
-                case MarkEnded(attempt_id=aid, status=status, reason=reason):
-                    await self._set_status(key, status, aid, reason)
-                    if aid is not None:
-                        self._link_logs(key, aid)
-                    self.stats[status] += 1
-                    if status != "succeeded":
-                        log.info("rollout %s attempt %s -> %s: %s", key.rollout_id, aid, status, reason)
-                case Relaunch():
-                    spec = self.specs.get(key.run_id)
-                    if not isinstance(spec, RunSpec):
-                        return
-                    bid = backend_id(spec)
-                    backend = await self._ensure_backend(bid)
-                    if backend is None:
-                        self._retry_later(key, self.settings.resync_s)
-                        return
-                    await self._start(key, spec, bid, backend, action)
-                case Start():
-                    raise AssertionError("starts are admitted by _admit")
-
-    async def _cancel(self, key: RolloutKey, attempt_id: str) -> None:
-        execution = ExecutionKey(key.run_id, key.rollout_id, attempt_id)
-        backend = self.backends.get(self.owner.get(execution, ""))
-        if backend is not None:
-            await backend.cancel(execution)
-        self.executions.get(key, {}).pop(attempt_id, None)
-        self.owner.pop(execution, None)
-        self.seen_at.pop(execution, None)
-
-    async def _set_status(self, key: RolloutKey, status: str, attempt_id: str | None, reason: str | None) -> None:
-        idem = f"rollwire-controller:{key.rollout_id}:{attempt_id or '-'}:{status}"
-        began = time.monotonic()
-        seq = await self.gateway.set_status(key.rollout_id, status, attempt_id=attempt_id, reason=reason, key=idem)
-        spec = self.specs.get(key.run_id)
-        backend = spec.backend if isinstance(spec, RunSpec) else "unknown"
-        metrics.status_written(key.run_id, key.rollout_id, backend, status, reason)
-        log.debug("rollout %s -> %s in %.0f ms", key.rollout_id, status, (time.monotonic() - began) * 1000)
-        self._awaiting[key] = (seq, time.time() + ECHO_TIMEOUT_S)
-
-    def _link_logs(self, key: RolloutKey, attempt_id: str) -> None:
-        """Link the execution's logs from the rollout: a custom event `log`, once per attempt.
-
-        Posted in the background, after the status change it accompanies, so it never delays one.
-        """
-        if attempt_id in self._logged:
-            return
-        state = self.executions.get(key, {}).get(attempt_id)
-        if state is None or not state.log_location:
-            return
-        self._logged.add(attempt_id)
-        self._spawn(self._post_log(key, attempt_id, state))
-
-    async def _post_log(self, key: RolloutKey, attempt_id: str, state: ExecutionState) -> None:
-        execution = ExecutionKey(key.run_id, key.rollout_id, attempt_id)
-        body = {
-            "type": "custom",
-            "name": LOG_EVENT,
-            "payload": {
-                "attempt_id": attempt_id,
-                "backend": self.owner.get(execution),
-                "log_location": state.log_location,
-                "execution": state.execution,
-            },
-        }
-        try:
-            await self.gateway.post_event(key.rollout_id, attempt_id, body, f"rollwire-controller:{attempt_id}:log")
-        except Exception as exc:
-            log.warning("could not link the logs of rollout %s attempt %s: %s", key.rollout_id, attempt_id, exc)
-
-    async def _start(
-        self, key: RolloutKey, spec: RunSpec, bid: str, backend: ExecutionBackend, relaunch: Relaunch | None
-    ) -> None:
-        """Start (or, after a restart, resume) an attempt and launch its execution."""
-        view = self.rollouts[key]
-        if spec.backend == "local" and not spec.command:
-            reason = f"run {spec.run_id} sets no command: the local backend needs RunSpec.command (an argv list)"
-            await self._set_status(key, "failed", view.current.attempt_id if view.current else None, reason)
-            return
-        sequence = relaunch.sequence if relaunch else len(view.attempts) + 1
-        idem = ATTEMPT_KEY.format(rollout=key.rollout_id, created=view.created_seq, sequence=sequence)
-        began = time.monotonic()
-        try:
-            grant = await self.gateway.start_attempt(key.rollout_id, backend.name, idem)
-        except GatewayConflict:
-            if relaunch is None:
-                raise
-            # The preparing attempt was not started under this controller's key: nobody can
-            # launch it with its token, so it ends here.
-            await self._refresh(key)
-            view = self.rollouts.get(key, view)
-            if view.status == "preparing" and view.current and view.current.attempt_id == relaunch.attempt_id:
-                reason = f"attempt {relaunch.sequence} has no execution and was not started by this controller"
-                await self._end(key, view, reason)
-            return
-        started = time.monotonic()
-        self._awaiting[key] = (grant.seq, time.time() + ECHO_TIMEOUT_S)
-        if relaunch is not None and grant.attempt_id != relaunch.attempt_id:
-            raise GatewayConflict(f"relaunch of {relaunch.attempt_id} got attempt {grant.attempt_id}", None)
-        env = attempt_env(view, spec, grant)
-        eval_env = None
-        if spec.evaluator_command:
-            eval_env = evaluator_env(env, await self.gateway.evaluator_token(key.rollout_id, grant.attempt_id))
-        launch = LaunchSpec(
-            key=ExecutionKey(key.run_id, key.rollout_id, grant.attempt_id),
-            env=env,
-            input_json=json.dumps(view.input),
-            timeout_s=timeout_s(view, spec),
-            command=list(spec.command) or None,
-            evaluator_command=list(spec.evaluator_command) if spec.evaluator_command else None,
-            evaluator_env=eval_env,
-            image=spec.image,
-        )
-        for attempt in range(LAUNCH_RETRIES):
-            try:
-                await backend.launch(launch)
-                break
-            except TemporaryBackendError as exc:
-                if attempt == LAUNCH_RETRIES - 1:
-                    raise  # still preparing with no execution: the next look relaunches it
-                await asyncio.sleep(exc.retry_after)
-            except PermanentBackendError as exc:
-                with_attempt = _with_attempt(view, grant)
-                await self._end(key, with_attempt, f"cannot launch attempt {grant.sequence}: {exc}")
-                return
-        self.stats["launched"] += 1
-        queued = view.status_time if view.status in ("queuing", "requeuing") else None
-        metrics.launched(key.run_id, key.rollout_id, bid, grant.sequence, queued)
-        log.debug(
-            "rollout %s attempt %s launched in %.0f ms (start attempt %.0f ms)",
-            key.rollout_id,
-            grant.sequence,
-            (time.monotonic() - began) * 1000,
-            (started - began) * 1000,
-        )
-        known = self.executions.setdefault(key, {}).get(grant.attempt_id)
-        if known is None or (known.phase == "failed" and (known.reason or "").startswith(NOT_LAUNCHED)):
-            # Until the backend's watch reports it: counted against capacity, never relaunched.
-            self._on_state(bid, ExecutionState(key=launch.key, phase="pending"))
-
-    async def _end(self, key: RolloutKey, view: Rollout, reason: str) -> None:
-        step = after_failure(view, reason)
-        await self._set_status(key, step.status, step.attempt_id, step.reason)
-
-
-def _with_attempt(view: Rollout, grant: AttemptGrant) -> Rollout:
-    """The view as it will be once the stream shows the attempt just started."""
-    if any(a.attempt_id == grant.attempt_id for a in view.attempts):
-        return view
-    attempt = Attempt(attempt_id=grant.attempt_id, sequence=grant.sequence, started_at=time.time())
-    return msgspec.structs.replace(view, attempts=(*view.attempts, attempt), status="preparing")

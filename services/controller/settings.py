@@ -1,16 +1,17 @@
-"""Controller settings, read once from the command line and the environment."""
+"""Controller settings, read once from the command line and the environment (typer flags with `envvar=`)."""
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
+import typer
 
 from schemas import InvalidId, check_id
 from schemas.ids import STREAM_NAME
+from services.common.settings import parse_command, typer_app
 
 KNOWN_BACKENDS = ("local", "kubernetes")
 
@@ -46,93 +47,102 @@ class ControllerSettings(msgspec.Struct, frozen=True, kw_only=True):
     metrics_port: int | None = None
 
 
-def _positive(name: str, raw: str | None, default: float) -> float:
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r} is not a number") from None
+def _positive(name: str, value: float) -> float:
     if value <= 0:
-        raise SettingsError(f"{name} must be positive, got {raw}")
+        raise SettingsError(f"{name} must be positive, got {value:g}")
     return value
 
 
-def _port(raw: str | None) -> int | None:
-    if raw is None or raw == "":
-        return None
-    if not raw.isdigit() or int(raw) > 65535:
-        raise SettingsError(f"ROLLWIRE_CONTROLLER_PORT / --metrics-port={raw!r} is not a port number (0 to 65535)")
-    return int(raw)
+def _required(name: str, flag: str, value: str) -> str:
+    if not value:
+        raise SettingsError(f"no {name}: pass {flag} or set {ENV_NAMES[flag]}")
+    return value
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line of `python -m services.controller` (each flag overrides its variable)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m services.controller",
-        description="Turn queued rollouts into agent executions (local processes or Kubernetes Jobs).",
-    )
-    parser.add_argument("--gateway-url", help="the gateway's base URL (ROLLWIRE_GATEWAY_URL)")
-    parser.add_argument("--nats-url", help="NATS server URL (NATS_URL)")
-    parser.add_argument("--admin-token", help="the gateway's admin token (ROLLWIRE_ADMIN_TOKEN)")
-    parser.add_argument("--run", action="append", dest="runs", help="serve only this run (repeatable; default: all)")
-    parser.add_argument(
-        "--backends", help="comma-separated executors this controller runs (ROLLWIRE_CONTROLLER_BACKENDS; default all)"
-    )
-    parser.add_argument(
-        "--executions-dir",
-        help="where local executions keep their files (ROLLWIRE_EXECUTIONS_DIR; default $ROLLWIRE_DATA_DIR/executions)",
-    )
-    parser.add_argument(
-        "--local-capacity", help="most local executions running at once (ROLLWIRE_LOCAL_CAPACITY, default 32)"
-    )
-    parser.add_argument("--durable", help="name of the durable NATS consumer (ROLLWIRE_CONTROLLER_DURABLE)")
-    parser.add_argument("--resync-s", help="period of the full reconcile in seconds (ROLLWIRE_CONTROLLER_RESYNC_S)")
-    parser.add_argument("--metrics-host", help="address of /metrics and /healthz (ROLLWIRE_CONTROLLER_HOST)")
-    parser.add_argument(
-        "--metrics-port",
-        help="port of /metrics and /healthz (ROLLWIRE_CONTROLLER_PORT; 0: any free port; default off)",
-    )
-    return parser.parse_args(argv)
-
-
-def build_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ControllerSettings:
-    """Settings from flags, then the environment, then defaults; raises SettingsError naming the problem."""
-    env = os.environ if env is None else env
-    gateway_url = args.gateway_url or env.get("ROLLWIRE_GATEWAY_URL") or ""
-    if not gateway_url:
-        raise SettingsError("no gateway URL: pass --gateway-url or set ROLLWIRE_GATEWAY_URL")
-    admin_token = args.admin_token or env.get("ROLLWIRE_ADMIN_TOKEN") or ""
-    if not admin_token:
-        raise SettingsError("no admin token: pass --admin-token or set ROLLWIRE_ADMIN_TOKEN")
-    raw_backends = args.backends or env.get("ROLLWIRE_CONTROLLER_BACKENDS") or ",".join(KNOWN_BACKENDS)
-    backends = tuple(b.strip() for b in raw_backends.split(",") if b.strip())
+def _backends(raw: str) -> tuple[str, ...]:
+    backends = tuple(b.strip() for b in raw.split(",") if b.strip())
     unknown = [b for b in backends if b not in KNOWN_BACKENDS]
     if unknown or not backends:
-        raise SettingsError(f"unknown backend(s) {unknown or raw_backends!r}; allowed: {', '.join(KNOWN_BACKENDS)}")
-    runs = tuple(args.runs or ())
+        raise SettingsError(f"unknown backend(s) {unknown or raw!r}; allowed: {', '.join(KNOWN_BACKENDS)}")
+    return backends
+
+
+def _runs(runs: Sequence[str]) -> tuple[str, ...]:
     try:
-        for run in runs:
-            check_id("--run", run)
+        return tuple(check_id("--run", run) for run in runs)
     except InvalidId as exc:
         raise SettingsError(str(exc)) from None
-    data_dir = Path(env.get("ROLLWIRE_DATA_DIR") or ".rollwire")
-    executions_dir = Path(args.executions_dir or env.get("ROLLWIRE_EXECUTIONS_DIR") or data_dir / "executions")
-    metrics_port = _port(getattr(args, "metrics_port", None) or env.get("ROLLWIRE_CONTROLLER_PORT"))
-    capacity = _positive("ROLLWIRE_LOCAL_CAPACITY", args.local_capacity or env.get("ROLLWIRE_LOCAL_CAPACITY"), 32)
+
+
+ENV_NAMES = {
+    "--gateway-url": "ROLLWIRE_GATEWAY_URL",
+    "--admin-token": "ROLLWIRE_ADMIN_TOKEN",
+    "--nats-url": "NATS_URL",
+    "--stream": "ROLLWIRE_STREAM",
+    "--backends": "ROLLWIRE_CONTROLLER_BACKENDS",
+    "--executions-dir": "ROLLWIRE_EXECUTIONS_DIR",
+    "--data-dir": "ROLLWIRE_DATA_DIR",
+    "--local-capacity": "ROLLWIRE_LOCAL_CAPACITY",
+    "--durable": "ROLLWIRE_CONTROLLER_DURABLE",
+    "--resync-s": "ROLLWIRE_CONTROLLER_RESYNC_S",
+    "--metrics-host": "ROLLWIRE_CONTROLLER_HOST",
+    "--metrics-port": "ROLLWIRE_CONTROLLER_PORT",
+}
+"""Each flag's environment variable (the flag wins)."""
+
+app = typer_app("Turn queued rollouts into agent executions (local processes or Kubernetes Jobs).")
+
+
+def _option(flag: str, default: Any, help: str) -> Any:
+    return typer.Option(default, flag, envvar=ENV_NAMES[flag], help=help)
+
+
+@app.command()
+def settings_command(
+    gateway_url: str = _option("--gateway-url", "", "The gateway's base URL."),
+    admin_token: str = _option("--admin-token", "", "The gateway's admin token."),
+    nats_url: str = _option("--nats-url", "nats://127.0.0.1:4222", "NATS server URL."),
+    stream: str = _option("--stream", STREAM_NAME, "JetStream stream name."),
+    runs: list[str] = typer.Option([], "--run", help="Serve only this run (repeatable; default: all)."),
+    backends: str = _option("--backends", ",".join(KNOWN_BACKENDS), "Comma-separated executors this controller runs."),
+    data_dir: Path = _option("--data-dir", Path(".rollwire"), "Data directory (executions go under it)."),
+    executions_dir: Path | None = _option("--executions-dir", None, "Where local executions keep their files."),
+    local_capacity: int = _option("--local-capacity", 32, "Most local executions running at once."),
+    durable: str = _option("--durable", "controller", "Name of the durable NATS consumer."),
+    resync_s: float = _option("--resync-s", 5.0, "Period of the full reconcile in seconds."),
+    metrics_host: str = _option("--metrics-host", "127.0.0.1", "Address of /metrics and /healthz."),
+    metrics_port: int | None = typer.Option(
+        None,
+        "--metrics-port",
+        envvar=ENV_NAMES["--metrics-port"],
+        min=0,
+        max=65535,
+        help="Port of /metrics and /healthz (0: any free port; default: none).",
+    ),
+) -> ControllerSettings:
+    """The controller's settings from its flags and their environment variables."""
     return ControllerSettings(
-        gateway_url=gateway_url,
-        admin_token=admin_token,
-        nats_url=args.nats_url or env.get("NATS_URL") or "nats://127.0.0.1:4222",
-        stream=env.get("ROLLWIRE_STREAM") or STREAM_NAME,
-        durable=args.durable or env.get("ROLLWIRE_CONTROLLER_DURABLE") or "controller",
-        runs=runs,
-        backends=backends,
-        executions_dir=executions_dir,
-        local_capacity=int(capacity),
-        metrics_host=getattr(args, "metrics_host", None) or env.get("ROLLWIRE_CONTROLLER_HOST") or "127.0.0.1",
+        gateway_url=_required("gateway URL", "--gateway-url", gateway_url),
+        admin_token=_required("admin token", "--admin-token", admin_token),
+        nats_url=nats_url,
+        stream=stream or STREAM_NAME,
+        durable=durable,
+        runs=_runs(runs),
+        backends=_backends(backends),
+        executions_dir=executions_dir or data_dir / "executions",
+        local_capacity=int(_positive(ENV_NAMES["--local-capacity"], local_capacity)),
+        resync_s=_positive(ENV_NAMES["--resync-s"], resync_s),
+        metrics_host=metrics_host,
         metrics_port=metrics_port,
-        resync_s=_positive(
-            "ROLLWIRE_CONTROLLER_RESYNC_S", args.resync_s or env.get("ROLLWIRE_CONTROLLER_RESYNC_S"), 5.0
-        ),
     )
+
+
+def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ControllerSettings:
+    """Settings from a command line, then `env` (default: the process environment), then defaults.
+
+    Raises SettingsError naming the flag or variable; `--help` prints the flags and exits.
+    """
+    try:
+        return parse_command(app, argv, env, prog="python -m services.controller")  # type: ignore[no-any-return]
+    except typer.TyperException as exc:
+        raise SettingsError(exc.format_message()) from None  # type: ignore[attr-defined]

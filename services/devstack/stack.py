@@ -238,6 +238,8 @@ class Stack:
             "ROLLWIRE_PUBLIC_URL": f"http://127.0.0.1:{ports['gateway']}",
             "PYTHONUNBUFFERED": "1",
         }
+        if "projector" in self.config.services:  # the gateway forwards reads to it
+            env["ROLLWIRE_PROJECTOR_URL"] = f"http://127.0.0.1:{ports['projector']}"
         self._env = env
         for spec in self._service_specs(ports):
             self._start_child(spec, env)
@@ -274,7 +276,7 @@ class Stack:
             ),
             "projector": ChildService(
                 "projector",
-                ["--metrics-port", str(ports["projector"]), *self._tokenizer_args()],
+                ["--port", str(ports["projector"]), *self._tokenizer_args()],
                 health_url=f"http://127.0.0.1:{ports['projector']}/healthz",
                 endpoint=f"projector: http://127.0.0.1:{ports['projector']}/metrics",
             ),
@@ -289,7 +291,9 @@ class Stack:
             del known["engine"]
             replicas = self._vllm_specs() if "engine" in self.config.services else []
             return replicas + [known[name] for name in self.config.services if name in known]
-        return [known[name] for name in self.config.services if name in known]
+        # The projector before the gateway: the gateway's reads, and so its /healthz, depend on it.
+        order = ("engine", "projector", "gateway", "controller")
+        return [known[name] for name in order if name in self.config.services]
 
     def _vllm_specs(self) -> list[ChildService]:
         """One `vllm serve` per replica on consecutive ports, replica i on GPU i (`services.common.vllm`)."""

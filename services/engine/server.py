@@ -136,38 +136,7 @@ def _routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http_request: Request) -> Response:
-        request = decode_chat_request(await http_request.body())
-        if request.model is not None and request.model != engine.served_name:
-            raise RequestError(
-                f"the model `{request.model}` does not exist; this engine serves `{engine.served_name}`",
-                param="model",
-                code="model_not_found",
-                status=404,
-            )
-        started = engine.start(request)
-        if request.stream:
-            return StreamingResponse(
-                _stream(engine, request, started),
-                media_type="text/event-stream",
-                headers={WEIGHTS_VERSION_HEADER: str(started.weights_version), "cache-control": "no-cache"},
-            )
-        try:
-            completed = await _collect(started, http_request)
-        except (GenerationFailedError, EngineClosedError) as exc:
-            error = RequestError(str(exc), code="generation_failed", status=500, error_type="server_error")
-            return _json(error.body(), started.weights_version, status=500)
-        if not completed:
-            return Response(status_code=499)
-        response = ChatCompletion(
-            id=f"chatcmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=engine.served_name,
-            choices=[final_choice(b, request) for b in started.builders],
-            usage=usage(started.prompt_ids, started.builders),
-            weights_version=started.weights_version,
-            prompt_token_ids=started.prompt_ids if request.return_token_ids else UNSET,
-        )
-        return _json(response, started.weights_version)
+        return await _chat_completion(engine, http_request)
 
     @app.post("/reload")
     async def reload(http_request: Request) -> Response:
@@ -178,6 +147,42 @@ def _routes(app: FastAPI, engine: Engine) -> None:
             raise RequestError(str(exc), param="path", code="invalid_model") from None
         payload = {"model": engine.served_name, "path": str(weights.path), "weights_version": weights.version}
         return _json(payload, weights.version)
+
+
+async def _chat_completion(engine: Engine, http_request: Request) -> Response:
+    """`POST /v1/chat/completions`: stream the choices as SSE, or answer once they are complete."""
+    request = decode_chat_request(await http_request.body())
+    if request.model is not None and request.model != engine.served_name:
+        raise RequestError(
+            f"the model `{request.model}` does not exist; this engine serves `{engine.served_name}`",
+            param="model",
+            code="model_not_found",
+            status=404,
+        )
+    started = engine.start(request)
+    if request.stream:
+        return StreamingResponse(
+            _stream(engine, request, started),
+            media_type="text/event-stream",
+            headers={WEIGHTS_VERSION_HEADER: str(started.weights_version), "cache-control": "no-cache"},
+        )
+    try:
+        completed = await _collect(started, http_request)
+    except (GenerationFailedError, EngineClosedError) as exc:
+        error = RequestError(str(exc), code="generation_failed", status=500, error_type="server_error")
+        return _json(error.body(), started.weights_version, status=500)
+    if not completed:
+        return Response(status_code=499)
+    response = ChatCompletion(
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=engine.served_name,
+        choices=[final_choice(b, request) for b in started.builders],
+        usage=usage(started.prompt_ids, started.builders),
+        weights_version=started.weights_version,
+        prompt_token_ids=started.prompt_ids if request.return_token_ids else UNSET,
+    )
+    return _json(response, started.weights_version)
 
 
 def _error_handlers(app: FastAPI) -> None:

@@ -1,53 +1,28 @@
-"""`python -m services.gateway [--host H] [--port P] [--nats-url URL]`: run the gateway until SIGTERM.
+"""`python -m services.gateway`: run the gateway (rollout API, proxy, phase gate, reads) until SIGTERM.
 
-Settings come from the environment (see `settings.py`); the flags override them. Exits 2 with a
-one-line reason when NATS cannot be reached, 0 after a clean shutdown on SIGTERM or SIGINT.
+Every flag falls back to its environment variable (see `--help`; the rest of the settings are
+read from the environment, `settings.py`). Exits 2 with a one-line reason when a setting is
+unusable or NATS cannot be reached, 0 after a clean shutdown on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import importlib.util
-import os
 import signal
-import sys
 
 import msgspec
+import typer
 import uvicorn
 
 from services.common.accesslog import AccessLogError, access_format
 from services.common.eventstore import EventStore, EventStoreError
+from services.common.settings import fail, run_async, run_command, typer_app
 from services.gateway.app import create_app
-from services.gateway.settings import GatewaySettings, SettingsError, settings_from_env
+from services.gateway.settings import DEFAULT_PORT, GatewaySettings, SettingsError, settings_from_env
 
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line flags (each overrides its environment variable)."""
-    parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
-    parser.add_argument("--host", help="address to listen on (ROLLWIRE_GATEWAY_HOST, default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port to listen on (ROLLWIRE_GATEWAY_PORT, default 8080)")
-    parser.add_argument("--nats-url", help="NATS server URL (NATS_URL)")
-    parser.add_argument("--public-url", help="URL agents use to reach the gateway (ROLLWIRE_PUBLIC_URL)")
-    parser.add_argument("--database-url", help="Postgres of the projector; GET endpoints read it (DATABASE_URL)")
-    return parser.parse_args(argv)
-
-
-def build_settings(args: argparse.Namespace) -> GatewaySettings:
-    """Environment settings with the flags applied."""
-    settings = settings_from_env()
-    changes = {
-        k: v
-        for k, v in {
-            "host": args.host,
-            "port": args.port,
-            "nats_url": args.nats_url,
-            "public_url": args.public_url,
-        }.items()
-        if v is not None
-    }
-    return msgspec.structs.replace(settings, **changes) if changes else settings
+NAME = "rollwire gateway"
 
 
 async def _check_nats(settings: GatewaySettings) -> None:
@@ -55,32 +30,14 @@ async def _check_nats(settings: GatewaySettings) -> None:
     await store.close()
 
 
-async def main(argv: list[str] | None = None) -> int:
+async def serve(settings: GatewaySettings) -> None:
     """Serve until SIGTERM/SIGINT (uvicorn drains open requests, then the app disconnects from NATS)."""
-    try:
-        args = parse_args(argv)
-        settings = build_settings(args)
-        access_format()
-    except (SettingsError, AccessLogError) as exc:
-        print(f"rollwire gateway: {exc}", file=sys.stderr)
-        return 2
     try:
         await _check_nats(settings)
     except EventStoreError as exc:
-        print(f"rollwire gateway: {exc}", file=sys.stderr)
-        return 2
-    database_url = args.database_url or os.environ.get("DATABASE_URL")
-    if database_url:  # queries are answered from the projector's read models, not by folding the stream
-        from services.projector.api import install_read_side
-        from services.projector.reader import PostgresRolloutReader
-
-        reader = PostgresRolloutReader(database_url, stream=settings.stream)
-        app = create_app(settings, reader=reader)
-        install_read_side(app, reader, authorize=lambda request: request.app.state.gateway.admin(request))
-    else:
-        app = create_app(settings)
+        fail(NAME, str(exc))
     config = uvicorn.Config(
-        app,
+        create_app(settings),
         host=settings.host,
         port=settings.port,
         log_level="warning",
@@ -96,17 +53,36 @@ async def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     await server.serve()
-    return 0
 
 
-def run() -> None:
-    """Entry point: uvloop when installed, else asyncio."""
-    if importlib.util.find_spec("uvloop"):
-        import uvloop
+app = typer_app(__doc__)
 
-        sys.exit(uvloop.run(main()))
-    sys.exit(asyncio.run(main()))
+
+@app.command()
+def main(
+    host: str = typer.Option("127.0.0.1", envvar="ROLLWIRE_GATEWAY_HOST", help="Address to listen on."),
+    port: int = typer.Option(DEFAULT_PORT, envvar="ROLLWIRE_GATEWAY_PORT", help="Port to listen on."),
+    nats_url: str = typer.Option("nats://127.0.0.1:4222", envvar="NATS_URL", help="NATS server URL."),
+    public_url: str = typer.Option("", envvar="ROLLWIRE_PUBLIC_URL", help="URL agents use to reach the gateway."),
+    projector_url: str = typer.Option(
+        "", envvar="ROLLWIRE_PROJECTOR_URL", help="The projector's HTTP URL; reads go there (empty: fold the stream)."
+    ),
+) -> None:
+    """Run the gateway."""
+    try:
+        settings = msgspec.structs.replace(
+            settings_from_env(),
+            host=host,
+            port=port,
+            nats_url=nats_url,
+            public_url=public_url,
+            projector_url=projector_url,
+        )
+        access_format()
+    except (SettingsError, AccessLogError) as exc:
+        fail(NAME, str(exc))
+    run_async(serve(settings))
 
 
 if __name__ == "__main__":
-    run()
+    run_command(app, NAME, "python -m services.gateway")

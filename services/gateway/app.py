@@ -8,8 +8,8 @@ goes through routing or validation); everything else is ordinary FastAPI routes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -20,9 +20,11 @@ from starlette.routing import Match
 from schemas import PhaseChanged
 from services.common.eventstore import EventStore, StoredEvent
 from services.common.metrics import ObservedApp
-from services.gateway import api, bodies, metrics
+from services.common.readside import ProjectorReader, RolloutReader, StreamRolloutReader
+from services.gateway import api, bodies, metrics, reads
 from services.gateway.auth import Authenticator, TokenSigner
 from services.gateway.budgets import Budgets
+from services.gateway.commands import checked_id, event_id_for, keyed
 from services.gateway.context import Gateway
 from services.gateway.errors import CLIENT_ERRORS, ApiError, internal, translate, unavailable
 from services.gateway.http import decode, encode, read_body
@@ -32,7 +34,6 @@ from services.gateway.payload import announce
 from services.gateway.phase import PhaseGate
 from services.gateway.phasesync import PhaseSync
 from services.gateway.proxy import PREFIX, Proxy
-from services.gateway.readmodel import RolloutReader, StreamRolloutReader
 from services.gateway.reaper import CallReaper
 from services.gateway.recording import CallChains
 from services.gateway.settings import GatewaySettings
@@ -69,8 +70,15 @@ class _ProxyFirst:
         await self.app(scope, receive, send)
 
 
-def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None) -> FastAPI:
-    """The gateway as a FastAPI app; `reader` replaces the stream fold behind the GET endpoints."""
+def _reader(settings: GatewaySettings, store: EventStore) -> RolloutReader:
+    """Where reads are answered: the projector's query API, else a fold of the stream."""
+    if settings.projector_url:
+        return ProjectorReader(settings.projector_url, token=settings.admin_token)
+    return StreamRolloutReader(store)
+
+
+def _lifespan(settings: GatewaySettings) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Connect at start (event store, caches, phase gate and sync, reaper, upstream client, reader), close at stop."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -81,11 +89,12 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
         upstream = UpstreamClient(
             read_timeout_s=settings.upstream_timeout_s, connect_timeout_s=settings.upstream_connect_timeout_s
         )
+        reader = _reader(settings, store)
         gateway = Gateway(
             settings=settings,
             store=store,
             state=state,
-            reader=reader or StreamRolloutReader(store),
+            reader=reader,
             auth=Authenticator(settings.admin_token, TokenSigner(settings.secret)),
             idempotency=IdempotencyCache(settings.idempotency_cache_bytes),
             gate=gate,
@@ -111,51 +120,69 @@ def create_app(settings: GatewaySettings, *, reader: RolloutReader | None = None
             await gateway.reaper.stop()
             await state.stop()
             await upstream.close()
+            if isinstance(reader, ProjectorReader):
+                await reader.close()
             if store.nc.is_connected:
                 await store.close()
             else:
                 await store.nc.close()
 
+    return lifespan
+
+
+async def _errors(request: Request, exc: Exception) -> Response:
+    error = translate(exc)
+    if error is None:
+        error = internal(exc)
+    return Response(error.body(), status_code=error.status, media_type="application/json", headers=error.headers)
+
+
+async def _http_errors(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    headers = dict(getattr(exc, "headers", None) or {})
+    if exc.status_code == 405:  # every method this path serves, not only the first route's
+        headers["Allow"] = ", ".join(_allowed(request.app, request.scope))
+    return Response(
+        encode({"error": str(exc.detail)}),
+        status_code=exc.status_code,
+        media_type="application/json",
+        headers=headers or None,
+    )
+
+
+async def _validation(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    field = ".".join(str(p) for p in first.get("loc", ()))
+    return Response(
+        encode({"error": f"{field}: {first.get('msg', 'invalid')}", "field": field}),
+        status_code=422,
+        media_type="application/json",
+    )
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    """The gateway as a FastAPI app; reads go to the projector at `settings.projector_url` when set."""
     app = FastAPI(
-        title="Rollwire gateway", version="1.0", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
+        title="Rollwire gateway",
+        version="1.0",
+        lifespan=_lifespan(settings),
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     app.add_middleware(_ProxyFirst)
     app.add_middleware(ObservedApp, service="gateway", route_of=metrics.proxy_route)  # type: ignore[arg-type]
-
-    @app.exception_handler(Exception)
-    async def _errors(request: Request, exc: Exception) -> Response:
-        error = translate(exc)
-        if error is None:
-            error = internal(exc)
-        return Response(error.body(), status_code=error.status, media_type="application/json", headers=error.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_errors(request: Request, exc: StarletteHTTPException) -> Response:
-        headers = dict(getattr(exc, "headers", None) or {})
-        if exc.status_code == 405:  # every method this path serves, not only the first route's
-            headers["Allow"] = ", ".join(_allowed(request.app, request.scope))
-        return Response(
-            encode({"error": str(exc.detail)}),
-            status_code=exc.status_code,
-            media_type="application/json",
-            headers=headers or None,
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        first = exc.errors()[0] if exc.errors() else {}
-        field = ".".join(str(p) for p in first.get("loc", ()))
-        return Response(
-            encode({"error": f"{field}: {first.get('msg', 'invalid')}", "field": field}),
-            status_code=422,
-            media_type="application/json",
-        )
-
+    app.state.read_side = bool(settings.projector_url)  # the OpenAPI document then lists `min_seq` on every GET
     # Handled by type (not only as `Exception`, whose handler Starlette runs and then re-raises
     # into the server's log): a client's error is an answer, not a traceback.
-    for exc_type in CLIENT_ERRORS:
-        app.add_exception_handler(exc_type, _errors)  # type: ignore[arg-type]
+    handled: tuple[type[Exception], ...] = (Exception, *CLIENT_ERRORS)
+    for exc_type in handled:
+        app.add_exception_handler(exc_type, _errors)
+    app.add_exception_handler(StarletteHTTPException, _http_errors)
+    app.add_exception_handler(RequestValidationError, _validation)
     api.register(app)
+    reads.register(app)
     app.add_api_route("/api/phase", set_phase, methods=["POST"])
 
     document: list[bytes] = []  # built on first request (all routes are added by then), then served as is
@@ -205,7 +232,7 @@ async def set_phase(request: Request) -> Response:
     gw.admin(request)
     body = await read_body(request, gw.settings.max_body_bytes)
     phase = decode(body, bodies.PhaseBody)
-    run_id = api._id("run_id", phase.run_id or gw.settings.default_run)
+    run_id = checked_id("run_id", phase.run_id or gw.settings.default_run)
 
     async def command(key: str | None) -> tuple[int, bytes]:
         previous = gw.state.phases.get(run_id)
@@ -215,7 +242,7 @@ async def set_phase(request: Request) -> Response:
             else (previous.weights_version if previous else None)
         )
         event = PhaseChanged(
-            event_id=api._event_id(key, "phase", run_id), run_id=run_id, phase=phase.phase, weights_version=version
+            event_id=event_id_for(key, "phase", run_id), run_id=run_id, phase=phase.phase, weights_version=version
         )
         if phase.phase == "update":
             gw.gate.close(run_id)
@@ -250,4 +277,4 @@ async def set_phase(request: Request) -> Response:
             }
         )
 
-    return await api._keyed(request, "admin", body, command)
+    return await keyed(request, "admin", body, command)

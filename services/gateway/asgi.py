@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.gateway.errors import ApiError
+from services.gateway.errors import ApiError, invalid, too_large
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -33,8 +33,10 @@ def header(scope: Scope, name: bytes) -> str | None:
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The whole request body; 413 past `limit` bytes (checked on the declared length first)."""
     declared = header(scope, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
+    if declared is not None and not declared.isdigit():
+        raise invalid("Content-Length is not a number", "content-length")
+    if declared is not None and int(declared) > limit:
+        raise too_large(limit)
     chunks = []
     size = 0
     while True:
@@ -44,7 +46,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, f"request body is larger than the limit of {limit} bytes")
+            raise too_large(limit)
         chunks.append(chunk)
         if not message.get("more_body"):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -23,12 +23,12 @@ import msgspec
 
 from schemas import CustomEvent, ModelRequestRecorded
 from schemas.ids import MODEL_REQUEST
+from schemas.rollout import RolloutView
 from schemas.runs import AttemptBudget
 from services.common.bytecache import ByteLRU
 from services.common.eventstore import EventStore, EventStoreUnavailable
 from services.gateway.idempotency import derive_id
 from services.gateway.limits import ProxyRefusal
-from services.gateway.readmodel import RolloutView
 
 BUDGET_EVENT = "budget_exceeded"
 

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from schemas import Event
+from schemas.rollout import AttemptView, RolloutView
 from services.common.eventstore import Appended, EventStore, StoredEvent
+from services.common.readside import RolloutReader
 from services.gateway.auth import Admin, AttemptScope, Authenticator, Principal
 from services.gateway.budgets import Budgets
 from services.gateway.errors import forbidden, not_found, unauthorized
@@ -15,7 +17,6 @@ from services.gateway.idempotency import IdempotencyCache
 from services.gateway.limits import RunSettings
 from services.gateway.phase import PhaseGate
 from services.gateway.phasesync import PhaseSync
-from services.gateway.readmodel import RolloutReader, RolloutView
 from services.gateway.reaper import CallReaper
 from services.gateway.recording import CallChains
 from services.gateway.settings import GatewaySettings
@@ -65,6 +66,19 @@ class Gateway:
         if view is None:
             raise not_found(f"rollout {rollout_id} does not exist")
         return view
+
+    async def attempt_for(
+        self, principal: Principal, rollout_id: str, attempt_id: str
+    ) -> tuple[RolloutView, AttemptView]:
+        """The rollout and one of its attempts (read again once when the cache does not know it yet; 404 if none)."""
+        view = await self.rollout_for(principal, rollout_id)
+        attempt = view.attempt(attempt_id)
+        if attempt is None:
+            view = await self.rollout_for(principal, rollout_id, refresh=True)
+            attempt = view.attempt(attempt_id)
+            if attempt is None:
+                raise not_found(f"rollout {rollout_id} has no attempt {attempt_id}")
+        return view, attempt
 
     async def append_registry(self, event: Event, expected_last_subject_seq: int | None = None) -> Appended:
         """Append a model, phase or run event and let the registries see it at once."""

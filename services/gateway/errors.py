@@ -13,6 +13,7 @@ import nats.js.errors
 
 from schemas import IllegalTransition, InvalidId, MalformedEvent
 from services.common.eventstore import ConcurrencyConflict, EventStoreUnavailable
+from services.common.readside import ReadSideError
 
 RETRY_AFTER_S = 2
 log = logging.getLogger("rollwire.gateway")
@@ -62,6 +63,11 @@ def invalid(message: str, field: str | None = None) -> ApiError:
     return ApiError(422, message, field=field)
 
 
+def too_large(limit: int) -> ApiError:
+    """413 naming the limit."""
+    return ApiError(413, f"request body is larger than the limit of {limit} bytes (ROLLWIRE_MAX_BODY_BYTES)")
+
+
 def from_validation(exc: Exception, prefix: str = "") -> ApiError:
     """A 422 from a msgspec or id validation error, with the field path it names."""
     text = str(exc)
@@ -83,6 +89,7 @@ CLIENT_ERRORS: tuple[type[Exception], ...] = (
     msgspec.ValidationError,
     InvalidId,
     MalformedEvent,
+    ReadSideError,
 )
 """Exceptions `translate` answers (4xx/503): handled as answers, never logged as tracebacks."""
 
@@ -108,4 +115,8 @@ def translate(exc: Exception) -> ApiError | None:
         return ApiError(409, str(exc), current={"status": exc.current})
     if isinstance(exc, (msgspec.ValidationError, InvalidId, MalformedEvent)):
         return from_validation(exc)
+    if isinstance(exc, ReadSideError):  # the projector's answer, passed on as it gave it
+        extra = {k: v for k, v in exc.body.items() if k != "error"}
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        return ApiError(exc.status, str(exc), headers=headers, **extra)
     return None

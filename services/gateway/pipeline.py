@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from schemas import ModelRequestRecorded
+from schemas.rollout import RolloutView
 from services.common.eventstore import EventStoreUnavailable, EventTooLarge
 from services.gateway import metrics
 from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send_json
@@ -28,7 +29,6 @@ from services.gateway.frontends.base import Translator, error_body
 from services.gateway.limits import check_call, clamp_max_tokens
 from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion, sampling_params
 from services.gateway.payload import refusal
-from services.gateway.readmodel import RolloutView
 from services.gateway.recording import cut
 from services.gateway.state import ModelEntry
 from services.gateway.upstream import UpstreamError, UpstreamResponse

@@ -28,6 +28,7 @@ import msgspec
 
 from schemas import ModelRequestRecorded, new_id
 from schemas.ids import MODEL_REQUEST
+from schemas.rollout import RolloutView
 from services.gateway.agents import AGENT_HEADER, agent_name, routed_model, split_agent
 from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_json
 from services.gateway.auth import AttemptScope, Principal
@@ -38,7 +39,6 @@ from services.gateway.frontends.base import Api, Translator, error_body
 from services.gateway.frontends.canonical import Conversation, TranslationError, Turn, history
 from services.gateway.openai_format import prepare_request
 from services.gateway.pipeline import Call, Pipeline
-from services.gateway.readmodel import RolloutView
 from services.gateway.routing import sticky
 from services.gateway.state import ModelEntry
 from services.gateway.upstream import UpstreamError

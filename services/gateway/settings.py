@@ -22,7 +22,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     """Everything the gateway needs to know at start.
 
     `secret` signs attempt tokens; `public_url` is the base URL agents are told to use (it goes
-    into `proxy_base_url` and `events_url`). `default_run` holds rollouts and models created
+    into `proxy_base_url` and `events_url`); `projector_url` is where reads are answered (empty:
+    the gateway folds the stream for each read). `default_run` holds rollouts and models created
     without a run id (Agent Lightning's API has none).
     """
 
@@ -30,6 +31,7 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     admin_token: str = ""
     secret: str = ""
     public_url: str = ""
+    projector_url: str = ""
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     max_body_bytes: int = 16 * 1024 * 1024
@@ -79,7 +81,7 @@ def _record_format(value: str) -> str:
 def settings_from_env(env: dict[str, str] | None = None, *, announce: bool = True) -> GatewaySettings:
     """Read settings from environment variables; generate missing tokens and say so on stderr.
 
-    Variables: NATS_URL, ROLLWIRE_ADMIN_TOKEN, ROLLWIRE_SECRET, ROLLWIRE_PUBLIC_URL,
+    Variables: NATS_URL, ROLLWIRE_ADMIN_TOKEN, ROLLWIRE_SECRET, ROLLWIRE_PUBLIC_URL, ROLLWIRE_PROJECTOR_URL,
     ROLLWIRE_GATEWAY_HOST, ROLLWIRE_GATEWAY_PORT, ROLLWIRE_MAX_BODY_BYTES,
     ROLLWIRE_UPSTREAM_TIMEOUT_S, ROLLWIRE_PHASE_HOLD_TIMEOUT_S, ROLLWIRE_DEFAULT_RUN, ROLLWIRE_STREAM,
     ROLLWIRE_CACHE_BYTES, ROLLWIRE_IDEMPOTENCY_CACHE_BYTES, ROLLWIRE_RECORD_FORMAT (compact | full),
@@ -105,6 +107,7 @@ def settings_from_env(env: dict[str, str] | None = None, *, announce: bool = Tru
         admin_token=admin,
         secret=secret,
         public_url=env.get("ROLLWIRE_PUBLIC_URL", ""),
+        projector_url=env.get("ROLLWIRE_PROJECTOR_URL", ""),
         host=env.get("ROLLWIRE_GATEWAY_HOST", "127.0.0.1"),
         port=int(_number(env, "ROLLWIRE_GATEWAY_PORT", DEFAULT_PORT, int)),
         max_body_bytes=int(_number(env, "ROLLWIRE_MAX_BODY_BYTES", 16 * 1024 * 1024, int)),

@@ -26,24 +26,17 @@ from schemas import (
     RunStarted,
     check_id,
 )
+from schemas.rollout import RolloutView, fold
 from services.common.bytecache import ByteLRU
 from services.common.eventstore import EventStore, StoredEvent
-from services.gateway.readmodel import RolloutView, apply
 
 ROLLOUT_PATTERNS = ("rl.*.rollout.*.created", "rl.*.rollout.*.status", "rl.*.rollout.*.attempt")
 REGISTRY_PATTERNS = ("rl.*.model.*", "rl.*.phase", "rl.*.run")
 
 
-class CachedRollout(msgspec.Struct, kw_only=True):
-    """A rollout view without its input (the cache keeps only what admission needs) and its position."""
-
-    view: RolloutView
-    last_seq: int
-
-
-def _cached_size(entry: CachedRollout) -> int:
+def _cached_size(view: RolloutView) -> int:
     """Bytes a cached view takes, as its JSON (metadata and config are the client's to size)."""
-    return len(_size_encoder.encode(entry.view))
+    return len(_size_encoder.encode(view))
 
 
 _size_encoder = msgspec.json.Encoder()
@@ -79,14 +72,14 @@ class GatewayState:
 
     def __init__(self, store: EventStore, *, cache_bytes: int = 256 * 1024 * 1024) -> None:
         self.store = store
-        self.rollouts: ByteLRU[str, CachedRollout] = ByteLRU(cache_bytes, _cached_size)
+        self.rollouts: ByteLRU[str, RolloutView] = ByteLRU(cache_bytes, _cached_size)  # without their input
         self.models: dict[tuple[str, str], ModelEntry] = {}
         self.phases: dict[str, PhaseEntry] = {}
         self.runs: dict[str, tuple[dict[str, Any], int]] = {}
         self._registry_seq: dict[str, int] = {}
         self._listeners: list[Any] = []
         self._task: asyncio.Task[None] | None = None
-        self._loads: dict[str, asyncio.Future[CachedRollout | None]] = {}
+        self._loads: dict[str, asyncio.Future[RolloutView | None]] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -125,11 +118,12 @@ class GatewayState:
         """Apply one event from the live feed (or from our own write) to the cache and registries."""
         event = stored.event
         if isinstance(event, (RolloutCreated, RolloutStatusChanged, AttemptStarted)):
-            cached = self.rollouts.get(event.rollout_id or "")
-            if cached is not None and stored.seq > cached.last_seq and cached.view.run_id == event.run_id:
-                apply(cached.view, stored)
-                cached.last_seq = stored.seq
-                self.rollouts.resize(event.rollout_id or "")
+            rollout_id = event.rollout_id or ""
+            cached = self.rollouts.get(rollout_id)
+            if cached is not None:
+                folded = fold(cached, stored)  # an event already folded, or of another run, changes nothing
+                if folded is not cached:
+                    self.rollouts.put(rollout_id, folded)
         else:
             self._apply_registry(stored)
 
@@ -164,8 +158,7 @@ class GatewayState:
 
     def cached(self, rollout_id: str) -> RolloutView | None:
         """The cached view of a rollout, if any (no I/O)."""
-        entry = self.rollouts.get(rollout_id)
-        return entry.view if entry is not None else None
+        return self.rollouts.get(rollout_id)
 
     async def rollout(self, rollout_id: str, run_id: str | None = None, *, refresh: bool = False) -> RolloutView | None:
         """The rollout's admission view: from the cache, else (or with `refresh`) read from the stream."""
@@ -185,37 +178,33 @@ class GatewayState:
                 raise
             finally:
                 self._loads.pop(rollout_id, None)
-        entry = await asyncio.shield(pending)
-        return entry.view if entry is not None else None
+        return await asyncio.shield(pending)
 
     async def locate(self, rollout_id: str) -> str | None:
         """The run a rollout belongs to (rollout ids are unique across runs), or None if it does not exist."""
         cached = self.rollouts.get(rollout_id)
         if cached is not None:
-            return cached.view.run_id
+            return cached.run_id
         created = await self.store.last(f"rl.*.rollout.{check_id('rollout_id', rollout_id)}.created")
         return created.event.run_id if created is not None else None
 
-    async def _load(self, rollout_id: str, run_id: str | None) -> CachedRollout | None:
+    async def _load(self, rollout_id: str, run_id: str | None) -> RolloutView | None:
         check_id("rollout_id", rollout_id)
         run = run_id or await self.locate(rollout_id)
         if run is None:
             return None
         view: RolloutView | None = None
-        last = 0
         async for stored in self.store.read(
             [f"rl.{run}.rollout.{rollout_id}.{s}" for s in ("created", "status", "attempt")]
         ):
-            view = apply(view, stored)
-            last = stored.seq
+            view = fold(view, stored)
         if view is None:
             return None
-        view.input = None  # admission never needs the task input; keep the cache small
-        entry = CachedRollout(view=view, last_seq=last)
+        view = msgspec.structs.replace(view, input=None)  # admission never needs the task input: a small cache
         current = self.rollouts.get(rollout_id)
-        if current is None or current.last_seq <= last:
-            self.rollouts.put(rollout_id, entry)
-            current = entry
+        if current is None or current.last_seq <= view.last_seq:
+            self.rollouts.put(rollout_id, view)
+            current = view
         return current
 
     def forget(self, rollout_id: str) -> None:

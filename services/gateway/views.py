@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from schemas import CustomEvent, ModelRequestRecorded, RewardReported, to_dict
+from schemas.rollout import RolloutView
 from services.common.eventstore import StoredEvent
-from services.gateway.readmodel import RolloutView
 
 AGL_DEFAULT_CONFIG: dict[str, Any] = {"timeout_seconds": 3600, "local": None, "k8s": None}
 

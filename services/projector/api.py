@@ -1,23 +1,25 @@
-"""The read side the gateway serves from Postgres: run summaries, `min_seq` waits, 503s, the viewer.
+"""The projector's HTTP surface: its query API, run summaries, the viewer, `/metrics` and `/healthz`.
 
-    reader = PostgresRolloutReader(database_url)
-    app = create_app(settings, reader=reader)          # the gateway's GET endpoints read Postgres
-    install_read_side(app, reader, authorize=admin)    # plus what this module adds
+    app = create_query_app(PostgresRolloutReader(database_url), status=projector.status, admin_token=token)
 
-What it adds to the app:
+The projector owns the read side; this app is how anyone else reads it (the gateway forwards
+every `GET /api/...` here, so users keep one URL):
 
-- `GET /api/runs`: every run with its summary (rollouts by status, reward mean, tokens, calls per
-  rollout, ...); `GET /api/runs/{run_id}/summary`: one run's.
-- `min_seq` on any GET under `/api/` or `/ui/api/`: the request waits until the projection has
-  applied that stream sequence (every write answers with its `seq`), up to `min_seq_timeout_s`;
-  past it the answer is 503 with the applied sequence, so a client can read its own writes.
+- `GET /query/...`: the `RolloutReader` queries (`services.common.readside`) as JSON: one rollout,
+  a filtered page, terminal rollouts, a rollout's events, a run. `ProjectorReader` is their client.
+- `GET /api/runs`: every run with its summary; `GET /api/runs/{run_id}/summary`: one run's.
+- `min_seq` on any GET under `/query/`, `/api/` or `/ui/api/`: the request waits until the
+  projection has applied that stream sequence (every write answers with its `seq`), up to
+  `min_seq_timeout_s`; past it the answer is 503 with the applied sequence (read-your-writes).
 - Postgres unreachable: 503 with a body that says so (writes go to the stream and still work).
-- The trajectory viewer under `/ui`.
+- The trajectory viewer under `/ui`; `/metrics` (Prometheus) and `/healthz`.
+
+With an `admin_token`, everything but the viewer's page, `/metrics` and `/healthz` needs
+`Authorization: Bearer <admin token>`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs
@@ -25,13 +27,19 @@ from urllib.parse import parse_qs
 import msgspec
 from fastapi import FastAPI, Request, Response
 
+from schemas import InvalidId
 from schemas.bounds import JSON_INT_MAX
+from services.common.metrics import CONTENT_TYPE, ObservedApp, exposition
+from services.common.readside import RolloutQuery
+from services.projector import metrics
 from services.projector.reader import PostgresRolloutReader, ProjectionBehind, ReadModelUnavailable
-from services.projector.viewer import mount_viewer
+from services.projector.status import Status
+from services.projector.viewer import bearer_check, mount_viewer
+from services.projector.viewer.app import Authorize, ViewerAuthError, int_param
 
 RETRY_AFTER_S = 2
 _json = msgspec.json.Encoder()
-Authorize = Callable[[Request], object]
+Fetch = Callable[[Request], Awaitable[Any]]
 
 
 def _error(status: int, message: str, **extra: Any) -> Response:
@@ -54,7 +62,8 @@ class MinSeqMiddleware:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "GET" and scope["path"].startswith(self.prefixes):
-            raw = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("min_seq")
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+            raw = query.get("min_seq")  # `min_seq=` (blank) is a mistake to name, not an absent parameter
             if raw:
                 response = await self._wait(raw[-1])
                 if response is not None:
@@ -78,38 +87,91 @@ class MinSeqMiddleware:
         return None
 
 
-def _guarded(
-    authorize: Authorize | None, fetch: Callable[[Request], Awaitable[Any]]
-) -> Callable[[Request], Awaitable[Response]]:
-    @functools.wraps(fetch)
+def _route(authorize: Authorize | None, fetch: Fetch, missing: str) -> Callable[[Request], Awaitable[Response]]:
+    """A GET handler: authorize, fetch, answer JSON (404 naming `missing` when the fetch finds nothing)."""
+
     async def handle(request: Request) -> Response:
         if authorize is not None:
-            maybe = authorize(request)
-            if isinstance(maybe, Awaitable):
-                await maybe
+            authorize(request)
         data = await fetch(request)
         if isinstance(data, Response):  # a refusal the fetch made itself
             return data
         if data is None:
-            return _error(404, f"run {request.path_params.get('run_id')} has no events")
+            return _error(404, missing.format(**request.path_params))
         return Response(_json.encode(data), media_type="application/json")
 
     return handle
 
 
-def install_read_side(
-    app: FastAPI,
+def _query_routes(reader: PostgresRolloutReader) -> list[tuple[str, Fetch, str]]:
+    """The `RolloutReader` queries and the run summaries as (path, fetch, what a 404 says)."""
+
+    async def rollout(request: Request) -> Any:
+        return await reader.get(request.path_params["rollout_id"], request.query_params.get("run_id"))
+
+    async def rollouts(request: Request) -> Any:
+        params = request.query_params
+        query = RolloutQuery(
+            run_id=params.get("run_id"),
+            statuses=frozenset(params.getlist("status")),
+            group_id=params.get("group_id"),
+            mode=params.get("mode"),
+            limit=int_param(request, "limit", 500, 1),
+            cursor=int_param(request, "cursor", 0),
+        )
+        return await reader.query(query)
+
+    async def terminal(request: Request) -> Any:
+        views, total = await reader.terminal(int_param(request, "after", 0), int_param(request, "limit", 1000, 1))
+        return {"views": views, "total": total}
+
+    async def events(request: Request) -> Any:
+        return await reader.events(request.path_params["rollout_id"], request.query_params.get("run_id", "*"))
+
+    async def run(request: Request) -> Any:
+        return await reader.run(request.path_params["run_id"])
+
+    async def position(request: Request) -> Any:
+        return {"applied_seq": await reader.applied_seq()}
+
+    async def run_list(request: Request) -> Any:
+        """`GET /api/runs?limit=`: every run's summary, from the projection."""
+        limit = request.query_params.get("limit", "200")
+        if not limit.isdigit() or not 1 <= int(limit) <= JSON_INT_MAX:
+            return _error(422, f"query parameter limit={limit!r} is not an integer in 1..{JSON_INT_MAX}", field="limit")
+        summaries = await reader.summaries(int(limit))
+        return {"runs": msgspec.to_builtins(summaries), "applied_seq": await reader.applied_seq()}
+
+    async def run_summary(request: Request) -> Any:
+        """`GET /api/runs/{run_id}/summary`: rollouts by status, reward mean, tokens, calls per rollout."""
+        return await reader.summary(request.path_params["run_id"])
+
+    return [
+        ("/query/position", position, "nothing"),
+        ("/query/rollouts", rollouts, "nothing"),
+        ("/query/terminal", terminal, "nothing"),
+        ("/query/rollouts/{rollout_id}", rollout, "rollout {rollout_id} does not exist"),
+        ("/query/rollouts/{rollout_id}/events", events, "rollout {rollout_id} does not exist"),
+        ("/query/runs/{run_id}", run, "run {run_id} was never started (POST /api/runs)"),
+        ("/api/runs", run_list, "nothing"),
+        ("/api/runs/{run_id}/summary", run_summary, "run {run_id} has no events"),
+    ]
+
+
+def create_query_app(
     reader: PostgresRolloutReader,
     *,
-    authorize: Authorize | None = None,
+    status: Status | None = None,
+    admin_token: str | None = None,
     min_seq_timeout_s: float = 10.0,
     viewer: bool = True,
-) -> None:
-    """Add run summaries, `min_seq` waits, the Postgres 503s and (with `viewer`) `/ui` to `app`.
+) -> FastAPI:
+    """The projector's HTTP app over `reader` (see the module docstring)."""
+    app = FastAPI(title="Rollwire projector", openapi_url=None, docs_url=None, redoc_url=None)
+    authorize = bearer_check(admin_token) if admin_token else None
 
-    Call before the app serves its first request. `authorize` guards the data (the gateway passes
-    its admin check); it may raise the app's own error types.
-    """
+    async def unauthorized(request: Request, exc: Exception) -> Response:
+        return _error(401, str(exc))
 
     async def unavailable(request: Request, exc: Exception) -> Response:
         return _error(503, str(exc))
@@ -118,27 +180,42 @@ def install_read_side(
         assert isinstance(exc, ProjectionBehind)
         return _error(503, str(exc), applied_seq=exc.applied, min_seq=exc.wanted)
 
-    app.state.read_side = True  # the OpenAPI document then lists `min_seq` on every GET
+    async def invalid(request: Request, exc: Exception) -> Response:
+        return _error(422, str(exc))
+
+    app.add_exception_handler(ViewerAuthError, unauthorized)
     app.add_exception_handler(ReadModelUnavailable, unavailable)
     app.add_exception_handler(ProjectionBehind, behind)
-    app.add_middleware(MinSeqMiddleware, reader=reader, timeout_s=min_seq_timeout_s, prefixes=("/api/", "/ui/api/"))
-
-    async def run_list(request: Request) -> Any:
-        """`GET /api/runs?limit=` (admin): every run's summary, from the projection."""
-        limit = request.query_params.get("limit", "200")
-        if not limit.isdigit() or not 1 <= int(limit) <= JSON_INT_MAX:
-            return _error(422, f"query parameter limit={limit!r} is not an integer in 1..{JSON_INT_MAX}", field="limit")
-        summaries = await reader.summaries(int(limit))
-        return {"runs": msgspec.to_builtins(summaries), "applied_seq": await reader.applied_seq()}
-
-    async def run_summary(request: Request) -> Any:
-        """`GET /api/runs/{run_id}/summary` (admin): rollouts by status, reward mean, tokens, calls per rollout."""
-        summary = await reader.summary(request.path_params["run_id"])
-        return None if summary is None else msgspec.to_builtins(summary)
-
-    app.add_api_route("/api/runs", _guarded(authorize, run_list), methods=["GET"], include_in_schema=False)
-    app.add_api_route(
-        "/api/runs/{run_id}/summary", _guarded(authorize, run_summary), methods=["GET"], include_in_schema=False
+    app.add_exception_handler(InvalidId, invalid)
+    app.add_exception_handler(ValueError, invalid)
+    app.add_middleware(
+        MinSeqMiddleware, reader=reader, timeout_s=min_seq_timeout_s, prefixes=("/query/", "/api/", "/ui/api/")
     )
+    # Outermost: every request is counted and logged, min_seq waits included.
+    app.add_middleware(ObservedApp, service="projector")  # type: ignore[arg-type]
+    for path, fetch, missing in _query_routes(reader):
+        app.add_api_route(path, _route(authorize, fetch, missing), methods=["GET"], include_in_schema=False)
+    if status is not None:
+        _add_status(app, status)
     if viewer:
         mount_viewer(app, reader, authorize=authorize)
+    return app
+
+
+def _add_status(app: FastAPI, status: Status) -> None:
+    metrics.watch(status)
+
+    async def prometheus(request: Request) -> Response:
+        """`GET /metrics`: the projector's position and lag, for Prometheus (ObservedApp answers it first)."""
+        return Response(exposition(), media_type=CONTENT_TYPE)
+
+    async def healthz(request: Request) -> Response:
+        """`GET /healthz`: 200 while projecting, 503 when not (the body says why)."""
+        health = status.health()
+        return Response(
+            _json.encode(health), status_code=200 if health.status == "ok" else 503, media_type="application/json"
+        )
+
+    app.add_api_route("/metrics", prometheus, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/healthz", healthz, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/health", healthz, methods=["GET"], include_in_schema=False)

@@ -11,8 +11,9 @@ Each flag is `"<rule>: <matched text>"`; a rollout carries the set of rule names
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any, NamedTuple
+
+from schemas.actions import actions
 
 
 class Rule(NamedTuple):
@@ -95,33 +96,7 @@ MEANINGS: dict[str, str] = {rule.name: rule.meaning for rule in RULES} | {
     "failed-call": "the model call failed",
 }
 
-_FENCE = re.compile(r"```[^\n]*\n(.*?)(?:```|$)", re.S)
 _MAX_DETAIL = 80
-
-
-def _choices(response: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    choices = response.get("choices")
-    if isinstance(choices, list):
-        for choice in choices:
-            if isinstance(choice, dict):
-                yield choice
-    elif isinstance(response.get("message"), dict):
-        yield response
-
-
-def actions(response: dict[str, Any]) -> Iterator[str]:
-    """The texts of what the model did: tool-call names and arguments, and fenced code blocks."""
-    for choice in _choices(response):
-        message = choice.get("message") or choice.get("delta") or {}
-        if not isinstance(message, dict):
-            continue
-        for call in message.get("tool_calls") or []:
-            function = call.get("function") if isinstance(call, dict) else None
-            if isinstance(function, dict):
-                yield f"{function.get('name', '')} {function.get('arguments', '')}"
-        content = message.get("content")
-        if isinstance(content, str) and "```" in content:
-            yield from _FENCE.findall(content)
 
 
 def _snippet(text: str, match: re.Match[str]) -> str:

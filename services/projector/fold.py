@@ -1,9 +1,9 @@
 """The batch fold: a batch of events plus the loaded state they touch, in; the rows to write, out.
 
 Pure (no I/O), so it can be checked against a plain event-by-event fold of the stream. Rollout
-views are folded with the same `apply` as the gateway's stream reader, so both readers agree by
-construction; on top of the view each rollout keeps totals (tokens, samples, flags, ...) that the
-view does not carry. Events of a rollout that does not exist (yet) are stored in their own tables
+views are folded with the contract's `fold` (`schemas.rollout`), as every reader does, so they
+agree by construction; on top of the view each rollout keeps totals (tokens, samples, flags, ...)
+that the view does not carry. Events of a rollout that does not exist (yet) are stored in their own tables
 but count toward no rollout, exactly as the view ignores them.
 
 Loading is selective, because model calls dominate and need little: a rollout's attempts list is
@@ -29,8 +29,8 @@ from schemas import (
     RolloutStatusChanged,
     RunStarted,
 )
+from schemas.rollout import RolloutView, fold
 from services.common.eventstore import StoredEvent
-from services.gateway.readmodel import RolloutView, apply
 from services.projector import chains as chain_state
 from services.projector.flags import flag_names
 from services.projector.incoming import Incoming, event_type
@@ -211,16 +211,52 @@ def _detail_rows(plan: Plan, item: Incoming) -> None:
         _model_delta(plan, item)
 
 
+class CallRow(msgspec.Struct, kw_only=True, gc=False):
+    """One `model_calls` row: its fields are the table's columns, in order (`pgstore.MODEL_CALL_COLUMNS`)."""
+
+    seq: int
+    run_id: str
+    rollout_id: str | None
+    attempt_id: str | None
+    time: float
+    call_id: str
+    choice_index: int
+    mode: str
+    status: str
+    model: str
+    weights_version: int | None
+    prompt_ids: bytes
+    response_ids: bytes
+    logprobs: bytes
+    prompt_tokens: int
+    response_tokens: int
+    prompt_text: str | None
+    response_text: str | None
+    response_pieces: list[str] | None
+    finish_reason: str | None
+    request: str
+    response: str
+    usage: str
+    latency_s: float
+    error: str | None
+    new_sample: bool
+    flags: list[str]
+
+
 def _call_row(item: Incoming, new_sample: bool) -> tuple[Any, ...]:
     event, call = item.event, item.call
     assert isinstance(event, ModelRequestRecorded) and call is not None
-    return (
-        item.seq, event.run_id, event.rollout_id, event.attempt_id, event.time, event.call_id, event.choice_index,
-        event.mode, event.status, event.model, event.weights_version, call.prompt_ids, call.response_ids,
-        call.logprobs, call.prompt_tokens, call.response_tokens, call.prompt_text, call.response_text,
-        call.response_pieces, event.finish_reason, call.request, call.response, call.usage, event.latency_s,
-        event.error, new_sample, call.flags,
+    row = CallRow(
+        seq=item.seq, run_id=event.run_id, rollout_id=event.rollout_id, attempt_id=event.attempt_id, time=event.time,
+        call_id=event.call_id, choice_index=event.choice_index, mode=event.mode, status=event.status,
+        model=event.model, weights_version=event.weights_version, prompt_ids=call.prompt_ids,
+        response_ids=call.response_ids, logprobs=call.logprobs, prompt_tokens=call.prompt_tokens,
+        response_tokens=call.response_tokens, prompt_text=call.prompt_text, response_text=call.response_text,
+        response_pieces=call.response_pieces, finish_reason=event.finish_reason, request=call.request,
+        response=call.response, usage=call.usage, latency_s=event.latency_s, error=event.error,
+        new_sample=new_sample, flags=call.flags,
     )  # fmt: skip
+    return msgspec.structs.astuple(row)
 
 
 def _add_flags(extras: Extras, names: Iterable[str]) -> None:
@@ -281,7 +317,7 @@ def fold_batch(items: Sequence[Incoming], loaded: Loaded) -> Plan:
         key = (event.run_id, event.rollout_id)
         before = plan.views.get(key)
         terminal_before = before.terminal_seq if before is not None else 0
-        view = apply(before, StoredEvent(seq=item.seq, subject=item.subject, event=event))
+        view = fold(before, StoredEvent(seq=item.seq, subject=item.subject, event=event))
         if view is None:
             if item.call is not None:
                 plan.model_calls.append(_call_row(item, False))

@@ -1,7 +1,8 @@
 """The projector's Prometheus families, read from its `Status` at scrape time.
 
 The names are the ones the projector always exported (`rollwire_projector_lag_events{stream}`, ...),
-now produced by `prometheus_client` on the process registry, next to the HTTP and process metrics.
+now produced by `prometheus_client` on the process registry, next to the HTTP and process metrics
+(`api.py` serves them at `GET /metrics`).
 """
 
 from __future__ import annotations

@@ -33,38 +33,41 @@ _ints = msgspec.json.Decoder(list[int])
 _floats = msgspec.json.Decoder(list[float])
 
 
-def pack_int32(values: Sequence[int]) -> bytes:
-    """Token ids as little-endian int32 bytes (raises OverflowError outside the int32 range)."""
-    packed = array("i", values)
+def _pack(code: str, values: Sequence[Any]) -> bytes:
+    """`values` as a little-endian array of `code` ("i": int32, "d": float64)."""
+    packed = array(code, values)
     if _SWAP:
         packed.byteswap()
     return packed.tobytes()
+
+
+def _unpack(code: str, data: bytes) -> list[Any]:
+    """The values `_pack(code, ...)` packed."""
+    packed = array(code)
+    packed.frombytes(data)
+    if _SWAP:
+        packed.byteswap()
+    return packed.tolist()
+
+
+def pack_int32(values: Sequence[int]) -> bytes:
+    """Token ids as little-endian int32 bytes (raises OverflowError outside the int32 range)."""
+    return _pack("i", values)
 
 
 def unpack_int32(data: bytes) -> list[int]:
     """The ids packed by `pack_int32`."""
-    packed = array("i")
-    packed.frombytes(data)
-    if _SWAP:
-        packed.byteswap()
-    return packed.tolist()
+    return _unpack("i", data)
 
 
 def pack_float64(values: Sequence[float]) -> bytes:
     """Logprobs as little-endian float64 bytes (exact: the events carry float64)."""
-    packed = array("d", values)
-    if _SWAP:
-        packed.byteswap()
-    return packed.tobytes()
+    return _pack("d", values)
 
 
 def unpack_float64(data: bytes) -> list[float]:
     """The floats packed by `pack_float64`."""
-    packed = array("d")
-    packed.frombytes(data)
-    if _SWAP:
-        packed.byteswap()
-    return packed.tolist()
+    return _unpack("d", data)
 
 
 def _fast_int32(text: bytes) -> bytes | None:

@@ -25,8 +25,8 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from services.gateway.readmodel import AttemptView, RewardView, RolloutView
-from services.projector.fold import Extras, Loaded, Plan, RolloutKey, fold_batch, needs
+from schemas.rollout import AttemptView, RewardView, RolloutView
+from services.projector.fold import CallRow, Extras, Loaded, Plan, RolloutKey, fold_batch, needs
 from services.projector.incoming import Incoming
 
 NOTIFY_CHANNEL = "rollwire_projection"
@@ -54,12 +54,7 @@ _MUTABLE = ("state", *PROMOTED_FIELDS, *EXTRA_COLUMNS)
 ROLLOUT_COLUMNS = ("run_id", "rollout_id", *BULKY_FIELDS, *_MUTABLE)
 
 EVENT_COLUMNS = ("seq", "run_id", "rollout_id", "attempt_id", "type", "event_id", "schema_version", "time", "body")
-MODEL_CALL_COLUMNS = (
-    "seq", "run_id", "rollout_id", "attempt_id", "time", "call_id", "choice_index", "mode", "status", "model",
-    "weights_version", "prompt_ids", "response_ids", "logprobs", "prompt_tokens", "response_tokens", "prompt_text",
-    "response_text", "response_pieces", "finish_reason", "request", "response", "usage", "latency_s", "error",
-    "new_sample", "flags",
-)  # fmt: skip
+MODEL_CALL_COLUMNS = CallRow.__struct_fields__  # one definition: the row Struct the fold builds
 REWARD_COLUMNS = ("seq", "run_id", "rollout_id", "attempt_id", "time", "value", "name", "step", "source")
 CUSTOM_COLUMNS = ("seq", "run_id", "rollout_id", "attempt_id", "time", "name", "payload")
 PHASE_COLUMNS = ("seq", "run_id", "phase", "weights_version", "time")
@@ -76,11 +71,13 @@ _UPDATE_ROLLOUT = (
     "WHERE run_id = $1 AND rollout_id = $2"
 )
 _UPSERT_ATTEMPT = """
-INSERT INTO attempts (run_id, rollout_id, attempt_id, idx, sequence, started_at, executor, ended)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+INSERT INTO attempts (run_id, rollout_id, attempt_id, idx, sequence, started_at, executor, ended,
+                      reached_running, ended_as, reason)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
 ON CONFLICT (run_id, rollout_id, attempt_id) DO UPDATE SET
     idx = excluded.idx, sequence = excluded.sequence, started_at = excluded.started_at,
-    executor = excluded.executor, ended = excluded.ended
+    executor = excluded.executor, ended = excluded.ended, reached_running = excluded.reached_running,
+    ended_as = excluded.ended_as, reason = excluded.reason
 """
 _UPSERT_STATS = """
 INSERT INTO attempt_stats AS s (run_id, rollout_id, attempt_key, calls, failed_calls, prompt_tokens,
@@ -182,7 +179,8 @@ def attempt_fields(row: asyncpg.Record) -> dict[str, Any]:
     """One attempt view's fields from an `attempts` row."""
     return {
         "attempt_id": row["attempt_id"], "sequence": row["sequence"], "started_at": row["started_at"],
-        "executor": row["executor"], "ended": row["ended"],
+        "executor": row["executor"], "ended": row["ended"], "reached_running": row["reached_running"],
+        "ended_as": row["ended_as"], "reason": row["reason"],
     }  # fmt: skip
 
 
@@ -246,9 +244,11 @@ async def load(conn: asyncpg.Connection, items: Sequence[Incoming], prior: Plan 
     if listed_attempts or listed_rewards:
         attempts, rewards = await load_lists(conn, sorted(listed_attempts | listed_rewards))
         for key in listed_attempts:
-            loaded.views[key].attempts = msgspec.convert(attempts[key], list[AttemptView])
+            listed = msgspec.convert(attempts[key], tuple[AttemptView, ...])
+            loaded.views[key] = msgspec.structs.replace(loaded.views[key], attempts=listed)
         for key in listed_rewards:
-            loaded.views[key].rewards = msgspec.convert(rewards[key], list[RewardView])
+            given = msgspec.convert(rewards[key], tuple[RewardView, ...])
+            loaded.views[key] = msgspec.structs.replace(loaded.views[key], rewards=given)
     loaded.with_attempts |= listed_attempts
     loaded.with_rewards |= listed_rewards
     if prior is not None:
@@ -309,7 +309,8 @@ def materialize(plan: Plan) -> Plan:
         inserts=inserts,
         updates=updates,
         attempts=[
-            (key[0], key[1], a.attempt_id, idx, a.sequence, a.started_at, a.executor, a.ended)
+            (key[0], key[1], a.attempt_id, idx, a.sequence, a.started_at, a.executor, a.ended, a.reached_running,
+             a.ended_as, a.reason)
             for key in sorted(plan.with_attempts & plan.touched)
             for idx, a in enumerate(plan.views[key].attempts)
         ],
@@ -319,36 +320,16 @@ def materialize(plan: Plan) -> Plan:
         ],
         chains=[(*k, v) for k, v in sorted(plan.chains.items())],
         runs=[
-            (
-                run,
-                d.name,
-                d.config,
-                d.started_at,
-                d.started_seq,
-                d.phase,
-                d.weights_version,
-                d.phase_seq,
-                d.events,
-                d.first_seq,
-                d.last_seq,
-                d.last_event_at,
-            )
+            (run, d.name, d.config, d.started_at, d.started_seq, d.phase, d.weights_version, d.phase_seq, d.events,
+             d.first_seq, d.last_seq, d.last_event_at)
             for run, d in sorted(plan.runs.items())
         ],
         models=[
-            (
-                *k,
-                d.base_url,
-                d.served_model,
-                d.weights_version,
-                d.registered_at,
-                d.registered_seq,
-                d.removed_at,
-                d.removed_seq,
-            )
+            (*k, d.base_url, d.served_model, d.weights_version, d.registered_at, d.registered_seq, d.removed_at,
+             d.removed_seq)
             for k, d in sorted(plan.models.items())
         ],
-    )
+    )  # fmt: skip
     return plan
 
 

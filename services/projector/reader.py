@@ -24,8 +24,9 @@ import msgspec
 
 from schemas import ModelRequestRecorded, check_id, from_dict
 from schemas.ids import STREAM_NAME
+from schemas.rollout import RolloutView
 from services.common.eventstore import StoredEvent
-from services.gateway.readmodel import RolloutQuery, RolloutView, RunView
+from services.common.readside import RolloutQuery, RunView
 from services.projector.migrate import migrate
 from services.projector.packing import unpack_float64, unpack_int32
 from services.projector.pgstore import NOTIFY_CHANNEL, load_lists, view_from_row

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -36,6 +35,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas.ids import STREAM_NAME, STREAM_SUBJECTS
 from services.common.eventstore import EventStore, EventStoreUnavailable, raise_if_cancelling
+from services.common.retry import Backoff, retry_async
 from services.projector import pgstore
 from services.projector.backlog import Backlog
 from services.projector.incoming import Incoming, prepare
@@ -153,28 +153,37 @@ class Projector:
         return self._stop_since is not None and time.monotonic() - self._stop_since > self.settings.drain_timeout_s
 
     async def _retry(self, what: str, action: Callable[[], Awaitable[T]], *, drain: bool = False) -> T:
-        """Run `action` until it succeeds, with capped exponential backoff.
+        """Run `action` until it succeeds, with capped exponential backoff (`services.common.retry`).
 
         Raises _Stopped once the service is stopping, except for `drain` actions, which keep
         trying for `drain_timeout_s` after the stop so that a fetched batch is stored if it can be.
         """
-        delay = 0.1
-        while True:
+
+        async def attempt() -> T:
             if self.stop.is_set():
                 if self._stop_since is None:
                     self._stop_since = time.monotonic()
                 if not drain or self._draining_too_long():
                     raise _Stopped
-            try:
-                return await action()
-            except (_Resync, _Stopped, pgstore.PositionMoved, MigrationError):
-                raise  # MigrationError: a schema this binary must not write into; waiting cannot fix it
-            except Exception as exc:
-                self.status.last_error = f"{what}: {type(exc).__name__}: {exc}"
-                log.warning("%s failed (%s); retrying in %.1fs", what, exc, delay)
+            return await action()
+
+        def note(exc: BaseException, delay: float) -> None:
+            self.status.last_error = f"{what}: {type(exc).__name__}: {exc}"
+            log.warning("%s failed (%s); retrying in %.1fs", what, exc, delay)
+
+        async def pause(delay: float) -> None:  # a stop ends the wait early
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), delay)
-            delay = min(self.settings.max_backoff_s, delay * 2) * (0.8 + 0.4 * random.random())
+
+        return await retry_async(
+            attempt,
+            backoff=Backoff(initial=0.1, maximum=self.settings.max_backoff_s, jitter=0.2),
+            transient=(Exception,),
+            # MigrationError: a schema this binary must not write into; waiting cannot fix it.
+            permanent=(_Resync, _Stopped, pgstore.PositionMoved, MigrationError),
+            on_retry=note,
+            sleep=pause,
+        )
 
     async def _connect_nats(self) -> EventStore:
         return await EventStore.connect(self.settings.nats_url, stream=self.settings.stream, name="rollwire-projector")

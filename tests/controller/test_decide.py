@@ -7,7 +7,9 @@ from collections.abc import Sequence
 import pytest
 
 from schemas import AnyEvent, AttemptStarted, RolloutCreated, RolloutStatusChanged, RunStarted
+from schemas.rollout import fold as fold_rollout
 from schemas.runs import RunSpec
+from services.common.eventstore import StoredEvent
 from services.controller.backends.base import ExecutionKey, ExecutionState
 from services.controller.decide import (
     Decision,
@@ -20,11 +22,16 @@ from services.controller.decide import (
     backoff_s,
     decide,
 )
-from services.controller.view import NOT_LAUNCHED, Rollout, RunSpecError, fold, spec_from_event
+from services.controller.view import NOT_LAUNCHED, Rollout, RunSpecError, compact, spec_from_event
 
 RUN = "r1"
 RID = "ro1"
 SPEC = RunSpec(run_id=RUN, command=["true"], max_attempts=3, retry_backoff_s=2.0, timeout_s=30.0)
+
+
+def fold(view: Rollout | None, event: AnyEvent, seq: int) -> Rollout | None:
+    """The controller's fold: the contract's, with a finished rollout's input dropped."""
+    return compact(fold_rollout(view, StoredEvent(seq=seq, subject=event.subject, event=event)))
 
 
 def build(events: Sequence[AnyEvent]) -> Rollout:

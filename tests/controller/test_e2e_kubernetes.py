@@ -18,11 +18,11 @@ import httpx
 import pytest
 from controller_rig import ADMIN
 
+from services.common.eventstore import EventStore
 from services.controller.backends.base import ExecutionKey
 from services.controller.gateway import GatewayClient
 from services.controller.reconciler import Controller
 from services.controller.settings import ControllerSettings
-from services.common.eventstore import EventStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "k8s"))
 from fake_apiserver import FakeApiServer

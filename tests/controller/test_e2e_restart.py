@@ -7,7 +7,7 @@ import time
 
 from controller_rig import Rig, agent
 
-from services.controller.reconciler import ATTEMPT_KEY
+from services.controller.launch import ATTEMPT_KEY
 
 
 def test_controller_killed_mid_run_and_restarted(rig: Rig) -> None:

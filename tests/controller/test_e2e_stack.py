@@ -26,7 +26,17 @@ def test_rollwire_up_runs_a_real_openai_agent_to_success(
     data = tmp_path / "stack"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWIRE_")}
     env.update(NATS_URL=nats_url, DATABASE_URL=pg_url)
-    up = [sys.executable, "-m", "services.devstack.cli", "up", "--data-dir", str(data), "--external", "--gateway-port", "0"]
+    up = [
+        sys.executable,
+        "-m",
+        "services.devstack.cli",
+        "up",
+        "--data-dir",
+        str(data),
+        "--external",
+        "--gateway-port",
+        "0",
+    ]
     up += ["--services", "gateway,projector,controller"]
     proc = subprocess.Popen(up, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

@@ -8,18 +8,19 @@ import pytest
 
 from schemas.runs import RunSpec
 from services.controller.gateway import AttemptGrant
-from services.controller.reconciler import attempt_env, backend_id, evaluator_env, subjects
-from services.controller.settings import SettingsError, build_settings, parse_args
+from services.controller.launch import attempt_env, evaluator_env
+from services.controller.settings import SettingsError, parse
+from services.controller.state import backend_id, subjects
 from services.controller.view import Rollout
 
 ENV = {"ROLLWIRE_GATEWAY_URL": "http://gw:8080", "ROLLWIRE_ADMIN_TOKEN": "admin", "ROLLWIRE_DATA_DIR": "/data"}
 
 
 def test_settings_come_from_flags_then_environment() -> None:
-    settings = build_settings(parse_args(["--run", "r1", "--run", "r2", "--backends", "local"]), ENV)
+    settings = parse(["--run", "r1", "--run", "r2", "--backends", "local"], ENV)
     assert settings.runs == ("r1", "r2") and settings.backends == ("local",)
     assert settings.executions_dir == Path("/data/executions") and settings.local_capacity == 32
-    assert build_settings(parse_args(["--gateway-url", "http://x"]), ENV).gateway_url == "http://x"
+    assert parse(["--gateway-url", "http://x"], ENV).gateway_url == "http://x"
 
 
 @pytest.mark.parametrize(
@@ -34,7 +35,7 @@ def test_settings_come_from_flags_then_environment() -> None:
 )
 def test_bad_settings_are_named(argv: list[str], env: dict[str, str], message: str) -> None:
     with pytest.raises(SettingsError, match=message):
-        build_settings(parse_args(argv), env)
+        parse(argv, env)
 
 
 def test_the_agent_gets_its_contract_and_the_evaluator_not_the_agents_token() -> None:

@@ -26,8 +26,9 @@ from schemas import (
     RunStarted,
     decode,
 )
+from schemas.rollout import RolloutView
+from schemas.rollout import fold as fold_rollout
 from services.common.eventstore import EventStore, StoredEvent
-from services.gateway.readmodel import RolloutView, apply
 from services.projector.flags import call_flags, flag_names
 from services.projector.reader import PostgresRolloutReader
 
@@ -135,7 +136,7 @@ def fold(messages: list[tuple[int, str, bytes]]) -> Expected:
         out.events.setdefault(key, []).append(stored)
         before = out.views.get(key)
         terminal_before = before.terminal_seq if before else 0
-        view = apply(before, stored)
+        view = fold_rollout(before, stored)
         if view is None:
             continue
         out.views[key] = view

@@ -7,7 +7,8 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import asyncpg
 import uvicorn
@@ -88,3 +89,23 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+@contextlib.contextmanager
+def gateway_with_projector(
+    nats_url: str, database_url: str, admin: str, *, min_seq_timeout_s: float = 10.0, **reader_args: Any
+) -> Iterator[ServerThread]:
+    """The projector's query app over `database_url`, and a gateway that forwards its reads to it."""
+    from services.gateway import GatewaySettings, create_app
+    from services.projector.api import create_query_app
+    from services.projector.reader import PostgresRolloutReader
+
+    query = create_query_app(
+        PostgresRolloutReader(database_url, **reader_args), admin_token=admin, min_seq_timeout_s=min_seq_timeout_s
+    )
+    with ServerThread(query) as projector:
+        settings = GatewaySettings(
+            nats_url=nats_url, admin_token=admin, secret="s" * 32, port=free_port(), projector_url=projector.url
+        )
+        with ServerThread(create_app(settings)) as server:
+            yield server

@@ -9,6 +9,7 @@ while reads failed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -16,25 +17,18 @@ import time
 import asyncpg
 import httpx
 import pytest
-from projector_support import ServerThread, running_projector, wait_applied
+from projector_support import ServerThread, gateway_with_projector, running_projector, wait_applied
 
 from schemas import RewardReported
 from services.common.eventstore import EventStore
 from services.devstack.embedded import NatsServer, free_port
-from services.gateway import GatewaySettings, create_app
-from services.projector.api import install_read_side
-from services.projector.reader import PostgresRolloutReader
 
 ADMIN = "errors-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 
 
-def _gateway(nats_url: str, database_url: str) -> ServerThread:
-    settings = GatewaySettings(nats_url=nats_url, admin_token=ADMIN, secret="s" * 32, port=free_port())
-    reader = PostgresRolloutReader(database_url, connect_timeout=1.0)
-    app = create_app(settings, reader=reader)
-    install_read_side(app, reader, authorize=lambda request: request.app.state.gateway.admin(request))
-    return ServerThread(app)
+def _gateway(nats_url: str, database_url: str) -> contextlib.AbstractContextManager[ServerThread]:
+    return gateway_with_projector(nats_url, database_url, ADMIN, connect_timeout=1.0)
 
 
 async def test_client_errors_log_no_traceback(

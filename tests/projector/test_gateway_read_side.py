@@ -3,25 +3,31 @@ summaries, the viewer, and a clear 503 when Postgres is away (while writes still
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import asyncpg
 import httpx
 from projector_support import ServerThread, running_projector
 
 from services.devstack.embedded import NatsServer, free_port
 from services.gateway import GatewaySettings, create_app
-from services.projector.api import install_read_side
+from services.projector.api import create_query_app
 from services.projector.reader import PostgresRolloutReader
 
 ADMIN = "read-side-admin"
 
 
-def gateway(nats_url: str, database_url: str) -> ServerThread:
-    settings = GatewaySettings(nats_url=nats_url, admin_token=ADMIN, secret="s" * 32, port=free_port())
-    reader = PostgresRolloutReader(database_url)
-    app = create_app(settings, reader=reader)
-    install_read_side(app, reader, authorize=lambda request: request.app.state.gateway.admin(request),
-                      min_seq_timeout_s=1.0)  # fmt: skip
-    return ServerThread(app)
+@contextlib.contextmanager
+def gateway(nats_url: str, database_url: str) -> Iterator[ServerThread]:
+    """The projector's query app over `database_url`, and a gateway that forwards its reads to it."""
+    query = create_query_app(PostgresRolloutReader(database_url), admin_token=ADMIN, min_seq_timeout_s=1.0)
+    with ServerThread(query) as projector:
+        settings = GatewaySettings(
+            nats_url=nats_url, admin_token=ADMIN, secret="s" * 32, port=free_port(), projector_url=projector.url
+        )
+        with ServerThread(create_app(settings)) as server:
+            yield server
 
 
 async def test_reads_come_from_postgres_and_see_their_writes(

@@ -16,12 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from projector_support import ServerThread, running_projector
+from projector_support import gateway_with_projector, running_projector
 
-from services.devstack.embedded import NatsServer, free_port
-from services.gateway import GatewaySettings, create_app
-from services.projector.api import install_read_side
-from services.projector.reader import PostgresRolloutReader
+from services.devstack.embedded import NatsServer
 
 ADMIN = "fuzz-admin"
 SEED = 1
@@ -38,13 +35,8 @@ def _schemathesis() -> str:
 
 @pytest.mark.slow
 async def test_schemathesis_finds_nothing(fresh_nats: NatsServer, database: str, tmp_path: Path) -> None:
-    settings = GatewaySettings(nats_url=fresh_nats.url, admin_token=ADMIN, secret="s" * 32, port=free_port())
-    reader = PostgresRolloutReader(database)
-    app = create_app(settings, reader=reader)
-    install_read_side(app, reader, authorize=lambda request: request.app.state.gateway.admin(request),
-                      min_seq_timeout_s=0.5)  # fmt: skip
     async with running_projector(fresh_nats.url, database, metrics_port=-1):
-        with ServerThread(app) as server:
+        with gateway_with_projector(fresh_nats.url, database, ADMIN, min_seq_timeout_s=0.5) as server:
             proc = await asyncio.create_subprocess_exec(
                 _schemathesis(), "--config-file", str(Path(__file__).with_name("schemathesis.toml")),
                 "run", f"{server.url}/openapi.json",

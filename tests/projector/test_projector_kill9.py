@@ -21,8 +21,8 @@ from projector_scenarios import load_events
 from projector_support import running_projector, wait_applied
 
 from schemas import Event
-from services.devstack.embedded import NatsServer
 from services.common.eventstore import EventStore
+from services.devstack.embedded import NatsServer
 from services.projector.reader import PostgresRolloutReader
 from services.projector.service import Projector, ProjectorSettings
 

@@ -14,14 +14,14 @@ import msgspec
 import pytest
 from projector_reference import assert_projection, fold, stream_messages
 from projector_scenarios import StreamBuilder, load_events
-from projector_support import running_projector, wait_applied
+from projector_support import ServerThread, running_projector, wait_applied
 
 from schemas import CustomEvent, Event, ModelRequestRecorded, RolloutCreated
 from services.common.eventstore import EventStore
+from services.common.readside import RolloutQuery
 from services.devstack.embedded import NatsServer, PostgresServer
-from services.gateway.readmodel import RolloutQuery
+from services.projector.api import create_query_app
 from services.projector.cli import _rebuild
-from services.projector.http import serve
 from services.projector.reader import PostgresRolloutReader, ProjectionBehind
 from services.projector.rebuild import rebuild_run
 
@@ -47,12 +47,10 @@ async def test_poison_goes_to_dead_letters_and_projection_goes_on(
         last = (await store.append_many(events[10:]))[-1].seq
         async with running_projector(fresh_nats.url, database, metrics_port=0) as projector:
             await wait_applied(conn, last)
-            server = await serve(projector.status, "127.0.0.1", 0)
-            port = server.sockets[0].getsockname()[1]
-            async with httpx.AsyncClient() as client:
-                health = (await client.get(f"http://127.0.0.1:{port}/healthz")).json()
-                metrics = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
-            server.close()
+            with ServerThread(create_query_app(reader, status=projector.status)) as server:
+                async with httpx.AsyncClient(base_url=server.url) as client:
+                    health = (await client.get("/healthz")).json()
+                    metrics = (await client.get("/metrics")).text
         dead = await conn.fetch("SELECT seq, reason FROM dead_letters ORDER BY seq")
         assert [row["seq"] for row in dead] == [11, 12]
         assert "undecodable" in dead[0]["reason"] and "rejected by Postgres" in dead[1]["reason"]

@@ -10,14 +10,16 @@ from pathlib import Path
 import asyncpg
 import msgspec
 import pytest
+from fastapi.testclient import TestClient
 from projector_reference import MAX_CHAINS, _opens_sample
 
 from schemas import CustomEvent, ModelRegistered, ModelRequestRecorded, encode
 from services.projector import chains, packing
+from services.projector.api import create_query_app
 from services.projector.flags import call_flags, flag_names
-from services.projector.http import route
 from services.projector.incoming import RAW_FIELDS, WireCall, position, prepare_one
 from services.projector.migrate import MigrationError, migrate
+from services.projector.reader import PostgresRolloutReader
 from services.projector.status import Status
 from services.projector.tokens import Detokenizer, TokenizerError
 
@@ -158,11 +160,14 @@ def test_metrics_and_health_routes() -> None:
     status = Status("S")
     status.postgres_up, status.nats_up, status.stream_seq = True, True, 10
     status.applied(7, 7, 0.01)
-    assert b"200 OK" in route(status, "GET", "/healthz") and b'"lag_events":3' in route(status, "GET", "/healthz")
-    assert b'rollwire_projector_lag_events{stream="S"} 3.0' in route(status, "GET", "/metrics")
-    status.postgres_up = False
-    assert b"503" in route(status, "GET", "/healthz")
-    assert b"404" in route(status, "GET", "/nope") and b"405" in route(status, "POST", "/metrics")
+    app = create_query_app(PostgresRolloutReader("postgresql://127.0.0.1:1/none"), status=status, viewer=False)
+    with TestClient(app) as client:
+        health = client.get("/healthz")
+        assert health.status_code == 200 and b'"lag_events":3' in health.content
+        assert b'rollwire_projector_lag_events{stream="S"} 3.0' in client.get("/metrics").content
+        status.postgres_up = False
+        assert client.get("/healthz").status_code == 503
+        assert client.get("/nope").status_code == 404 and client.post("/metrics").status_code == 405
 
 
 async def test_migrations_are_idempotent_and_refuse_a_newer_schema(conn: asyncpg.Connection) -> None:

@@ -13,9 +13,9 @@ import asyncpg
 from projector_scenarios import ROLLOUTS, RUNS, StreamBuilder, load_events, message, random_ops
 from projector_support import running_projector, wait_applied
 
-from services.devstack.embedded import NatsServer
 from services.common.eventstore import EventStore
-from services.gateway.readmodel import RolloutQuery, StreamRolloutReader
+from services.common.readside import RolloutQuery, StreamRolloutReader
+from services.devstack.embedded import NatsServer
 from services.projector.reader import PostgresRolloutReader
 
 QUERIES = [

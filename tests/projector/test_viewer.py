@@ -21,8 +21,8 @@ from projector_support import ServerThread, running_projector, wait_applied
 from viewer_demo import RUN, demo_events, word_tokenizer_json
 
 from schemas import RewardReported, RolloutStatusChanged
-from services.devstack.embedded import NatsServer
 from services.common.eventstore import EventStore
+from services.devstack.embedded import NatsServer
 from services.projector.reader import PostgresRolloutReader
 from services.projector.viewer import bearer_check, mount_viewer
 

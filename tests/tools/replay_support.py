@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from schemas import Event
-from services.devstack.cli import app
 from services.common.eventstore import EventStore
+from services.devstack.cli import app
 
 
 class CliResult(msgspec.Struct, frozen=True):

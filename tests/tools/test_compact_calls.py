@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 from agentrun import agent_run
 
-from schemas import Event, ModelRequestRecorded, Resolver, decode, encode
+from schemas import SCHEMA_VERSION, Event, ModelRequestRecorded, Resolver, decode, encode
 from schemas.refs import id_width, ids_int32, pack_floats, pack_ids, unpack_floats, unpack_ids
 from services.common.eventstore import Appended, EventStore
 from services.gateway.recording import CallChains, compact_request
@@ -43,7 +43,7 @@ async def test_replay_of_a_compact_recording_equals_the_full_one(store: EventSto
     await record(store, compact_events, compact)
     assert compact.referenced > 10  # the run's multi-turn rollouts were recorded as references
     raw = [m.data async for batch in store.read_raw(f"rl.{compact_run}.rollout.*.model_request") for m in batch]
-    assert all(json.loads(data)["schema_version"] == 2 for data in raw)
+    assert all(json.loads(data)["schema_version"] == SCHEMA_VERSION for data in raw)
     assert sum(b'"prompt_ref"' in data for data in raw) == compact.referenced
     old = [m.data async for batch in store.read_raw(f"rl.{full_run}.rollout.*.model_request") for m in batch]
     assert all(json.loads(data)["schema_version"] == 1 and b'"packed"' not in data for data in old)

@@ -39,7 +39,8 @@ def _respond(status: int, body: Any) -> Response:
     return Response(_json.encode(body), status_code=status, media_type="application/json")
 
 
-def _int(request: Request, name: str, default: int, low: int = 0, high: int = 10_000_000) -> int:
+def int_param(request: Request, name: str, default: int, low: int = 0, high: int = 10_000_000) -> int:
+    """An integer query parameter in [low, high] (`default` when absent); `ViewerQueryError` (422) otherwise."""
     raw = request.query_params.get(name)
     if raw in (None, ""):
         return default
@@ -93,8 +94,8 @@ def mount_viewer(
             status=params.get("status") or None,
             flagged=params.get("flagged") in ("1", "true"),
             search=params.get("q") or None,
-            limit=_int(request, "limit", 200, 1, 1000),
-            offset=_int(request, "offset", 0),
+            limit=int_param(request, "limit", 200, 1, 1000),
+            offset=int_param(request, "offset", 0),
         )
 
     async def one_rollout(request: Request) -> Any:
@@ -105,12 +106,12 @@ def mount_viewer(
             reader,
             request.path_params["run_id"],
             request.path_params["rollout_id"],
-            after_seq=_int(request, "after_seq", 0),
-            limit=_int(request, "limit", 2000, 1, 10_000),
+            after_seq=int_param(request, "after_seq", 0),
+            limit=int_param(request, "limit", 2000, 1, 10_000),
         )
 
     async def one_call(request: Request) -> Any:
-        return await queries.call(reader, _int(request, "seq", 0) or int(request.path_params["seq"]))
+        return await queries.call(reader, int_param(request, "seq", 0) or int(request.path_params["seq"]))
 
     api = f"{prefix}/api"
     routes: list[tuple[str, Callable[[Request], Awaitable[Any]]]] = [

@@ -79,6 +79,25 @@ async def runs(reader: PostgresRolloutReader) -> dict[str, Any]:
     return {"runs": out, "applied_seq": await reader.applied_seq()}
 
 
+def _rollout_item(row: Any, calls_limit: float, tokens_limit: float, now: float) -> dict[str, Any]:
+    """One row of the rollouts table, with the relative flags (`long`, `many-samples`) added."""
+    tokens = row["prompt_tokens"] + row["response_tokens"]
+    flags = list(row["flags"])
+    if row["calls"] > calls_limit or tokens > tokens_limit:
+        flags.append("long")
+    if row["samples"] > MANY_SAMPLES:
+        flags.append("many-samples")
+    end = row["ended_at"] if row["ended_at"] is not None else now
+    return {
+        "rollout_id": row["rollout_id"], "group_id": row["group_id"], "mode": row["mode"],
+        "status": row["status"], "reward": _finite(row["reward"]), "attempts": row["attempts"],
+        "calls": row["calls"], "failed_calls": row["failed_calls"], "samples": row["samples"],
+        "prompt_tokens": row["prompt_tokens"], "response_tokens": row["response_tokens"],
+        "created_at": row["created_at"], "ended_at": row["ended_at"], "duration_s": end - row["created_at"],
+        "flags": flags, "last_seq": row["last_seq"],
+    }  # fmt: skip
+
+
 async def rollouts(
     reader: PostgresRolloutReader,
     run_id: str,
@@ -116,25 +135,7 @@ async def rollouts(
         )
         matching = await conn.fetchval(f"SELECT count(*) FROM rollouts WHERE {where}", *args)
     now = time.time()
-    items = []
-    for row in rows:
-        tokens = row["prompt_tokens"] + row["response_tokens"]
-        flags = list(row["flags"])
-        if row["calls"] > calls_limit or tokens > tokens_limit:
-            flags.append("long")
-        if row["samples"] > MANY_SAMPLES:
-            flags.append("many-samples")
-        end = row["ended_at"] if row["ended_at"] is not None else now
-        items.append(
-            {
-                "rollout_id": row["rollout_id"], "group_id": row["group_id"], "mode": row["mode"],
-                "status": row["status"], "reward": _finite(row["reward"]), "attempts": row["attempts"],
-                "calls": row["calls"], "failed_calls": row["failed_calls"], "samples": row["samples"],
-                "prompt_tokens": row["prompt_tokens"], "response_tokens": row["response_tokens"],
-                "created_at": row["created_at"], "ended_at": row["ended_at"], "duration_s": end - row["created_at"],
-                "flags": flags, "last_seq": row["last_seq"],
-            }
-        )  # fmt: skip
+    items = [_rollout_item(row, calls_limit, tokens_limit, now) for row in rows]
     return {
         "run_id": run_id,
         "total": medians["total"],

@@ -1,0 +1,102 @@
+"""Events an attempt reports: a reward or a custom event (`POST .../attempt/{aid}/events`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+from fastapi import Request, Response
+
+from schemas import (
+    CustomEvent,
+    InvalidId,
+    RewardReported,
+)
+from services.common.eventstore import StoredEvent
+from services.gateway import bodies
+from services.gateway.auth import AttemptScope
+from services.gateway.commands import (
+    checked_id,
+    current_state,
+    event_id_for,
+    gateway_of,
+    keyed,
+)
+from services.gateway.errors import ApiError, forbidden, from_validation, invalid
+from services.gateway.http import decode, encode, read_body
+from services.gateway.idempotency import Result
+from services.gateway.views import event_json
+
+
+async def post_event(request: Request, rollout_id: str, attempt_id: str) -> Response:
+    """`POST /api/rollouts/{id}/attempt/{aid}/events`: a reward or a custom event of the attempt."""
+    gw = gateway_of(request)
+    principal = gw.principal(request)
+    checked_id("rollout_id", rollout_id)
+    checked_id("attempt_id", attempt_id)
+    if isinstance(principal, AttemptScope) and (principal.rollout_id, principal.attempt_id) != (rollout_id, attempt_id):
+        raise forbidden(f"this token belongs to rollout {principal.rollout_id} attempt {principal.attempt_id}")
+    body = await read_body(request, gw.settings.max_body_bytes)
+    parsed = decode(body, bodies.EventBody)
+    view, attempt = await gw.attempt_for(principal, rollout_id, attempt_id)
+    if isinstance(principal, AttemptScope) and principal.role == "agent" and attempt.ended:
+        raise ApiError(
+            409, f"attempt {attempt_id} has ended; its token no longer writes events", current=current_state(view)
+        )
+    source = principal.role if isinstance(principal, AttemptScope) else "admin"
+    kind, name, value, payload, step = _event_fields(parsed)
+    if kind == "reward" and source == "agent" and gw.state.reward_from(view.run_id) == "evaluator":
+        raise forbidden(f"run {view.run_id} takes rewards from its evaluator only; an agent token cannot report one")
+
+    async def command(key: str | None) -> Result:
+        event_id = event_id_for(key, "event", rollout_id, attempt_id)
+        event: RewardReported | CustomEvent
+        try:
+            if kind == "reward":
+                event = RewardReported(
+                    event_id=event_id,
+                    run_id=view.run_id,
+                    rollout_id=rollout_id,
+                    attempt_id=attempt_id,
+                    value=value,
+                    name=name,
+                    step=step,
+                    source=source,
+                )  # type: ignore[arg-type]
+            else:
+                event = CustomEvent(
+                    event_id=event_id,
+                    run_id=view.run_id,
+                    rollout_id=rollout_id,
+                    attempt_id=attempt_id,
+                    name=name or "",
+                    payload=payload,
+                )
+        except (InvalidId, msgspec.ValidationError) as exc:
+            raise from_validation(exc) from None
+        ack = await gw.store.append(event)
+        return 201, encode(event_json(StoredEvent(seq=ack.seq, subject=event.subject, event=event)))
+
+    return await keyed(request, f"{source}:{rollout_id}:{attempt_id}", body, command)
+
+
+def _event_fields(parsed: bodies.EventBody) -> tuple[str, str | None, float, dict[str, Any], int | None]:
+    """(kind, name, value, payload, step) from either event shape; 422 naming what is missing."""
+    if parsed.type is None and parsed.event_type is None:
+        raise invalid('an event needs "type" ("reward" or "custom") or Agent Lightning\'s "event_type"', "type")
+    if parsed.type == "reward" or (parsed.type is None and parsed.event_type == "reward"):
+        data = parsed.data or {}
+        raw = parsed.value if parsed.value is not None else data.get("value")
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
+            raise invalid('a reward needs a finite number in "value"', "value")
+        name = parsed.name or data.get("name")
+        return "reward", name if isinstance(name, str) else None, float(raw), {}, parsed.step
+    if parsed.type == "custom":
+        if not parsed.name:
+            raise invalid('a custom event needs a "name"', "name")
+        return "custom", parsed.name, 0.0, parsed.payload or {}, None
+    event_type = parsed.event_type or ""
+    if event_type == "model_request":
+        raise invalid("model_request events are recorded by the proxy; post yours under another name", "event_type")
+    return "custom", event_type, 0.0, parsed.data or {}, None

@@ -1,0 +1,94 @@
+"""The architecture as an import check: services meet only through events and HTTP.
+
+An AST scan of every module (function-level imports included) fails when:
+- a deployable service (`services/{gateway,projector,controller,engine}`) imports another one's modules
+  (they share only `schemas`, `services.common` and `services.agentkit`);
+- the shared library (`services/common`) or the agent-side helper (`services/agentkit`) imports a service;
+- the contract (`schemas`) imports `services` or `trainer`;
+- the trainer's pure core (`trainer/core`) imports an I/O library (NATS, Postgres, HTTP, sockets) or `services`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ("gateway", "projector", "controller", "engine")
+IO_LIBRARIES = (
+    "nats", "asyncpg", "psycopg", "httpx", "requests", "aiohttp", "urllib.request", "http.client", "socket",
+    "fastapi", "starlette", "uvicorn", "services",
+)  # fmt: skip
+
+
+def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, module) of every import in a file, relative imports resolved against its package."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = ".".join(parts[: len(parts) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def violations(root: Path = ROOT) -> list[str]:
+    """Every import that breaks the architecture, as `path:line imports module (why)`."""
+    rules: list[tuple[str, tuple[str, ...], str]] = []
+    for service in SERVICES:
+        others = tuple(f"services.{s}" for s in SERVICES if s != service)
+        rules.append((f"services/{service}", others, "a service imports another service's modules"))
+    shared_forbidden = tuple(f"services.{s}" for s in (*SERVICES, "devstack", "tools"))
+    rules.append(("services/common", (*shared_forbidden, "services.agentkit"), "the shared library imports a service"))
+    rules.append(("services/agentkit", shared_forbidden, "the agent-side helper imports a service"))
+    rules.append(("schemas", ("services", "trainer"), "the contract imports services or the trainer"))
+    rules.append(("trainer/core", IO_LIBRARIES, "the trainer's pure core imports I/O"))
+    out: list[str] = []
+    for folder, forbidden, why in rules:
+        for path in sorted((root / folder).rglob("*.py")):
+            flagged: set[int] = set()  # one finding per import statement
+            for line, module in imports(path, root):
+                if line not in flagged and any(_within(module, prefix) for prefix in forbidden):
+                    flagged.add(line)
+                    out.append(f"{path.relative_to(root)}:{line} imports {module} ({why})")
+    return out
+
+
+def test_services_meet_only_through_events_and_http() -> None:
+    found = violations()
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("path", "source", "why"),
+    [
+        ("services/gateway/bad.py", "from services.projector.reader import PostgresRolloutReader\n", "another service"),
+        ("services/projector/bad.py", "def f():\n    import services.gateway.views\n", "another service"),
+        ("services/controller/bad.py", "from ..engine import server\n", "another service"),
+        ("services/common/bad.py", "from services.gateway import app\n", "shared library"),
+        ("schemas/bad.py", "import trainer.core.merge\n", "contract"),
+        ("trainer/core/bad.py", "import httpx\n", "pure core"),
+        ("trainer/core/bad2.py", "from nats.js import api\n", "pure core"),
+    ],
+)
+def test_the_check_catches_each_kind_of_violation(tmp_path: Path, path: str, source: str, why: str) -> None:
+    target = tmp_path / path
+    target.parent.mkdir(parents=True)
+    target.write_text(source)
+    found = violations(tmp_path)
+    assert len(found) == 1 and found[0].startswith(path), found
+    assert why.split()[-1] in found[0]
