@@ -7,11 +7,11 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from example_run import example_config, run_one_step
 
 from examples.calc.build import build
 from examples.calc.calculator import CalcError, evaluate, run_tool
 from examples.calc.reward import score
-from tests.examples.example_run import example_config, run_one_step
 from trainer.clients import ServiceUrls
 
 

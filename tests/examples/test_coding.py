@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 import yaml
+from example_run import EXAMPLES, example_config, run_one_step
 
 from examples.coding import monitor as coding_monitor
 from examples.coding.build import SHIPPED_PROJECT, build
@@ -24,7 +25,6 @@ from services.common.eventstore import EventStore
 from services.controller.backends.base import ExecutionKey
 from services.controller.backends.k8s_template import JobTemplate, validate_manifest
 from services.tools.monitor import Monitor
-from tests.examples.example_run import EXAMPLES, example_config, run_one_step
 from trainer.clients import GatewayClient, NewRollout, ServiceUrls
 from trainer.config import load_config
 

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from example_run import example_config, run_one_step
 
 from examples.search.build import DataError, build
 from examples.search.retrieval import MAX_SEARCHES, Searcher, invalid_action
 from examples.search.reward import normalize, score
-from tests.examples.example_run import example_config, run_one_step
 from trainer.clients import ServiceUrls
 
 

@@ -9,13 +9,13 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from example_run import example_config, run_one_step
 
 from examples.sql.build import build
 from examples.sql.database import QueryError, execute
 from examples.sql.reward import execution_match
 from services.common.eventstore import EventStore
 from services.tools.replay import replay_run
-from tests.examples.example_run import example_config, run_one_step
 from trainer.clients import ServiceUrls
 
 

@@ -20,12 +20,10 @@ import asyncpg
 import httpx
 import pytest
 from projector_reference import assert_projection, fold, stream_messages
-from projector_support import ServerThread, running_projector, wait_applied
+from projector_support import gateway_with_projector, running_projector, wait_applied
 
 from services.common.eventstore import EventStore
 from services.devstack.embedded import NatsServer, PostgresServer, free_port
-from services.gateway import GatewaySettings, create_app
-from services.projector.api import install_read_side
 from services.projector.migrate import migrate
 from services.projector.reader import PostgresRolloutReader
 
@@ -42,14 +40,11 @@ async def test_postgres_killed_writes_go_on_reads_503_projection_catches_up(
         conn = await asyncpg.connect(pg.url)
         await migrate(conn)
         await conn.close()
-        settings = GatewaySettings(nats_url=fresh_nats.url, admin_token=ADMIN, secret="s" * 32, port=free_port())
-        reader = PostgresRolloutReader(pg.url, connect_timeout=1.0)
-        app = create_app(settings, reader=reader)
-        install_read_side(app, reader, authorize=lambda request: request.app.state.gateway.admin(request),
-                          min_seq_timeout_s=1.0)  # fmt: skip
         writes: list[int] = []
         async with running_projector(fresh_nats.url, pg.url, metrics_port=-1, max_backoff_s=5.0):
-            with ServerThread(app) as server:
+            with gateway_with_projector(
+                fresh_nats.url, pg.url, ADMIN, min_seq_timeout_s=1.0, connect_timeout=1.0
+            ) as server:
                 auth = {"Authorization": f"Bearer {ADMIN}"}
                 async with httpx.AsyncClient(base_url=server.url, headers=auth, timeout=30) as client:
 
