@@ -93,7 +93,7 @@ def test_monitoring_profile_scrapes_every_service_where_it_listens() -> None:
 
     assert targets["rollwire-gateway"] == f"gateway:{port_flag('gateway', '--port')}"
     assert targets["rollwire-engine"] == f"engine:{port_flag('engine', '--port')}"
-    assert targets["rollwire-projector"] == f"projector:{port_flag('projector', '--metrics-port')}"
+    assert targets["rollwire-projector"] == f"projector:{port_flag('projector', '--port')}"
     assert targets["rollwire-controller"] == f"controller:{port_flag('controller', '--metrics-port')}"
     grafana = {v["target"]: Path(v["source"]) for v in services["grafana"]["volumes"] if v["type"] == "bind"}
     assert json.loads(grafana["/var/lib/grafana/dashboards/rollwire-dashboard.json"].read_text())["uid"] == "rollwire"
