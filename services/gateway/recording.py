@@ -111,8 +111,8 @@ class CallChains:
         """The events as recorded: a reference and the new ids where an earlier call is shared, arrays packed."""
         if not events:
             return events
-        if not self.references:  # the version-1 form: full JSON lists
-            return [msgspec.structs.replace(event, schema_version=1) for event in events]
+        if not self.references:  # the version-1 encoding of calls: full JSON lists, no reference
+            return events
         first = events[0]
         base: _Recorded | None = None
         shared = 0

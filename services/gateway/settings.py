@@ -45,7 +45,7 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     idempotency_cache_bytes: int = 64 * 1024 * 1024
     budget_cache_bytes: int = 16 * 1024 * 1024
     record_format: str = "compact"
-    """`compact` (schema version 2: references and packed arrays) or `full` (version 1: every call's full lists)."""
+    """`compact` (references and packed arrays, schema version 2 on) or `full` (full lists, as version 1)."""
     chain_cache_bytes: int = 256 * 1024 * 1024
     reaper_interval_s: float = 5.0
     """Heartbeat period; a dead gateway's calls are recorded as aborted within about four of them."""

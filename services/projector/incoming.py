@@ -65,6 +65,12 @@ class WireCall(msgspec.Struct, kw_only=True, tag_field="type", tag="model_reques
     latency_s: float | UnsetType = UNSET
     error: str | UnsetType | None = UNSET
     api: CallApi | UnsetType = UNSET
+    agent: str | UnsetType | None = UNSET
+    endpoint: str | UnsetType | None = UNSET
+    started_at: float | UnsetType | None = UNSET
+    temperature: float | UnsetType | None = UNSET
+    top_p: float | UnsetType | None = UNSET
+    top_k: int | UnsetType | None = UNSET
     prompt_ref: CallRef | None = None
     packed: PackedTokens | None = None
 

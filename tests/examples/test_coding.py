@@ -22,7 +22,7 @@ from examples.coding.testrun import run_tests
 from schemas import CustomEvent, RewardReported
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStore
-from services.controller.backends.base import ExecutionKey
+from services.controller.backends.base import ExecutionKey, LaunchSpec
 from services.controller.backends.k8s_template import JobTemplate, validate_manifest
 from services.tools.monitor import Monitor
 from trainer.clients import GatewayClient, NewRollout, ServiceUrls
@@ -85,7 +85,10 @@ def test_the_job_template_and_network_policy_validate_and_confine_the_agent_pods
     policy = yaml.safe_load((EXAMPLES / "coding/k8s/networkpolicy.yaml").read_text())
     template_text = (EXAMPLES / "coding/k8s/job-template.yaml").read_text()
     validate_manifest(policy, "1.33")
-    from tests.k8s.k8s_support import launch_spec
+
+    def launch_spec(key: ExecutionKey, **overrides: Any) -> LaunchSpec:
+        env = {"OPENAI_BASE_URL": "http://gateway:8080/v1", "OPENAI_API_KEY": "agent-token"}
+        return LaunchSpec(key=key, env=env, input_json="{}", timeout_s=600, **overrides)
 
     template = JobTemplate(template_text, image="registry.example/coding-agent:1")
     key = ExecutionKey("r", "ro", "a")
@@ -159,9 +162,12 @@ def test_one_training_step_with_mini_swe_agent(
     assert record.rows[0]["rollouts"] == 4 and record.rows[0]["rollouts_failed"] == 0
     assert all(r.source == "evaluator" for r in record.rewards) and len(record.rewards_by_rollout()) == 4
     per_rollout: dict[str, int] = {}
-    for call in record.calls:  # mini-swe-agent's own prompt, through the proxy
-        assert "mswea_bash_command" in call.request["messages"][0]["content"]
+    prompted: set[str] = set()
+    for call in record.calls:  # mini-swe-agent's own prompt, through the proxy (later calls may record a suffix)
+        if "mswea_bash_command" in str(call.request.get("messages", [{}])[0].get("content")):
+            prompted.add(str(call.rollout_id))
         per_rollout[str(call.rollout_id)] = per_rollout.get(str(call.rollout_id), 0) + 1
+    assert prompted == set(per_rollout)
     assert len(per_rollout) == 4 and all(1 <= n <= 3 for n in per_rollout.values())  # step_limit 3
     evaluations = record.payloads("evaluation")
     for rollout_id, reward in record.rewards_by_rollout().items():  # resolved = every listed test passes
@@ -170,3 +176,18 @@ def test_one_training_step_with_mini_swe_agent(
         expected = 1.0 if (e["fail_to_pass_passed"] == len(task["FAIL_TO_PASS"])
                            and e["pass_to_pass_passed"] == len(task["PASS_TO_PASS"])) else 0.0  # fmt: skip
         assert reward == expected
+
+
+def test_the_monitor_sees_actions_that_write_test_files() -> None:
+    from schemas import ModelRequestRecorded
+
+    def call(command: str) -> ModelRequestRecorded:
+        reply = f"THOUGHT: go.\n\n```mswea_bash_command\n{command}\n```"
+        response = {"choices": [{"message": {"role": "assistant", "content": reply}}]}
+        return ModelRequestRecorded(run_id="r", rollout_id="x", attempt_id="a", call_id="c", response=response)
+
+    for bad in ("sed -i 's/assert /assert True or /' tests/test_text.py", "echo 'x' > conftest.py",
+                "rm tests/test_numbers.py", "cat fix.py | tee -a numkit/test_extra.py"):  # fmt: skip
+        assert coding_monitor.writes_tests(call(bad)) is not None, bad
+    for fine in ("cat tests/test_text.py", "python -m pytest -q tests/test_text.py", "sed -i 's/a/b/' numkit/text.py"):
+        assert coding_monitor.writes_tests(call(fine)) is None, fine
