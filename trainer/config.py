@@ -13,6 +13,7 @@
     [algorithm.loss]     clip_low, clip_high, ratio_cap, kl_coef (`trainer.loss.PolicyLossConfig`)
     [async]      min_groups, max_staleness, max_groups_in_flight
     [stack]      embedded or external: data_dir, gateway_url, nats_url, engine_url, admin_token
+    [metrics]    loggers (csv, tensorboard, wandb, mlflow), prometheus_port, wandb_*, mlflow_*
 
 A mistake is a `ConfigError` naming the key (`algorithm.adapter.norm`) and, for a choice, the
 allowed values; unknown keys are errors too, so a typo never silently falls back to a default.
@@ -200,6 +201,29 @@ class StackSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     admin_token: str | None = None
 
 
+Logger = Literal["csv", "tensorboard", "wandb", "mlflow"]
+WandbMode = Literal["offline", "online", "disabled"]
+
+
+class MetricsSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[metrics]`: where each step's row goes besides `metrics.csv` (always written), see `trainer.loggers`.
+
+    `loggers` picks TensorBoard (`tb/`), Weights & Biases (`wandb_mode = "offline"` writes the run under
+    the run dir, `wandb sync` uploads it later) and MLflow (`mlflow_tracking_uri`, default a file store
+    in the run dir's `mlruns/`). `prometheus_port` serves the trainer's gauges at `/metrics` (0: any
+    free port; unset: none).
+    """
+
+    loggers: list[Logger] = msgspec.field(default_factory=lambda: ["csv", "tensorboard"])
+    prometheus_port: int | None = None
+    prometheus_host: str = "127.0.0.1"
+    wandb_project: str = "rollwire"
+    wandb_entity: str | None = None
+    wandb_mode: WandbMode = "offline"
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment: str = "rollwire"
+
+
 class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A whole training run (see the module docstring for the sections)."""
 
@@ -215,6 +239,7 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     frozen: list[FrozenSection] = []
     validation: ValidationSection | None = None
     stack: StackSection = StackSection()
+    metrics: MetricsSection = MetricsSection()
 
     @property
     def adapter(self) -> AdapterConfig:
@@ -240,6 +265,8 @@ def _choices(kind: Any) -> tuple[str, ...] | None:
     args = get_args(kind)
     if args and all(isinstance(a, str) for a in args):
         return args
+    if len(args) == 1:  # list[Literal[...]]
+        return _choices(args[0])
     return None
 
 
@@ -281,7 +308,7 @@ def _allowed_for(key: str) -> tuple[str, ...] | None:
     """The allowed values of a choice setting, looked up by its dotted key."""
     if key == "backend.kind":
         return AVAILABLE_BACKENDS
-    section, _, name = key.rpartition(".")
+    section, _, name = re.sub(r"\[\d+\]$", "", key).rpartition(".")
     try:
         struct = _struct_at(section)
         fields = {f.encode_name: f.type for f in msgspec.structs.fields(struct)}
@@ -387,6 +414,8 @@ def _check(config: TrainConfig) -> None:
         "must be between 1 and async.max_groups_in_flight",
     )
     need(config.async_.max_staleness >= 0, "async.max_staleness", "must be >= 0")
+    port = config.metrics.prometheus_port
+    need(port is None or 0 <= port <= 65535, "metrics.prometheus_port", "must be a port number (0: any free port)")
     need(
         config.async_.max_groups_in_flight is None or config.async_.max_groups_in_flight >= groups,
         "async.max_groups_in_flight",

@@ -57,6 +57,7 @@ from trainer.core import (
 from trainer.dataset import TaskOrder, load_jsonl
 from trainer.engines import ServingEngine, connect_engine, register_replicas
 from trainer.extra_policies import OtherModels
+from trainer.loggers import open_sinks, tensorboard_dir
 from trainer.metrics import MetricsLog
 from trainer.policies import failure_row, run_spec, trained_adapter, trained_models
 from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group
@@ -188,8 +189,9 @@ class Trainer:
             self.backend.save_weights(self.run_dir.weights(0))
         self.metrics = MetricsLog(
             self.run_dir.metrics_csv,
-            self.run_dir.tensorboard,
+            tensorboard_dir(config, self.run_dir.tensorboard),
             resume_after=state.step if resumed is not None else None,
+            sinks=open_sinks(config, self.say),
         )
         return state
 

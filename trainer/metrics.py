@@ -1,9 +1,10 @@
-"""Per-step metrics: a CSV table, TensorBoard scalars, and a reward curve.
+"""Per-step metrics: a CSV table, TensorBoard scalars, other trackers (`trainer.loggers`), and a reward curve.
 
 Every step is one row (`step` first, then the figures in a fixed order; agent-reported metrics
 are added as `agent_<name>` columns when they first appear, and the file is rewritten with the
 wider header). Rows of a resumed run are read back, so the CSV and the curve cover the whole run.
 TensorBoard is optional: without the `tensorboard` package the scalars are only in the CSV.
+Weights & Biases, MLflow and the Prometheus endpoint are sinks chosen in `[metrics]` of the train config.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.loggers import StepSink
 
 Row = dict[str, float | int | str | None]
 
@@ -79,8 +83,16 @@ def _number(value: str) -> float | int | str | None:
 class MetricsLog:
     """The run's metrics table and TensorBoard writer (see the module docstring)."""
 
-    def __init__(self, csv_path: Path, tensorboard_dir: Path | None = None, *, resume_after: int | None = None):
+    def __init__(
+        self,
+        csv_path: Path,
+        tensorboard_dir: Path | None = None,
+        *,
+        resume_after: int | None = None,
+        sinks: Sequence[StepSink] = (),
+    ):
         self.csv_path = Path(csv_path)
+        self.sinks = list(sinks)
         self.rows: list[Row] = []
         if resume_after is not None and self.csv_path.is_file():
             with self.csv_path.open(newline="") as handle:
@@ -120,6 +132,8 @@ class MetricsLog:
                 if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                     self._writer.add_scalar(key, value, step)
             self._writer.flush()
+        for sink in self.sinks:
+            sink.log(row)
 
     def _write_csv(self) -> None:
         buffer = io.StringIO()
@@ -143,9 +157,13 @@ class MetricsLog:
         return steps, values
 
     def close(self) -> None:
-        """Close the TensorBoard writer."""
+        """Close the TensorBoard writer and the other sinks."""
+        from trainer.loggers import close_all
+
         if self._writer is not None:
             self._writer.close()
+        close_all(self.sinks)
+        self.sinks = []
 
 
 def plot_curves(

@@ -9,17 +9,20 @@ in flight finish, and leaves running executions to the next controller.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
 import time
 
+from services.common import httpserve
+from services.common.accesslog import AccessLogError, access_format
 from services.common.eventstore import EventStore, EventStoreError
 from services.common.settings import run_async
 from services.controller.gateway import GatewayClient
 from services.controller.reconciler import Controller
-from services.controller.settings import SettingsError, parse
+from services.controller.settings import ControllerSettings, SettingsError, parse
 
 GATEWAY_WAIT_S = 60.0
 
@@ -31,7 +34,8 @@ async def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         settings = parse(sys.argv[1:] if argv is None else argv)
-    except SettingsError as exc:
+        access_format()
+    except (SettingsError, AccessLogError) as exc:
         print(f"rollwire controller: {exc}", file=sys.stderr)
         return 2
     try:
@@ -55,11 +59,35 @@ async def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, controller.stop)
-        await controller.run()
+        server = await _serve_metrics(settings, controller, store)
+        try:
+            await controller.run()
+        finally:
+            if server is not None:
+                server.close()
         return 0
     finally:
         await gateway.close()
         await store.close()
+
+
+async def _serve_metrics(
+    settings: ControllerSettings, controller: Controller, store: EventStore
+) -> asyncio.Server | None:
+    """`/metrics` and `/healthz` on the configured port (none when no port is set)."""
+    if settings.metrics_port is None:
+        return None
+
+    def health() -> tuple[int, bytes]:
+        ok = controller.started.is_set() and store.nc.is_connected
+        nats, started = store.nc.is_connected, controller.started.is_set()
+        body = {"status": "ok" if ok else "degraded", "nats": nats, "started": started}
+        return (200 if ok else 503), json.dumps(body).encode()
+
+    server = await httpserve.serve("controller", settings.metrics_host, settings.metrics_port, health)
+    port = server.sockets[0].getsockname()[1]
+    print(f"rollwire controller: metrics on http://{settings.metrics_host}:{port}/metrics", flush=True)
+    return server
 
 
 def run() -> None:

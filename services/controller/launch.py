@@ -13,6 +13,7 @@ import msgspec
 
 from schemas.runs import RunSpec
 from services.common.retry import Backoff, retry_async
+from services.controller import metrics
 from services.controller.backends.base import (
     ExecutionBackend,
     ExecutionKey,
@@ -140,6 +141,9 @@ class Launcher(BackendPool):
         idem = f"rollwire-controller:{key.rollout_id}:{attempt_id or '-'}:{status}"
         began = time.monotonic()
         seq = await self.gateway.set_status(key.rollout_id, status, attempt_id=attempt_id, reason=reason, key=idem)
+        spec = self.specs.get(key.run_id)
+        backend = spec.backend if isinstance(spec, RunSpec) else "unknown"
+        metrics.status_written(key.run_id, key.rollout_id, backend, status, reason)
         log.debug("rollout %s -> %s in %.0f ms", key.rollout_id, status, (time.monotonic() - began) * 1000)
         self._awaiting[key] = (seq, time.time() + ECHO_TIMEOUT_S)
 
@@ -215,6 +219,8 @@ class Launcher(BackendPool):
             await self._end(key, with_attempt, f"cannot launch attempt {grant.sequence}: {exc}")
             return
         self.stats["launched"] += 1
+        queued = view.status_time if view.status in ("queuing", "requeuing") else None
+        metrics.launched(key.run_id, key.rollout_id, bid, grant.sequence, queued)
         log.debug(
             "rollout %s attempt %s launched in %.0f ms (start attempt %.0f ms)",
             key.rollout_id,

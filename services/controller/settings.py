@@ -43,6 +43,8 @@ class ControllerSettings(msgspec.Struct, frozen=True, kw_only=True):
     resync_s: float = 5.0
     kill_grace_s: float = 30.0
     max_inflight: int = 128
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
 
 
 def _positive(name: str, value: float) -> float:
@@ -83,6 +85,8 @@ ENV_NAMES = {
     "--local-capacity": "ROLLWIRE_LOCAL_CAPACITY",
     "--durable": "ROLLWIRE_CONTROLLER_DURABLE",
     "--resync-s": "ROLLWIRE_CONTROLLER_RESYNC_S",
+    "--metrics-host": "ROLLWIRE_CONTROLLER_HOST",
+    "--metrics-port": "ROLLWIRE_CONTROLLER_PORT",
 }
 """Each flag's environment variable (the flag wins)."""
 
@@ -106,6 +110,15 @@ def settings_command(
     local_capacity: int = _option("--local-capacity", 32, "Most local executions running at once."),
     durable: str = _option("--durable", "controller", "Name of the durable NATS consumer."),
     resync_s: float = _option("--resync-s", 5.0, "Period of the full reconcile in seconds."),
+    metrics_host: str = _option("--metrics-host", "127.0.0.1", "Address of /metrics and /healthz."),
+    metrics_port: int | None = typer.Option(
+        None,
+        "--metrics-port",
+        envvar=ENV_NAMES["--metrics-port"],
+        min=0,
+        max=65535,
+        help="Port of /metrics and /healthz (0: any free port; default: none).",
+    ),
 ) -> ControllerSettings:
     """The controller's settings from its flags and their environment variables."""
     return ControllerSettings(
@@ -119,6 +132,8 @@ def settings_command(
         executions_dir=executions_dir or data_dir / "executions",
         local_capacity=int(_positive(ENV_NAMES["--local-capacity"], local_capacity)),
         resync_s=_positive(ENV_NAMES["--resync-s"], resync_s),
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
     )
 
 

@@ -17,6 +17,7 @@ from schemas.rollout import fold
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStore
 from services.common.outage import Outage
+from services.controller import metrics
 from services.controller.backends.base import (
     ExecutionBackend,
     ExecutionKey,
@@ -98,6 +99,7 @@ class ControllerState:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.started = asyncio.Event()
         self.stats: Counter[str] = Counter()
+        metrics.watch(self.executions, self.owner)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)

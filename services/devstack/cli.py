@@ -12,6 +12,8 @@ import typer
 
 from schemas import InvalidId, MalformedEvent
 from services.common.eventstore import EventStoreError
+from services.devstack import api_cli
+from services.devstack.api_client import ApiCliError
 from services.devstack.embedded import EmbeddedServerError
 from services.devstack.stack import DEFAULT_GATEWAY_PORT, DEFAULT_NATS_PORT, DEFAULT_PG_PORT, StackConfig, StackError
 from services.projector import cli as projector_cli
@@ -115,10 +117,11 @@ app.command("export")(replay_cli.export)
 app.command("runs")(replay_cli.runs)
 app.add_typer(projector_cli.app, name="projector")
 trainer_cli.register(app)
+api_cli.register(app, models_app)
 
 KNOWN_ERRORS = (
     CliError, StackError, EventStoreError, EmbeddedServerError, InvalidId, MalformedEvent,
-    projector_cli.ProjectorCliError,
+    projector_cli.ProjectorCliError, ApiCliError,
 )  # fmt: skip
 
 

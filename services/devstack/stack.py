@@ -36,6 +36,7 @@ import httpx
 import msgspec
 
 from services.common.vllm import ReplicaError, VllmServeSettings, find_executable, serve_command
+from services.devstack import endpoints_file
 from services.devstack.embedded import EmbeddedServerError, NatsServer, PostgresServer, free_port, port_in_use
 from services.devstack.supervise import Supervisor, Unit
 
@@ -156,7 +157,9 @@ class Stack:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock()
         try:
-            return self._start_locked()
+            endpoints = self._start_locked()
+            endpoints_file.write(self.data_dir, endpoints.lines)
+            return endpoints
         except BaseException:
             self.stop()
             raise
@@ -187,6 +190,7 @@ class Stack:
             "gateway": cfg.gateway_port or free_port(),
             "engine": cfg.engine_port or free_port(),
             "projector": free_port(),
+            "controller": free_port(),
         }
         if not cfg.external:
             ports["nats"] = cfg.nats_port or free_port()
@@ -276,7 +280,12 @@ class Stack:
                 health_url=f"http://127.0.0.1:{ports['projector']}/healthz",
                 endpoint=f"projector: http://127.0.0.1:{ports['projector']}/metrics",
             ),
-            "controller": ChildService("controller", []),
+            "controller": ChildService(
+                "controller",
+                ["--metrics-port", str(ports["controller"])],
+                health_url=f"http://127.0.0.1:{ports['controller']}/healthz",
+                endpoint=f"controller: http://127.0.0.1:{ports['controller']}/metrics",
+            ),
         }  # fmt: skip
         if self.config.engine_kind == "vllm":
             del known["engine"]
@@ -417,7 +426,8 @@ class Stack:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
-        if self._lock_file is not None:
+        if self._lock_file is not None:  # only the stack holding the lock owns the endpoints file
+            endpoints_file.remove(self.data_dir)
             self._lock_file.close()
             self._lock_file = None
 

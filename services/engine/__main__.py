@@ -11,7 +11,8 @@ from pathlib import Path
 import typer
 import uvicorn
 
-from services.common.settings import run_async, run_command, typer_app
+from services.common.accesslog import AccessLogError, access_format
+from services.common.settings import fail, run_async, run_command, typer_app
 from services.engine.server import create_app
 from services.engine.tiny_model import ensure_tiny_model
 
@@ -21,7 +22,8 @@ app = typer_app(__doc__)
 async def serve(model_dir: Path | None, host: str, port: int, **options: object) -> None:
     """Load the model and serve until SIGINT/SIGTERM (uvicorn finishes open requests first)."""
     model = model_dir if model_dir is not None else ensure_tiny_model()
-    server = uvicorn.Server(uvicorn.Config(create_app(model, **options), host=host, port=port, log_level="info"))  # type: ignore[arg-type]
+    config = uvicorn.Config(create_app(model, **options), host=host, port=port, log_level="info", access_log=False)  # type: ignore[arg-type]
+    server = uvicorn.Server(config)
     await server.serve()
 
 
@@ -39,6 +41,10 @@ def main(
     threads: int | None = typer.Option(None, help="Torch threads for generation (default: 1 for small models)."),
 ) -> None:
     """Serve the engine."""
+    try:
+        access_format()
+    except AccessLogError as exc:
+        fail("rollwire engine", str(exc))
     run_async(
         serve(
             model,

@@ -18,10 +18,12 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import torch
 
+from services.engine import metrics
 from services.engine.generation import Batch, Generation
 from services.engine.output import TokenDelta
 from services.engine.weights import Weights
@@ -139,6 +141,11 @@ class Scheduler:
         with self._lock:
             return self._open
 
+    @property
+    def queued(self) -> int:
+        """Jobs submitted and not yet taken in by the generation thread."""
+        return self._inbox.qsize()
+
     def submit(self, job: Job) -> None:
         """Queue a job; its deltas arrive on `job.deltas()`."""
         if not self._thread.is_alive():
@@ -175,6 +182,7 @@ class Scheduler:
             batch.drop(job)
             self._fail([job], exc)
             return
+        metrics.admitted(len(job.generation.prompt_ids), len(deltas))
         if job.report_steps:
             job.post(deltas)
         if job.finished:
@@ -189,12 +197,14 @@ class Scheduler:
         if not batch.rows:
             return
         owners = batch.owners()
+        began = time.perf_counter()
         try:
             results = batch.step()
         except Exception as exc:
             batch.rows.clear()
             self._fail(owners, exc)
             return
+        metrics.stepped(len(results), time.perf_counter() - began)
         per_job: dict[int, list[TokenDelta]] = {}
         for job, delta in results:
             per_job.setdefault(id(job), []).append(delta)

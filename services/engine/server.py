@@ -36,6 +36,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from msgspec import UNSET
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.common.metrics import ObservedApp
+from services.engine import metrics
 from services.engine.engine import Engine, Started
 from services.engine.protocol import (
     ChatCompletion,
@@ -226,6 +228,8 @@ def create_app(
 
     app = FastAPI(title="Rollwire embedded engine", lifespan=lifespan)
     app.state.engine = served
+    app.add_middleware(ObservedApp, service="engine")  # type: ignore[arg-type]
+    metrics.watch(lambda: served.scheduler.running, lambda: served.scheduler.queued, lambda: served.weights.version)
     _routes(app, served)
     _error_handlers(app)
     return app

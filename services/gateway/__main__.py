@@ -16,6 +16,7 @@ import msgspec
 import typer
 import uvicorn
 
+from services.common.accesslog import AccessLogError, access_format
 from services.common.eventstore import EventStore, EventStoreError
 from services.common.settings import fail, run_async, run_command, typer_app
 from services.gateway.app import create_app
@@ -77,7 +78,8 @@ def main(
             public_url=public_url,
             projector_url=projector_url,
         )
-    except SettingsError as exc:
+        access_format()
+    except (SettingsError, AccessLogError) as exc:
         fail(NAME, str(exc))
     run_async(serve(settings))
 

@@ -19,8 +19,9 @@ from starlette.routing import Match
 
 from schemas import PhaseChanged
 from services.common.eventstore import EventStore, StoredEvent
+from services.common.metrics import ObservedApp
 from services.common.readside import ProjectorReader, RolloutReader, StreamRolloutReader
-from services.gateway import api, bodies, reads
+from services.gateway import api, bodies, metrics, reads
 from services.gateway.auth import Authenticator, TokenSigner
 from services.gateway.budgets import Budgets
 from services.gateway.commands import checked_id, event_id_for, keyed
@@ -110,7 +111,8 @@ def _lifespan(settings: GatewaySettings) -> Callable[[FastAPI], AbstractAsyncCon
         await gateway.phases.start(settings.drain_timeout_s)
         await gateway.idempotency.share(store.js)
         app.state.gateway = gateway
-        app.state.proxy = Proxy(gateway)
+        app.state.proxy = metrics.observe_proxy(Proxy(gateway))
+        metrics.watch_idempotency(gateway.idempotency.__len__, lambda: gateway.idempotency.bytes)
         try:
             yield
         finally:
@@ -170,6 +172,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         redoc_url=None,
     )
     app.add_middleware(_ProxyFirst)
+    app.add_middleware(ObservedApp, service="gateway", route_of=metrics.proxy_route)  # type: ignore[arg-type]
     app.state.read_side = bool(settings.projector_url)  # the OpenAPI document then lists `min_seq` on every GET
     # Handled by type (not only as `Exception`, whose handler Starlette runs and then re-raises
     # into the server's log): a client's error is an answer, not a traceback.

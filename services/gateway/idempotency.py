@@ -83,6 +83,9 @@ class IdempotencyCache:
         """Bytes held now (what the bound applies to)."""
         return self._entries.bytes
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     async def run(self, scope: tuple[str, ...], fingerprint: str, command: Callable[[], Awaitable[Result]]) -> Result:
         """Run `command` once per key; repeats (same body) get the first successful result."""
         entry = self._entries.get(scope)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from services.gateway import metrics
 from services.gateway.errors import ApiError
 
 
@@ -55,20 +56,27 @@ class PhaseGate:
         """Admit one call, waiting while the run is in the update phase (503 after the hold timeout)."""
         gate = self._gate(run_id)
         if not gate.open.is_set():
-            deadline = time.monotonic() + self.hold_timeout_s
-            while not gate.open.is_set():
-                remaining = deadline - time.monotonic()
-                try:
-                    await asyncio.wait_for(gate.open.wait(), max(remaining, 0.0))
-                except TimeoutError:
-                    raise ApiError(
-                        503,
-                        f"run {run_id} is updating its weights and stayed in the update phase longer than "
-                        f"{self.hold_timeout_s:g}s; retry later",
-                        headers={"Retry-After": "5"},
-                    ) from None
+            held = metrics.hold_started()
+            try:
+                await self._wait_open(gate, run_id)
+            finally:
+                metrics.hold_ended(held)
         gate.in_flight += 1
         gate.idle.clear()
+
+    async def _wait_open(self, gate: _RunGate, run_id: str) -> None:
+        deadline = time.monotonic() + self.hold_timeout_s
+        while not gate.open.is_set():
+            remaining = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(gate.open.wait(), max(remaining, 0.0))
+            except TimeoutError:
+                raise ApiError(
+                    503,
+                    f"run {run_id} is updating its weights and stayed in the update phase longer than "
+                    f"{self.hold_timeout_s:g}s; retry later",
+                    headers={"Retry-After": "5"},
+                ) from None
 
     def leave(self, run_id: str) -> None:
         """A call admitted by `enter` has finished (recorded or refused)."""

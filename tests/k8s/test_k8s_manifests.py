@@ -18,7 +18,12 @@ from services.controller.backends.kubernetes import KubernetesBackend, Kubernete
 
 KUBERNETES_VERSION = "1.33"
 K8S_DIR = REPO / "infra" / "k8s"
-MANIFESTS = sorted(p for p in (REPO / "infra").rglob("*.y*ml") if p.name != TEMPLATE_PATH.name)
+COMPOSE_ONLY = (REPO / "infra" / "prometheus", REPO / "infra" / "grafana")  # monitoring configs, not Kubernetes objects
+MANIFESTS = sorted(
+    p
+    for p in (REPO / "infra").rglob("*.y*ml")
+    if p.name != TEMPLATE_PATH.name and not any(p.is_relative_to(d) for d in COMPOSE_ONLY)
+)
 
 
 def documents(path: Path) -> list[dict[str, Any]]:

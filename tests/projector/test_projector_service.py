@@ -55,7 +55,7 @@ async def test_poison_goes_to_dead_letters_and_projection_goes_on(
         assert [row["seq"] for row in dead] == [11, 12]
         assert "undecodable" in dead[0]["reason"] and "rejected by Postgres" in dead[1]["reason"]
         assert health["dead_letters"] == 2 and health["applied_seq"] == last and health["status"] == "ok"
-        assert f'rollwire_projector_applied_seq{{stream="ROLLWIRE"}} {last}' in metrics
+        assert f'rollwire_projector_applied_seq{{stream="ROLLWIRE"}} {last}.0' in metrics
         assert "rollwire_projector_lag_seconds" in metrics
         await assert_projection(conn, reader, fold(await stream_messages(store)))
 

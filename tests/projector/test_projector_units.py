@@ -164,7 +164,7 @@ def test_metrics_and_health_routes() -> None:
     with TestClient(app) as client:
         health = client.get("/healthz")
         assert health.status_code == 200 and b'"lag_events":3' in health.content
-        assert b'rollwire_projector_lag_events{stream="S"} 3' in client.get("/metrics").content
+        assert b'rollwire_projector_lag_events{stream="S"} 3.0' in client.get("/metrics").content
         status.postgres_up = False
         assert client.get("/healthz").status_code == 503
         assert client.get("/nope").status_code == 404 and client.post("/metrics").status_code == 405

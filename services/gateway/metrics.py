@@ -1,0 +1,207 @@
+"""The gateway's Prometheus families and the small functions the proxy, gate and app call.
+
+Families (all on the process registry, served at `GET /metrics` by `services.common.metrics`):
+
+    rollwire_gateway_proxy_calls_total{front_end, status}          proxy calls answered
+    rollwire_gateway_proxy_call_duration_seconds{front_end}        arrival to last byte
+    rollwire_gateway_proxy_time_to_first_token_seconds{front_end}  streams: arrival to the first token chunk
+    rollwire_gateway_recorded_calls_total{status}                  model_request events appended (ok, failed, aborted)
+    rollwire_gateway_record_failures_total                         calls whose model_request could not be appended
+    rollwire_gateway_phase_held_calls                              calls waiting at a closed phase gate now
+    rollwire_gateway_phase_holds_total / _hold_seconds             calls that had to wait, and how long
+    rollwire_gateway_idempotency_cache_entries / _bytes            the in-process idempotency cache
+
+`front_end` is the API a call came through (`chat_completions`, `responses`, `anthropic_messages`,
+`models`, or `other`), read from the proxy path; no label carries a run, rollout or attempt id.
+Time to first token is measured at the proxy's edge: the first streamed chunk that carries
+generated text or a tool call (a chunk with only the role does not count).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.common.metrics import LATENCY_BUCKETS, ASGIApp, Message, Receive, Scope, Send, install
+
+PROXY_PREFIX = "/proxy/rollout/"
+_FRONT_ENDS = {
+    ("openai", "chat/completions"): "chat_completions",
+    ("openai", "responses"): "responses",
+    ("anthropic", "messages"): "anthropic_messages",
+    ("anthropic", "messages/count_tokens"): "anthropic_count_tokens",
+    ("openai", "models"): "models",
+    ("anthropic", "models"): "models",
+}
+# A streamed chunk that carries generation: OpenAI chat deltas with text or tool calls, Responses API
+# deltas, Anthropic content block deltas (msgspec and json.dumps(separators) write no spaces).
+_TOKEN_CHUNK = re.compile(
+    rb'"(?:content|reasoning_content)": ?"[^"]|"tool_calls": ?\['
+    rb"|output_text\.delta|arguments\.delta|content_block_delta"
+)
+
+PROXY_CALLS = Counter(
+    "rollwire_gateway_proxy_calls",
+    "Proxy calls answered, by front end and status code.",
+    ["front_end", "status"],
+    registry=None,
+)
+PROXY_DURATION = Histogram(
+    "rollwire_gateway_proxy_call_duration_seconds",
+    "Proxy calls: arrival to the last byte of the answer.",
+    ["front_end"],
+    buckets=LATENCY_BUCKETS,
+    registry=None,
+)
+PROXY_TTFT = Histogram(
+    "rollwire_gateway_proxy_time_to_first_token_seconds",
+    "Streamed proxy calls: arrival to the first chunk carrying generated tokens.",
+    ["front_end"],
+    buckets=LATENCY_BUCKETS,
+    registry=None,
+)
+RECORDED = Counter(
+    "rollwire_gateway_recorded_calls", "model_request events appended, by call status.", ["status"], registry=None
+)
+RECORD_FAILURES = Counter(
+    "rollwire_gateway_record_failures", "Model calls whose model_request events could not be appended.", registry=None
+)
+HELD = Gauge("rollwire_gateway_phase_held_calls", "Proxy calls waiting at a closed phase gate now.", registry=None)
+HOLDS = Counter("rollwire_gateway_phase_holds", "Proxy calls that waited at a closed phase gate.", registry=None)
+HOLD_SECONDS = Histogram(
+    "rollwire_gateway_phase_hold_seconds",
+    "How long held calls waited at the phase gate.",
+    buckets=LATENCY_BUCKETS,
+    registry=None,
+)
+IDEMPOTENCY_ENTRIES = Gauge(
+    "rollwire_gateway_idempotency_cache_entries", "Keys in the idempotency cache.", registry=None
+)
+IDEMPOTENCY_BYTES = Gauge(
+    "rollwire_gateway_idempotency_cache_bytes",
+    "Bytes the idempotency cache holds (keys and responses; its bound).",
+    registry=None,
+)
+
+
+def split_proxy_path(path: str) -> tuple[str, str] | None:
+    """(api, rest) of a well-formed proxy path, e.g. ("openai", "chat/completions"); None otherwise."""
+    parts = path[len(PROXY_PREFIX) :].split("/")
+    if len(parts) < 8 or parts[1] != "attempt" or parts[3] != "mode" or parts[6] != "v1":
+        return None
+    return parts[5], "/".join(parts[7:])
+
+
+def front_end(path: str) -> str:
+    """The front end of a proxy path (bounded: one of a few names, else `other`)."""
+    split = split_proxy_path(path)
+    return _FRONT_ENDS.get(split, "other") if split else "other"
+
+
+def proxy_route(scope: Scope) -> str | None:
+    """The route template of a proxy request (for the HTTP families); None for other paths."""
+    path = scope["path"]
+    if not path.startswith(PROXY_PREFIX):
+        return None
+    split = split_proxy_path(path)
+    if split is None or split not in _FRONT_ENDS:
+        return "/proxy/unmatched"
+    api, rest = split
+    return f"/proxy/rollout/{{rollout_id}}/attempt/{{attempt_id}}/mode/{{mode}}/{api}/v1/{rest}"
+
+
+def observe_proxy(proxy: ASGIApp) -> ASGIApp:
+    """Wrap the proxy handler: count, time and measure time to first token of each call."""
+
+    async def observed(scope: Scope, receive: Receive, send: Send) -> None:
+        began = time.perf_counter()
+        kind = front_end(scope["path"])
+        status = 500
+        first_token: float | None = None
+        streaming = False
+
+        async def watch(message: Message) -> None:
+            nonlocal status, first_token, streaming
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = message.get("headers", ())
+                streaming = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+            elif streaming and first_token is None and _TOKEN_CHUNK.search(message.get("body", b"")):
+                first_token = time.perf_counter() - began
+            await send(message)
+
+        try:
+            await proxy(scope, receive, watch)
+        finally:
+            calls = _calls.get((kind, status))
+            if calls is None:
+                calls = _calls[(kind, status)] = PROXY_CALLS.labels(kind, str(status))
+            calls.inc()
+            timers = _timers.get(kind)
+            if timers is None:
+                timers = _timers[kind] = (PROXY_DURATION.labels(kind), PROXY_TTFT.labels(kind))
+            timers[0].observe(time.perf_counter() - began)
+            if first_token is not None:
+                timers[1].observe(first_token)
+
+    return observed
+
+
+# Label children looked up once (bounded: front ends x statuses), not on every call.
+_calls: dict[tuple[str, int], Any] = {}
+_timers: dict[str, tuple[Any, Any]] = {}
+
+
+def recorded(events: Sequence[Any]) -> None:
+    """model_request events were appended (one per choice; counted once per call)."""
+    if events:
+        RECORDED.labels(getattr(events[0], "status", "ok")).inc()
+
+
+def record_failed() -> None:
+    """A call's model_request events could not be appended."""
+    RECORD_FAILURES.inc()
+
+
+def hold_started() -> float:
+    """A call starts waiting at a closed gate; returns the start time for `hold_ended`."""
+    HELD.inc()
+    HOLDS.inc()
+    return time.monotonic()
+
+
+def hold_ended(started: float) -> None:
+    """A held call was released (or gave up)."""
+    HELD.dec()
+    HOLD_SECONDS.observe(time.monotonic() - started)
+
+
+def watch_idempotency(entries: Callable[[], int], nbytes: Callable[[], int]) -> None:
+    """Export the gateway's families; read the idempotency cache's size at each scrape (newest app wins)."""
+    install(*FAMILIES)
+    for kind in set(_FRONT_ENDS.values()):  # bounded label sets at 0 from the start
+        PROXY_CALLS.labels(kind, "200")
+        PROXY_DURATION.labels(kind)
+        PROXY_TTFT.labels(kind)
+    for status in ("ok", "failed", "aborted"):
+        RECORDED.labels(status)
+    IDEMPOTENCY_ENTRIES.set_function(lambda: float(entries()))
+    IDEMPOTENCY_BYTES.set_function(lambda: float(nbytes()))
+
+
+FAMILIES = (
+    PROXY_CALLS,
+    PROXY_DURATION,
+    PROXY_TTFT,
+    RECORDED,
+    RECORD_FAILURES,
+    HELD,
+    HOLDS,
+    HOLD_SECONDS,
+    IDEMPOTENCY_ENTRIES,
+    IDEMPOTENCY_BYTES,
+)
