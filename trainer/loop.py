@@ -80,6 +80,22 @@ def _stats(values: Sequence[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
 
 
+UPDATE_COLUMNS = (
+    "loss", "entropy", "clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl", "kl_ref", "grad_norm",
+)  # fmt: skip
+"""The `UpdateMetrics` fields a step row carries, under the same names."""
+
+
+def _agent_row(replayed: Sequence[ReplayedGroup]) -> Row:
+    """The mean of each metric the agents reported (custom events), as `agent_<name>` columns."""
+    agent: dict[str, list[float]] = {}
+    for group in replayed:
+        for found in group.agent_metrics:
+            for key, value in found.items():
+                agent.setdefault(key, []).append(value)
+    return {f"agent_{key}": statistics.fmean(values) for key, values in sorted(agent.items())}
+
+
 def step_row(
     step: int,
     version: int,
@@ -122,22 +138,8 @@ def step_row(
         "response_tokens": stats.response_tokens,
     }
     if update is not None:
-        row |= {
-            "loss": update.loss,
-            "entropy": update.entropy,
-            "clip_fraction": update.clip_fraction,
-            "dual_clip_fraction": update.dual_clip_fraction,
-            "ratio_mean": update.ratio_mean,
-            "approx_kl": update.approx_kl,
-            "kl_ref": update.kl_ref,
-            "grad_norm": update.grad_norm,
-        }
-    agent: dict[str, list[float]] = {}
-    for group in replayed:
-        for found in group.agent_metrics:
-            for key, value in found.items():
-                agent.setdefault(key, []).append(value)
-    row |= {f"agent_{key}": statistics.fmean(values) for key, values in sorted(agent.items())}
+        row |= {name: getattr(update, name) for name in UPDATE_COLUMNS}
+    row |= _agent_row(replayed)
     row |= failure_row(rollouts, [r for g in replayed for r in g.skipped.values()], batch, adapter or AdapterConfig())
     row |= {f"time_{name}_s": round(seconds, 4) for name, seconds in times.items()}
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}

@@ -347,13 +347,11 @@ async def stream_chunks(
 ) -> AsyncIterator[list[UnitInput]]:
     """Pass 2, raw: units with their calls' bytes, in batches of about `budget` calls.
 
-    One sequential read of the run's `model_request` subjects, from the first planned rollout's
-    creation on: each call's bytes are kept only until its unit is complete (the index knows how
-    many calls every rollout has), then the unit is handed on and forgotten. Memory is bounded by
-    the units whose rollouts overlap in the stream (the groups that ran at the same time), not by
-    the run, and the read stops at the last planned call. Units come in the order they complete;
-    the accumulators restore run order.
-    """
+    One sequential read of the run's `model_request` subjects from the first planned rollout's creation on: each
+    call's bytes are kept only until its unit is complete (the index knows how many calls every rollout has), then
+    the unit is handed on and forgotten. Memory is bounded by the units whose rollouts overlap in the stream (the
+    groups that ran at the same time), not by the run; the read stops at the last planned call. Units come in the
+    order they complete; the accumulators restore run order."""
     remaining: dict[str, int] = {}
     unit_of: dict[str, int] = {}
     incomplete: dict[int, int] = {}
