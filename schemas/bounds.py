@@ -18,6 +18,8 @@ INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 JSON_INT_MAX = 2**53 - 1
 """The largest integer every JSON reader (JavaScript included) holds exactly."""
+PAGE_MAX = 10_000_000
+"""The largest page size or offset a read query takes (`limit`, `cursor`, `after`, `offset`)."""
 
 Int32 = Annotated[int, msgspec.Meta(ge=INT32_MIN, le=INT32_MAX)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]

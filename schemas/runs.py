@@ -69,11 +69,11 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     evaluator_command: list[str] | None = None
     reward_from: RewardFrom = "agent"
     env: dict[str, str] = {}
-    train_agents: list[str] = []
+    train_agents: list[Id] = []
     """Agent names whose calls the run trains ([]: every agent)."""
-    train_models: list[str] = []
+    train_models: list[Id] = []
     """Registered model names the run trains ([]: not declared; the trainer's config decides)."""
-    agent_models: dict[str, str] = {}
+    agent_models: dict[Id, Id] = {}
     """Routing: agent name -> the registered model its calls go to, whatever the request's `model` says."""
     limits: CallLimits = msgspec.field(default_factory=CallLimits)
     budget: AttemptBudget = msgspec.field(default_factory=AttemptBudget)

@@ -20,6 +20,7 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
+from schemas.bounds import JSON_INT_MAX, PAGE_MAX
 from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 
 REF = "#/components/schemas/{name}"
@@ -107,9 +108,9 @@ EXTRA_SUCCESS = {("post", "/api/runs"): "200"}
 """Operations with a second success status (`POST /api/runs` with the same spec again: 200)."""
 
 
-def _int(name: str, minimum: int, description: str) -> dict[str, Any]:
+def _int(name: str, minimum: int, description: str, maximum: int = PAGE_MAX) -> dict[str, Any]:
     return {"name": name, "in": "query", "required": False, "description": description,
-            "schema": {"type": "integer", "minimum": minimum, "maximum": 2**53 - 1}}  # fmt: skip
+            "schema": {"type": "integer", "minimum": minimum, "maximum": maximum}}  # fmt: skip
 
 
 def _text(name: str, description: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -160,7 +161,9 @@ EVENT_BODY = {
     ],
 }  # fmt: skip
 
-MIN_SEQ = _int("min_seq", 0, "answer only once the projection has applied this stream sequence (503 after a wait)")
+MIN_SEQ = _int(
+    "min_seq", 0, "answer only once the projection has applied this stream sequence (503 after a wait)", JSON_INT_MAX
+)
 
 
 def _summary(handler: Callable[..., Any]) -> tuple[str, str]:

@@ -136,10 +136,7 @@ def _query_routes(reader: PostgresRolloutReader) -> list[tuple[str, Fetch, str]]
 
     async def run_list(request: Request) -> Any:
         """`GET /api/runs?limit=`: every run's summary, from the projection."""
-        limit = request.query_params.get("limit", "200")
-        if not limit.isdigit() or not 1 <= int(limit) <= JSON_INT_MAX:
-            return _error(422, f"query parameter limit={limit!r} is not an integer in 1..{JSON_INT_MAX}", field="limit")
-        summaries = await reader.summaries(int(limit))
+        summaries = await reader.summaries(int_param(request, "limit", 200, 1))
         return {"runs": msgspec.to_builtins(summaries), "applied_seq": await reader.applied_seq()}
 
     async def run_summary(request: Request) -> Any:

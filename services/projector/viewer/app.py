@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
+from schemas.bounds import PAGE_MAX
 from services.projector.reader import PostgresRolloutReader, ReadModelUnavailable
 from services.projector.viewer import queries
 
@@ -39,7 +40,7 @@ def _respond(status: int, body: Any) -> Response:
     return Response(_json.encode(body), status_code=status, media_type="application/json")
 
 
-def int_param(request: Request, name: str, default: int, low: int = 0, high: int = 10_000_000) -> int:
+def int_param(request: Request, name: str, default: int, low: int = 0, high: int = PAGE_MAX) -> int:
     """An integer query parameter in [low, high] (`default` when absent); `ViewerQueryError` (422) otherwise."""
     raw = request.query_params.get(name)
     if raw in (None, ""):
