@@ -12,8 +12,9 @@ and `position_ids` one row per sample, and whatever else the loss reads. Its for
     advantages, token_weight  [B, (n_i)]  the sample's advantage and loss weight on each position
     ref_log_probs             [B, (n_i)]  the reference policy's logprobs, when the loss has a KL term
 
-`policy_loss_function` pads those rows back to [B, T] and computes exactly `trainer.loss.policy_loss`
-(PPO clip, dual clip, k3 KL, per-token weights): the gradient is the same as the CPU backend's.
+`policy_loss_function` pads those rows back to [B, T] (T: the micro-batch's longest sample) and
+computes exactly `trainer.loss.policy_loss` (PPO clip, dual clip, k3 KL, per-token weights): the
+gradient is the same as the CPU backend's.
 FSDP averages gradients over data-parallel ranks, so the loss is multiplied by their number.
 """
 
@@ -74,8 +75,14 @@ def to_tensordict(samples: Sequence[Sample], *, temperature: float, ref_log_prob
     return data
 
 
-def _padded(rows: torch.Tensor) -> torch.Tensor:
-    return torch.nested.to_padded_tensor(rows, 0.0)
+def _padded(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """Jagged rows as [B, width], zero-padded on the right.
+
+    The width is explicit: a jagged tensor built from packed values and offsets (verl's
+    `nested_tensor_from_jagged` for `log_probs` and `entropy`) carries no max length, and
+    without one `to_padded_tensor` pads every row to the packed total of the micro-batch.
+    """
+    return torch.nested.to_padded_tensor(rows, 0.0, output_size=(rows.size(0), width))
 
 
 def policy_loss_function(
@@ -86,11 +93,13 @@ def policy_loss_function(
     def loss_function(
         model_output: dict[str, Any], data: Any, dp_group: Any = None
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        logprobs = _padded(model_output["log_probs"]).float()  # [B, T]
+        width = int(data["input_ids"].offsets().diff().max())  # the longest sample: T
+        logprobs = _padded(model_output["log_probs"], width).float()  # [B, T]
         field = {
-            name: _padded(data[name]).float() for name in ("loss_mask", "old_log_probs", "advantages", "token_weight")
+            name: _padded(data[name], width).float()
+            for name in ("loss_mask", "old_log_probs", "advantages", "token_weight")
         }
-        ref = _padded(data["ref_log_probs"]).float() if "ref_log_probs" in data.keys() else None
+        ref = _padded(data["ref_log_probs"], width).float() if "ref_log_probs" in data.keys() else None
         batch = PolicyBatch(
             input_ids=torch.zeros(0, dtype=torch.long),  # not read by the loss
             attention_mask=torch.zeros(0, dtype=torch.long),
@@ -101,7 +110,7 @@ def policy_loss_function(
         )
         loss, metrics = policy_loss(logprobs, batch, config, ref_logprobs=ref)
         if "entropy" in model_output:
-            entropy = _padded(model_output["entropy"]).detach().float()
+            entropy = _padded(model_output["entropy"], width).detach().float()
             mask = field["loss_mask"]
             value = float((entropy * mask).sum()) / metrics.tokens if metrics.tokens else 0.0
             metrics = LossMetrics(**{**{f: getattr(metrics, f) for f in metrics.__struct_fields__}, "entropy": value})
