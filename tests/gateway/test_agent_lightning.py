@@ -108,14 +108,13 @@ def test_agent_lightning_controller_drives_a_rollout(
         assert state == "succeeded", output[-3000:]
         rollout = gateway.admin.get(f"/api/rollouts/{rid}").json()
         assert rollout["attempts"] == ["0"] and rollout["reward"] == 1.0
-        history = gateway.admin.get(f"/api/rollouts/{rid}/events").json()
-        assert [e["event_type"] for e in history] == ["call_started", "model_request", "reward"]
-        events = history[1:]  # the proxy's call_started marker comes first (a crash mid-call stays visible)
+        events = gateway.admin.get(f"/api/rollouts/{rid}/events").json()
+        assert [e["event_type"] for e in events] == ["model_request", "reward"]
         call = events[0]
         assert call["attempt_id"] == "0" and call["status"] == "ok"
         assert call["response_ids"] == fake_vllm.served[0]["token_ids"]
         assert call["prompt_ids"] == fake_vllm.served[0]["prompt_ids"]
         triplets = gateway.admin.get(f"/api/rollouts/{rid}/events", params={"format": "triplet"}).json()
-        assert triplets[1]["data"]["response_token_ids"] == fake_vllm.served[0]["token_ids"]  # [0]: the marker
+        assert triplets[0]["data"]["response_token_ids"] == fake_vllm.served[0]["token_ids"]
         gateway.admin.close()
         assert httpx.get(f"{gateway.url}/healthz").status_code == 200
