@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import statistics
 import time
 from typing import Any
 
@@ -114,13 +113,17 @@ async def test_nats_killed_mid_load_loses_no_acked_call(fresh_nats: NatsServer, 
     print(
         f"\nNATS killed for 3s under {AGENTS} agents: {len(tally.ok)} calls answered 200 ({before} before the kill), "
         f"{len(recorded)} recorded, lost {len(lost)}, duplicates {duplicates}; {len(tally.refused)} answered 503, "
-        f"503 latency during the outage max {max(steady, default=0) * 1000:.0f} ms; serving again "
+        f"503 latency during the outage p95 {_p95(steady) * 1000:.0f} ms, max {max(steady, default=0) * 1000:.0f} ms; "
+        f"serving again "
         f"{recovered if recovered is None else round(recovered, 2)}s after NATS restarted; other answers {tally.other}"
     )
     assert before > 0 and len(tally.ok) > before
     assert lost == [] and duplicates == 0
-    median = statistics.median(steady) if steady else None
-    # The typical refusal within 100 ms, none hanging; the max is printed (a loaded 2-core machine spreads the tail)
-    assert median is not None and median < 0.1 and max(steady) < 1.0, steady
+    # 95% of refusals within 100 ms (about 7 ms on a quiet 2-core machine), none hanging
+    assert steady and _p95(steady) < 0.1 and max(steady) < 1.0, steady
     assert recovered is not None and recovered < 15
     assert tally.other == []
+
+
+def _p95(latencies: list[float]) -> float:
+    return sorted(latencies)[int(0.95 * (len(latencies) - 1))] if latencies else 0.0
