@@ -88,8 +88,12 @@ class Pipeline:
         limits, budget = gw.run_settings.of(view.run_id, gw.state.runs.get(view.run_id))
         check_call(call.recorded_request, limits)
         call.payload, call.recorded_request = clamp_max_tokens(call.payload, call.recorded_request, limits)
-        new = gw.chains.new_request_bytes((view.run_id, view.rollout_id, call.attempt_id), call.recorded_request)
-        why = refusal(gw.store.max_payload, new, call.recorded_request)
+        # The payload as sent upstream bounds the request copy; only a call that might not fit pays for
+        # finding what its attempt's earlier calls already hold.
+        why = refusal(gw.store.max_payload, len(call.payload), call.recorded_request)
+        if why is not None:
+            new = gw.chains.new_request_bytes((view.run_id, view.rollout_id, call.attempt_id), call.recorded_request)
+            why = refusal(gw.store.max_payload, new, call.recorded_request)
         if why is not None:  # before the gate and the engine: nothing is generated for a call we cannot keep
             await self._fail(call, send, 413, why, "invalid_request_error")
             return
