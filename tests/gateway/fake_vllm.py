@@ -111,6 +111,7 @@ class FakeVLLM:
         self.tool_script: dict[str, str] = {}
         self.answer_tokens: int | None = None
         self.record = True
+        self.epoch = 0  # bumped by reset(): a call still in flight from before records nothing after it
         self.served: list[dict[str, Any]] = []
         self.requests: list[dict[str, Any]] = []
         self.aborted = 0
@@ -126,6 +127,7 @@ class FakeVLLM:
 
     def reset(self) -> None:
         """Forget served calls and restore the default knobs."""
+        self.epoch += 1
         self.delay_s = self.token_delay_s = self.hang_s = 0.0
         self.fail_status = None
         self.reasoning = None
@@ -177,6 +179,7 @@ class FakeVLLM:
             await self._json(send, 503, {"error": {"message": "generation is paused", "code": 503}})
             return
         request = _decode(body)
+        epoch = self.epoch
         self.started += 1
         self.request_times.append(time.monotonic())
         if self.record:
@@ -193,9 +196,9 @@ class FakeVLLM:
             )
             return
         if request.get("stream"):
-            await self._stream(request, receive, send)
+            await self._stream(request, receive, send, epoch)
         else:
-            await self._complete(request, send)
+            await self._complete(request, send, epoch)
 
     def _control(self, path: str, query: str, body: dict[str, Any]) -> tuple[int, Any]:
         """One control route (see the module docstring); returns (status, JSON body)."""
@@ -248,7 +251,7 @@ class FakeVLLM:
         await send({"type": "http.response.start", "status": status, "headers": self._headers(b"application/json")})
         await send({"type": "http.response.body", "body": _encode(payload)})
 
-    def _choices(self, request: dict[str, Any]) -> tuple[list[int], list[dict[str, Any]]]:
+    def _choices(self, request: dict[str, Any], epoch: int) -> tuple[list[int], list[dict[str, Any]]]:
         prompt = prompt_ids(request.get("messages") or [])
         limit = int(request.get("max_tokens") or request.get("max_completion_tokens") or 8)
         count = min(limit, self.answer_tokens or limit)
@@ -276,7 +279,7 @@ class FakeVLLM:
                 }
                 choice["finish_reason"] = "tool_calls"
             choices.append(choice)
-            if self.record:
+            if self.record and epoch == self.epoch:
                 with self.lock:
                     self.served.append(
                         {
@@ -297,8 +300,8 @@ class FakeVLLM:
                 return name, arguments
         return names[0] or "tool", f'{{"x": {token % 100}}}'
 
-    async def _complete(self, request: dict[str, Any], send: Any) -> None:
-        prompt, choices = self._choices(request)
+    async def _complete(self, request: dict[str, Any], send: Any, epoch: int) -> None:
+        prompt, choices = self._choices(request, epoch)
         out_choices = []
         for c in choices:
             text = None if "tool_call" in c else "".join(c["pieces"])
@@ -340,8 +343,8 @@ class FakeVLLM:
             payload["prompt_token_ids"] = prompt
         await self._json(send, 200, payload)
 
-    async def _stream(self, request: dict[str, Any], receive: Any, send: Any) -> None:
-        prompt, choices = self._choices(request)
+    async def _stream(self, request: dict[str, Any], receive: Any, send: Any, epoch: int) -> None:
+        prompt, choices = self._choices(request, epoch)
         await send({"type": "http.response.start", "status": 200, "headers": self._headers(b"text/event-stream")})
         disconnected = asyncio.Event()
 
