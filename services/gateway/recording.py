@@ -16,7 +16,6 @@ same rollout attempt, hence earlier on the same subject.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +25,7 @@ from msgspec import UNSET, UnsetType
 
 from schemas import CallRef, ModelRequestRecorded
 from schemas.refs import pack
+from services.common.bytecache import ByteLRU
 from services.common.eventstore import Appended
 from services.gateway.payload import cut_request
 
@@ -101,10 +101,8 @@ class CallChains:
     """The recent `ok` calls of each attempt, for recording new calls as references (bounded by bytes)."""
 
     def __init__(self, max_bytes: int = 256 << 20, *, compact: bool = True) -> None:
-        self.max_bytes = max_bytes
         self.references = compact
-        self.size = 0
-        self.attempts: OrderedDict[AttemptKey, list[_Recorded]] = OrderedDict()
+        self.attempts: ByteLRU[AttemptKey, list[_Recorded]] = ByteLRU(max_bytes, _calls_size)
         self.referenced = 0
 
     def compact(self, events: list[ModelRequestRecorded]) -> list[ModelRequestRecorded]:
@@ -118,7 +116,7 @@ class CallChains:
         shared = 0
         prompt = _ids(first.prompt_ids)
         if prompt is not None and first.status == "ok":
-            for recorded in reversed(self.attempts.get(_key(first), [])):
+            for recorded in reversed(self.attempts.get(_key(first)) or []):
                 n = _shared(prompt, recorded.tokens)
                 if n > shared:
                     base, shared = recorded, n
@@ -141,32 +139,26 @@ class CallChains:
             if tokens is None:
                 continue
             size = tokens.nbytes + len(_encode(event.request))
-            if size > self.max_bytes:
-                continue
             key = _key(event)
-            calls = self.attempts.pop(key, [])
+            calls = self.attempts.pop(key) or []
             calls.append(_Recorded(event.event_id, ack.seq, tokens, event.request, size))
-            self.size += size
-            while len(calls) > PER_ATTEMPT:
-                self.size -= calls.pop(0).size
-            self.attempts[key] = calls
-            while self.size > self.max_bytes and self.attempts:
-                _, old = self.attempts.popitem(last=False)
-                self.size -= sum(r.size for r in old)
+            self.attempts.put(key, calls[-PER_ATTEMPT:])  # an attempt larger than the budget is not kept
 
     def new_request_bytes(self, key: AttemptKey, request: dict[str, Any]) -> int:
         """Bytes of the request copy a call would record: what the attempt's latest calls do not hold."""
         best = len(_encode(request))
-        for recorded in self.attempts.get(key, [])[-2:] if self.references else []:
+        for recorded in (self.attempts.get(key) or [])[-2:] if self.references else []:
             stored, _same, _prefix = compact_request(request, recorded.request)
             best = min(best, len(_encode(stored)))
         return best
 
     def forget(self, run_id: str, rollout_id: str, attempt_id: str | None) -> None:
         """Drop an attempt's calls (it ended: nothing will reference them)."""
-        old = self.attempts.pop((run_id, rollout_id, attempt_id), None)
-        if old:
-            self.size -= sum(r.size for r in old)
+        self.attempts.pop((run_id, rollout_id, attempt_id))
+
+
+def _calls_size(calls: list[_Recorded]) -> int:
+    return sum(r.size for r in calls)
 
 
 def _key(event: ModelRequestRecorded) -> AttemptKey:

@@ -10,13 +10,13 @@ reference never depends on the cache.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import msgspec
 from nats.aio.msg import Msg
 
 from schemas.refs import CallRef, PackedTokens, ids_int32
+from services.common.bytecache import ByteLRU
 from services.common.eventstore import EventStore
 from services.projector.packing import pack_int32_json
 
@@ -45,9 +45,7 @@ class RefCache:
     """Full packed sequences (prompt + response, int32 little-endian) of `ok` calls by event id."""
 
     def __init__(self, max_bytes: int = 128 << 20) -> None:
-        self.max_bytes = max_bytes
-        self.size = 0
-        self.entries: OrderedDict[str, bytes] = OrderedDict()
+        self.entries: ByteLRU[str, bytes] = ByteLRU(max_bytes, len)
         self.fetched = 0
 
     def prompt(self, ref: CallRef | None, new: bytes) -> bytes:
@@ -57,19 +55,12 @@ class RefCache:
         base = self.entries.get(ref.event_id)
         if base is None:
             raise RefError(f"the referenced call {ref.event_id} (stream sequence {ref.seq}) is not known")
-        self.entries.move_to_end(ref.event_id)
         return base[: 4 * ref.tokens] + new
 
     def keep(self, event_id: str, status: str, sequence: bytes) -> None:
         """Remember an `ok` call's full sequence for the calls that reference it."""
-        if status != "ok" or not sequence or len(sequence) > self.max_bytes:
-            return
-        old = self.entries.pop(event_id, None)
-        self.size += len(sequence) - (len(old) if old else 0)
-        self.entries[event_id] = sequence
-        while self.size > self.max_bytes:
-            _, dropped = self.entries.popitem(last=False)
-            self.size -= len(dropped)
+        if status == "ok" and sequence:
+            self.entries.put(event_id, sequence)
 
     def learn(self, data: bytes) -> None:
         """Resolve and remember one call from its JSON bytes (RefError when its own reference is unknown)."""
