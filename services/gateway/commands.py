@@ -14,8 +14,8 @@ from schemas import (
     check_id,
     new_id,
 )
-from schemas.bounds import PAGE_MAX
 from schemas.rollout import RolloutView
+from services.common.query import int_query
 from services.common.readside import StreamRolloutReader
 from services.gateway.context import Gateway
 from services.gateway.errors import invalid, unavailable
@@ -73,13 +73,7 @@ async def written_view(gw: Gateway, rollout_id: str, run_id: str | None = None) 
 
 def int_param(request: Request, name: str, default: int, minimum: int = 0) -> int:
     """An integer query parameter in [minimum, PAGE_MAX] (`default` when absent); a 422 naming it otherwise."""
-    raw = request.query_params.get(name)
-    if raw is None or raw == "":
-        return default
     try:
-        value = int(raw)
-    except ValueError:
-        raise invalid(f"query parameter {name}={raw!r} is not an integer", name) from None
-    if not minimum <= value <= PAGE_MAX:
-        raise invalid(f"query parameter {name} must be between {minimum} and {PAGE_MAX}", name)
-    return value
+        return int_query(request.query_params.get(name), name, default, minimum)
+    except ValueError as exc:
+        raise invalid(str(exc), name) from None

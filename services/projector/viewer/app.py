@@ -13,6 +13,7 @@ from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
 from schemas.bounds import PAGE_MAX
+from services.common.query import int_query
 from services.projector.reader import PostgresRolloutReader, ReadModelUnavailable
 from services.projector.viewer import queries
 
@@ -42,16 +43,10 @@ def _respond(status: int, body: Any) -> Response:
 
 def int_param(request: Request, name: str, default: int, low: int = 0, high: int = PAGE_MAX) -> int:
     """An integer query parameter in [low, high] (`default` when absent); `ViewerQueryError` (422) otherwise."""
-    raw = request.query_params.get(name)
-    if raw in (None, ""):
-        return default
     try:
-        value = int(raw)
-    except ValueError:
-        raise queries.ViewerQueryError(f"query parameter {name}={raw!r} is not an integer") from None
-    if not low <= value <= high:
-        raise queries.ViewerQueryError(f"query parameter {name} must be between {low} and {high}")
-    return value
+        return int_query(request.query_params.get(name), name, default, low, high)
+    except ValueError as exc:
+        raise queries.ViewerQueryError(str(exc)) from None
 
 
 def _handler(
