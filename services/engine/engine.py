@@ -9,6 +9,7 @@ holds a reference), requests accepted afterwards use the new ones. The tokenizer
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,7 @@ class Engine:
         threads: int | None = None,
     ) -> None:
         model_dir = Path(model_dir)
+        self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         if not self.tokenizer.chat_template:
             raise ModelLoadError(f"{model_dir} has no chat template (chat_template.jinja or tokenizer_config.json)")
@@ -101,12 +103,26 @@ class Engine:
             raise RequestError(f"the chat template could not render these messages: {exc}", param="messages") from None
         return list(self.tokenizer.encode(str(text), add_special_tokens=False))
 
-    def start(self, request: ChatCompletionRequest) -> Started:
-        """Validate, render and submit a request; generation starts at once on the current weights."""
-        prompt_ids = self.prompt_ids(request)
+    def tokenizer_files(self) -> dict[str, Any]:
+        """tokenizer.json, tokenizer_config.json and the chat template, for a gateway rendering prompts itself."""
+        config_file = self.model_dir / "tokenizer_config.json"
+        return {
+            "tokenizer_json": (self.model_dir / "tokenizer.json").read_text(encoding="utf-8"),
+            "tokenizer_config": json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {},
+            "chat_template": self.tokenizer.chat_template,
+            "eos_token_ids": sorted(self.eos_token_ids),
+        }
+
+    def start(self, request: ChatCompletionRequest, prompt_ids: list[int] | None = None) -> Started:
+        """Validate, render and submit a request; generation starts at once on the current weights.
+
+        `prompt_ids` given (a token-in completion): the prompt as is, nothing rendered, no tool parsing.
+        """
+        parse_tools = prompt_ids is None and parses_tools(request)
+        if prompt_ids is None:
+            prompt_ids = self.prompt_ids(request)
         weights = self.weights
         params: SamplingParams = sampling_params(request, len(prompt_ids), self.max_model_len, weights.vocab_size)
-        parse_tools = parses_tools(request)
         n = request.n or 1
         seed = request.seed if request.seed is not None else self._seeds.getrandbits(63)
         generators = [torch.Generator().manual_seed(choice_seed(seed, i)) for i in range(n)]

@@ -13,7 +13,7 @@ and non-streaming responses, so the concatenated stream deltas always equal the 
   parsed, is held back until it is decided.
 - `max_tokens` reached ends the choice with "length".
 - When tools are parsed, the finished text is split into content and tool calls
-  (`services.engine.tool_calls`); if there are calls, finish_reason becomes "tool_calls".
+  (`services.common.toolcalls`); if there are calls, finish_reason becomes "tool_calls".
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import codecs
 
 import msgspec
 
+from services.common.toolcalls import TOOL_CALL_START, ParsedOutput, ToolCall, parse_tool_calls
 from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import TokenTable
-from services.engine.tool_calls import TOOL_CALL_START, ParsedOutput, ToolCall, parse_tool_calls
 
 
 class TopLogprob(msgspec.Struct, frozen=True):

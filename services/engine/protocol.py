@@ -20,9 +20,9 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from services.common.toolcalls import ToolCall
 from services.engine.output import LogprobEntry
 from services.engine.sampling import SamplingParams
-from services.engine.tool_calls import ToolCall
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -134,7 +134,8 @@ _reload_decoder = msgspec.json.Decoder(ReloadRequest)
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 
 
-def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+def decode_with(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    """Decode a request body with `decoder`, or raise RequestError naming the bad field."""
     if not body.strip():
         raise RequestError("the request body is empty; send a JSON object", code="invalid_json")
     try:
@@ -150,12 +151,12 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
 
 def decode_chat_request(body: bytes) -> ChatCompletionRequest:
     """Parse a chat-completions body, or raise RequestError naming the bad field."""
-    return _decode(_request_decoder, body)  # type: ignore[no-any-return]
+    return decode_with(_request_decoder, body)  # type: ignore[no-any-return]
 
 
 def decode_reload_request(body: bytes) -> ReloadRequest:
     """Parse a /reload body, or raise RequestError naming the bad field."""
-    return _decode(_reload_decoder, body)  # type: ignore[no-any-return]
+    return decode_with(_reload_decoder, body)  # type: ignore[no-any-return]
 
 
 def _text_of(content: str | list[ContentPart] | None, param: str) -> str:

@@ -5,6 +5,8 @@ Routes:
                                `top_k`, `stop_token_ids`, `ignore_eos`, `chat_template_kwargs`
     GET  /v1/models            the served model, with `weights_version` and `max_model_len`
     GET  /health               {"status": "ok", "weights_version", "running"}
+    POST /v1/completions       token-in completions (`prompt` as token ids), vLLM's shape; streamed or not
+    GET  /v1/tokenizer         tokenizer.json, tokenizer_config.json, chat template and EOS ids of the model
     POST /reload               {"path": DIR, "weights_version": int}: serve new weights from now on
 
 Every response carries the header `x-rollwire-weights-version` (for completions: the version the
@@ -37,7 +39,7 @@ from msgspec import UNSET
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.metrics import ObservedApp
-from services.engine import metrics
+from services.engine import completions, metrics
 from services.engine.engine import Engine, Started
 from services.engine.protocol import (
     ChatCompletion,
@@ -138,6 +140,14 @@ def _routes(app: FastAPI, engine: Engine) -> None:
     async def chat_completions(http_request: Request) -> Response:
         return await _chat_completion(engine, http_request)
 
+    @app.post("/v1/completions")
+    async def completions(http_request: Request) -> Response:
+        return await _completion(engine, http_request)
+
+    @app.get("/v1/tokenizer")
+    async def tokenizer() -> Response:
+        return _json(engine.tokenizer_files(), engine.weights.version)
+
     @app.post("/reload")
     async def reload(http_request: Request) -> Response:
         request = decode_reload_request(await http_request.body())
@@ -152,13 +162,7 @@ def _routes(app: FastAPI, engine: Engine) -> None:
 async def _chat_completion(engine: Engine, http_request: Request) -> Response:
     """`POST /v1/chat/completions`: stream the choices as SSE, or answer once they are complete."""
     request = decode_chat_request(await http_request.body())
-    if request.model is not None and request.model != engine.served_name:
-        raise RequestError(
-            f"the model `{request.model}` does not exist; this engine serves `{engine.served_name}`",
-            param="model",
-            code="model_not_found",
-            status=404,
-        )
+    _check_model(engine, request.model)
     started = engine.start(request)
     if request.stream:
         return StreamingResponse(
@@ -183,6 +187,37 @@ async def _chat_completion(engine: Engine, http_request: Request) -> Response:
         prompt_token_ids=started.prompt_ids if request.return_token_ids else UNSET,
     )
     return _json(response, started.weights_version)
+
+
+def _check_model(engine: Engine, model: str | None) -> None:
+    if model is not None and model != engine.served_name:
+        raise RequestError(
+            f"the model `{model}` does not exist; this engine serves `{engine.served_name}`",
+            param="model",
+            code="model_not_found",
+            status=404,
+        )
+
+
+async def _completion(engine: Engine, http_request: Request) -> Response:
+    """`POST /v1/completions`: a token-in completion (see `services.engine.completions`)."""
+    request = completions.decode_completion_request(await http_request.body(), engine.weights.vocab_size)
+    _check_model(engine, request.model)
+    started = engine.start(completions.as_sampling_request(request), completions.prompt_ids(engine, request))
+    if request.stream:
+        return StreamingResponse(
+            completions.stream(engine, request, started),
+            media_type="text/event-stream",
+            headers={WEIGHTS_VERSION_HEADER: str(started.weights_version), "cache-control": "no-cache"},
+        )
+    try:
+        completed = await _collect(started, http_request)
+    except (GenerationFailedError, EngineClosedError) as exc:
+        error = RequestError(str(exc), code="generation_failed", status=500, error_type="server_error")
+        return _json(error.body(), started.weights_version, status=500)
+    if not completed:
+        return Response(status_code=499)
+    return _json(completions.completion(engine, request, started), started.weights_version)
 
 
 def _error_handlers(app: FastAPI) -> None:

@@ -7,7 +7,7 @@ import random
 
 from transformers import PreTrainedTokenizerFast
 
-from services.engine.tool_calls import parse_tool_calls
+from services.common.toolcalls import parse_tool_calls
 from trainer.quickstart.task import (
     KEYS,
     TOOLS,

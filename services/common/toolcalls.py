@@ -1,4 +1,7 @@
-"""Parsing Hermes-style tool calls out of generated text.
+"""Parsing generated text into an assistant message: Hermes-style tool calls and `<think>` reasoning.
+
+The embedded engine parses what its model generates with it, and the gateway parses what it gets
+back from a token-in completion (continuous prompt mode) with it, so both give the same message.
 
 A model following the chat template answers a tool call as
 
@@ -9,6 +12,9 @@ shape (`arguments` is a JSON string). The last block may lack its closing tag (g
 right after the JSON). If any block is not a JSON object with a string `name` and an object (or
 JSON string) `arguments`, nothing is parsed: the whole text stays content, as vLLM's Hermes parser
 does. Text after the last block is dropped.
+
+`split_reasoning` separates a leading `<think>…</think>` block (Qwen3, DeepSeek-R1 style; the
+opening tag may be part of the prompt, so text up to a lone `</think>` counts too) from the answer.
 """
 
 from __future__ import annotations
@@ -86,3 +92,25 @@ def parse_tool_calls(text: str) -> ParsedOutput:
             return ParsedOutput(content=text or None, tool_calls=())
         calls.append(ToolCall(id=new_tool_call_id(), function=function))
     return ParsedOutput(content=text[:start] or None, tool_calls=tuple(calls))
+
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning, answer) of generated text: a leading `<think>` block, or text before a lone `</think>`.
+
+    No `</think>` means no reasoning: the whole text is the answer (a model that stopped while
+    thinking gives its partial thought as content, as vLLM's reasoning parsers do when unfinished).
+    """
+    end = text.find(THINK_END)
+    if end < 0:
+        return "", text
+    head = text[:end]
+    start = head.find(THINK_START)
+    if start >= 0:
+        if head[:start].strip():
+            return "", text
+        head = head[start + len(THINK_START) :]
+    return head.strip("\n"), text[end + len(THINK_END) :].lstrip("\n")
