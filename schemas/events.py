@@ -43,6 +43,8 @@ TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled
 Mode = Literal["train", "val"]
 CallStatus = Literal["ok", "failed", "aborted"]
 CallApi = Literal["chat", "responses", "messages"]
+ReasoningParser = Literal["qwen3", "deepseek_r1"]
+"""vLLM's reasoning parsers whose format continuous prompt mode reads: a leading `<think>…</think>` block."""
 Phase = Literal["rollout", "update"]
 RewardSource = Literal["agent", "evaluator", "admin"]
 
@@ -186,6 +188,9 @@ class ModelRequestRecorded(Event, frozen=True, kw_only=True, tag="model_request"
     api: CallApi = "chat"
     prompt_ref: CallRef | UnsetType | None = UNSET
     packed: PackedTokens | UnsetType | None = UNSET
+    continuity: str | UnsetType | None = UNSET
+    """Continuous prompt mode only: `extended` (the prompt starts with an earlier call's prompt +
+    sampled ids, verbatim) or `fresh: <why>` (rendered from the messages: a new chain starts)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -237,6 +242,11 @@ class ModelRegistered(Event, frozen=True, kw_only=True, tag="model.registered"):
     served_model: str | None = None
     weights_version: Int32 | None = None
     api_key: str | None = None
+    tokenizer: str | UnsetType | None = UNSET
+    """Continuous prompt mode: the model directory (tokenizer.json, chat template) the proxy renders
+    prompts with; unset, the proxy fetches them once from the engine's `GET /v1/tokenizer`."""
+    reasoning_parser: ReasoningParser | UnsetType | None = UNSET
+    """Continuous prompt mode: how sampled text holds reasoning (vLLM's `--reasoning-parser` names)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

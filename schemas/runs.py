@@ -15,6 +15,7 @@ from schemas.ids import Id, check_id
 
 Backend = Literal["local", "kubernetes"]
 RewardFrom = Literal["agent", "evaluator"]
+PromptMode = Literal["exact", "continuous"]
 
 
 class CallLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -54,6 +55,9 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     `limits` bounds each model call and `budget` each attempt (enforced by the proxy).
     `model_aliases` maps model names a harness sends (Claude Code's `claude-sonnet-4-5`) to a
     model registered for the run; a name neither registered nor aliased goes to any of the run's.
+    `prompt_mode`: `exact` forwards each call's messages and the engine renders the prompt;
+    `continuous` has the proxy render prompts itself, reusing an earlier call's prompt + sampled
+    ids verbatim where the conversation continues it (token in, token out: one sample per chain).
     """
 
     run_id: Id
@@ -78,6 +82,7 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     limits: CallLimits = msgspec.field(default_factory=CallLimits)
     budget: AttemptBudget = msgspec.field(default_factory=AttemptBudget)
     model_aliases: dict[str, str] = {}
+    prompt_mode: PromptMode = "exact"
 
     def __post_init__(self) -> None:
         check_id("run_id", self.run_id)

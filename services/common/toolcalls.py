@@ -13,8 +13,7 @@ right after the JSON). If any block is not a JSON object with a string `name` an
 JSON string) `arguments`, nothing is parsed: the whole text stays content, as vLLM's Hermes parser
 does. Text after the last block is dropped.
 
-`split_reasoning` separates a leading `<think>…</think>` block (Qwen3, DeepSeek-R1 style; the
-opening tag may be part of the prompt, so text up to a lone `</think>` counts too) from the answer.
+`split_reasoning` separates a leading `<think>…</think>` block (Qwen3, DeepSeek-R1 style) from the answer.
 """
 
 from __future__ import annotations
@@ -99,18 +98,16 @@ THINK_END = "</think>"
 
 
 def split_reasoning(text: str) -> tuple[str, str]:
-    """(reasoning, answer) of generated text: a leading `<think>` block, or text before a lone `</think>`.
+    """(reasoning, answer) of generated text that opens with a `<think>…</think>` block, both as sampled.
 
-    No `</think>` means no reasoning: the whole text is the answer (a model that stopped while
-    thinking gives its partial thought as content, as vLLM's reasoning parsers do when unfinished).
+    Text that does not open with `<think>` (leading whitespace aside) has no reasoning; a block never
+    closed is all reasoning (the model stopped while thinking).
     """
-    end = text.find(THINK_END)
-    if end < 0:
+    stripped = text.lstrip()
+    if not stripped.startswith(THINK_START):
         return "", text
-    head = text[:end]
-    start = head.find(THINK_START)
-    if start >= 0:
-        if head[:start].strip():
-            return "", text
-        head = head[start + len(THINK_START) :]
-    return head.strip("\n"), text[end + len(THINK_END) :].lstrip("\n")
+    start = len(text) - len(stripped) + len(THINK_START)
+    end = text.find(THINK_END, start)
+    if end < 0:
+        return text[start:], ""
+    return text[start:end], text[end + len(THINK_END) :]

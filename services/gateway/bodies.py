@@ -15,6 +15,7 @@ import msgspec
 
 from schemas import RolloutStatus
 from schemas.bounds import Int32, Positive
+from schemas.events import ReasoningParser
 from schemas.ids import Id
 
 
@@ -90,6 +91,8 @@ class ModelBody(msgspec.Struct, kw_only=True):
     served_model: str | None = None
     weights_version: Int32 | None = None
     api_key: str | None = None
+    tokenizer: str | None = None
+    reasoning_parser: ReasoningParser | None = None
 
 
 class PhaseBody(msgspec.Struct, kw_only=True):

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from schemas.runs import AttemptBudget, CallLimits
+from schemas.runs import AttemptBudget, CallLimits, PromptMode
 from services.gateway.errors import ApiError
 
 
@@ -29,27 +29,36 @@ class ProxyRefusal(ApiError):
         super().__init__(status, message, **extra)
 
 
+class CallSettings(msgspec.Struct, frozen=True):
+    """What the proxy applies to each call of a run: its limits, the attempt budget, the prompt mode."""
+
+    limits: CallLimits = msgspec.field(default_factory=CallLimits)
+    budget: AttemptBudget = msgspec.field(default_factory=AttemptBudget)
+    prompt_mode: PromptMode = "exact"
+
+
 class RunSettings:
-    """Each run's call limits and attempt budget, parsed once per spec (runs without one get the defaults)."""
+    """Each run's `CallSettings`, parsed once per spec (runs without one get the defaults)."""
 
     def __init__(self) -> None:
-        self._parsed: dict[tuple[str, int], tuple[CallLimits, AttemptBudget]] = {}
+        self._parsed: dict[tuple[str, int], CallSettings] = {}
 
-    def of(self, run_id: str, spec: tuple[dict[str, Any], int] | None) -> tuple[CallLimits, AttemptBudget]:
-        """(limits, budget) of a run whose spec (config, seq) is `spec`."""
+    def of(self, run_id: str, spec: tuple[dict[str, Any], int] | None) -> CallSettings:
+        """The call settings of a run whose spec (config, seq) is `spec`."""
         if spec is None:
-            return CallLimits(), AttemptBudget()
+            return CallSettings()
         key = (run_id, spec[1])
         parsed = self._parsed.get(key)
         if parsed is None:
             config = spec[0]
             try:
-                parsed = (
+                parsed = CallSettings(
                     msgspec.convert(config.get("limits") or {}, CallLimits),
                     msgspec.convert(config.get("budget") or {}, AttemptBudget),
+                    msgspec.convert(config.get("prompt_mode") or "exact", PromptMode),  # type: ignore[arg-type]
                 )
             except msgspec.ValidationError:
-                parsed = (CallLimits(), AttemptBudget())
+                parsed = CallSettings()
             self._parsed[key] = parsed
         return parsed
 

@@ -24,6 +24,7 @@ from services.common.eventstore import EventStoreUnavailable, EventTooLarge
 from services.gateway import metrics
 from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send_json
 from services.gateway.context import Gateway
+from services.gateway.continuity import Continuity
 from services.gateway.errors import unavailable
 from services.gateway.frontends.base import Translator, error_body
 from services.gateway.limits import check_call, clamp_max_tokens
@@ -31,10 +32,12 @@ from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, 
 from services.gateway.payload import refusal
 from services.gateway.recording import cut
 from services.gateway.state import ModelEntry
+from services.gateway.tokenin import ChunkConverter, chat_answer
 from services.gateway.upstream import UpstreamError, UpstreamResponse
 
 WEIGHTS_HEADER = "x-rollwire-weights-version"
 _decode_obj = msgspec.json.Decoder(dict[str, Any]).decode
+_encode = msgspec.json.Encoder().encode
 
 
 class Upstream(msgspec.Struct):
@@ -61,6 +64,15 @@ class Call(msgspec.Struct, kw_only=True):
     started: float = 0.0
     started_at: float = 0.0
     agent: str | None = None
+    endpoint: str = "/chat/completions"
+    continuity: str | None = None
+    parse_tools: bool = False
+    parse_reasoning: bool = False
+
+    @property
+    def token_in(self) -> bool:
+        """Sent as a token-in completion (continuous prompt mode), answered back as chat."""
+        return self.endpoint == "/completions"
 
 
 class Outcome(msgspec.Struct, kw_only=True):
@@ -80,14 +92,15 @@ class Pipeline:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        self.continuity = Continuity()
 
     async def run(self, call: Call, receive: Receive, send: Send) -> None:
         """Serve one call within the run's limits, the event store's and the attempt's budget, behind the phase gate."""
         gw = self.gw
         view = call.view
-        limits, budget = gw.run_settings.of(view.run_id, gw.state.runs.get(view.run_id))
-        check_call(call.recorded_request, limits)
-        call.payload, call.recorded_request = clamp_max_tokens(call.payload, call.recorded_request, limits)
+        settings = gw.run_settings.of(view.run_id, gw.state.runs.get(view.run_id))
+        check_call(call.recorded_request, settings.limits)
+        call.payload, call.recorded_request = clamp_max_tokens(call.payload, call.recorded_request, settings.limits)
         # The payload as sent upstream bounds the request copy; only a call that might not fit pays for
         # finding what its attempt's earlier calls already hold.
         why = refusal(gw.store.max_payload, len(call.payload), call.recorded_request)
@@ -97,7 +110,9 @@ class Pipeline:
         if why is not None:  # before the gate and the engine: nothing is generated for a call we cannot keep
             await self._fail(call, send, 413, why, "invalid_request_error")
             return
-        reserved = await gw.budgets.admit(view, call.attempt_id, budget)
+        if settings.prompt_mode == "continuous":
+            await self.continuity.prepare(gw, call)
+        reserved = await gw.budgets.admit(view, call.attempt_id, settings.budget)
         gate = gw.gate
         await gate.enter(call.view.run_id)
         try:
@@ -149,6 +164,8 @@ class Pipeline:
             "started_at": call.started_at,
             **sampling_params(call.recorded_request),
         }
+        if call.continuity is not None:
+            common["continuity"] = call.continuity
         if not outcome.records:
             return [ModelRequestRecorded(event_id=f"{call_id}-0", **common)]
         return [
@@ -215,7 +232,7 @@ class Pipeline:
         return headers
 
     async def _post(self, call: Call) -> Upstream:
-        url = f"{call.model.base_url}/chat/completions"
+        url = f"{call.model.base_url}{call.endpoint}"
         response = await self.gw.upstream.request("POST", url, call.payload, self._headers(call))
         try:
             content = await response.read()
@@ -271,6 +288,10 @@ class Pipeline:
         except (msgspec.DecodeError, msgspec.ValidationError):
             await self._fail(call, send, 502, "the model endpoint answered with invalid JSON")
             return
+        content = upstream.content
+        if call.token_in:
+            answer = chat_answer(answer, call.parse_tools, call.parse_reasoning)
+            content = _encode(answer)
         prompt_ids, records = read_completion(answer)
         outcome = Outcome(
             status="ok",
@@ -288,7 +309,7 @@ class Pipeline:
             message = await self._too_large(call, outcome, exc)
             await send_json(send, 413, error_body(call.translator.api, 413, message, "invalid_request_error"))
             return
-        await send_json(send, 200, call.translator.complete(answer, upstream.content, records))
+        await send_json(send, 200, call.translator.complete(answer, content, records))
 
     async def _pass_error(self, call: Call, upstream: Upstream, send: Send) -> None:
         text = upstream.content.decode(errors="replace")
@@ -300,7 +321,7 @@ class Pipeline:
     # ---- streamed ------------------------------------------------------------------------------
 
     async def _stream(self, call: Call, receive: Receive, send: Send) -> None:
-        url = f"{call.model.base_url}/chat/completions"
+        url = f"{call.model.base_url}{call.endpoint}"
         try:
             response = await self.gw.upstream.request("POST", url, call.payload, self._headers(call))
         except TimeoutError:
@@ -336,7 +357,8 @@ class Pipeline:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         if opening:
             await send({"type": "http.response.body", "body": opening, "more_body": True})
-        relay = asyncio.ensure_future(_relay(response, fold, held, translator, send))
+        convert = ChunkConverter(call.parse_tools, call.parse_reasoning) if call.token_in else None
+        relay = asyncio.ensure_future(_relay(response, fold, held, translator, send, convert))
         watch = asyncio.ensure_future(disconnected(receive))
         try:
             await asyncio.wait((relay, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -387,7 +409,12 @@ class Pipeline:
 
 
 async def _relay(
-    response: UpstreamResponse, fold: StreamFold, held: list[bytes], translator: Translator, send: Send
+    response: UpstreamResponse,
+    fold: StreamFold,
+    held: list[bytes],
+    translator: Translator,
+    send: Send,
+    convert: ChunkConverter | None,
 ) -> None:
     """Forward SSE events as they arrive, folding each; hold back what the translator holds."""
     buffer = b""
@@ -407,6 +434,9 @@ async def _relay(
                 chunk = _decode_obj(data)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
+            if convert is not None and "choices" in chunk:
+                chunk = convert.convert(chunk)
+                data = _encode(chunk)
             fold.feed(chunk)
             if fold.model is None and isinstance(chunk.get("model"), str):
                 fold.model = chunk["model"]

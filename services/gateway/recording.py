@@ -38,12 +38,17 @@ _encode = msgspec.json.Encoder().encode
 AttemptKey = tuple[str, str | None, str | None]
 
 
-class _Recorded(msgspec.Struct, frozen=True, gc=False):
+class RecordedCall(msgspec.Struct, frozen=True, gc=False):
+    """An acknowledged `ok` call of an attempt: its full prompt + response ids, request and answer."""
+
     event_id: str
     seq: int
     tokens: Any  # numpy int32 array: the full prompt + response ids
     request: dict[str, Any]
     size: int
+    prompt_len: int = 0
+    reply: dict[str, Any] | None = None
+    """The assistant message the harness was given back (continuous prompt mode matches on it)."""
 
 
 def _shared(prompt: Any, tokens: Any) -> int:
@@ -102,7 +107,7 @@ class CallChains:
 
     def __init__(self, max_bytes: int = 256 << 20, *, compact: bool = True) -> None:
         self.references = compact
-        self.attempts: ByteLRU[AttemptKey, list[_Recorded]] = ByteLRU(max_bytes, _calls_size)
+        self.attempts: ByteLRU[AttemptKey, list[RecordedCall]] = ByteLRU(max_bytes, _calls_size)
         self.referenced = 0
 
     def compact(self, events: list[ModelRequestRecorded]) -> list[ModelRequestRecorded]:
@@ -112,7 +117,7 @@ class CallChains:
         if not self.references:  # the version-1 encoding of calls: full JSON lists, no reference
             return events
         first = events[0]
-        base: _Recorded | None = None
+        base: RecordedCall | None = None
         shared = 0
         prompt = _ids(first.prompt_ids)
         if prompt is not None and first.status == "ok":
@@ -129,20 +134,32 @@ class CallChains:
         return [_packed(event, rest, request, ref) for event in events]
 
     def remember(self, events: list[ModelRequestRecorded], appended: Sequence[Appended]) -> None:
-        """Keep the acknowledged `ok` calls (full events, as built before `compact`) for later references."""
-        if not self.references:
-            return
+        """Keep the acknowledged `ok` calls (full events, as built before `compact`) for later references
+        and continuous prompts."""
         for event, ack in zip(events, appended, strict=True):
             if event.status != "ok" or not event.prompt_ids or ack.duplicate:
                 continue
             tokens = _ids([*event.prompt_ids, *event.response_ids])
             if tokens is None:
                 continue
-            size = tokens.nbytes + len(_encode(event.request))
-            key = _key(event)
-            calls = self.attempts.pop(key) or []
-            calls.append(_Recorded(event.event_id, ack.seq, tokens, event.request, size))
-            self.attempts.put(key, calls[-PER_ATTEMPT:])  # an attempt larger than the budget is not kept
+            self.add(_key(event), event, ack.seq, tokens)
+
+    def add(self, key: AttemptKey, event: ModelRequestRecorded, seq: int, tokens: Any) -> None:
+        """Keep one call (full prompt ids and request) of an attempt, the oldest of more than PER_ATTEMPT dropped."""
+        reply = event.response.get("message") if isinstance(event.response, dict) else None
+        size = tokens.nbytes + len(_encode(event.request)) + (len(_encode(reply)) if reply else 0)
+        calls = self.attempts.pop(key) or []
+        calls.append(
+            RecordedCall(
+                event.event_id, seq, tokens, event.request, size, len(event.prompt_ids),
+                reply if isinstance(reply, dict) else None,
+            )
+        )  # fmt: skip
+        self.attempts.put(key, calls[-PER_ATTEMPT:])  # an attempt larger than the budget is not kept
+
+    def recent(self, key: AttemptKey) -> list[RecordedCall] | None:
+        """The attempt's remembered calls, oldest first (None: nothing is cached for it)."""
+        return self.attempts.get(key)
 
     def new_request_bytes(self, key: AttemptKey, request: dict[str, Any]) -> int:
         """Bytes of the request copy a call would record: what the attempt's latest calls do not hold."""
@@ -157,7 +174,7 @@ class CallChains:
         self.attempts.pop((run_id, rollout_id, attempt_id))
 
 
-def _calls_size(calls: list[_Recorded]) -> int:
+def _calls_size(calls: list[RecordedCall]) -> int:
     return sum(r.size for r in calls)
 
 

@@ -50,6 +50,8 @@ async def register_models(request: Request) -> Response:
                     served_model=parsed.served_model,
                     weights_version=parsed.weights_version,
                     api_key=parsed.api_key,
+                    tokenizer=parsed.tokenizer,
+                    reasoning_parser=parsed.reasoning_parser,
                 )
             except (InvalidId, msgspec.ValidationError) as exc:
                 raise from_validation(exc) from None
@@ -61,6 +63,8 @@ async def register_models(request: Request) -> Response:
                     "run_id": run_id,
                     "served_model": event.served_model,
                     "weights_version": event.weights_version,
+                    "tokenizer": parsed.tokenizer,
+                    "reasoning_parser": parsed.reasoning_parser,
                     "seq": ack.seq,
                 }
             )

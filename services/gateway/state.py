@@ -52,6 +52,8 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
     weights_version: int | None
     api_key: str | None
     seq: int
+    tokenizer: str | None = None
+    reasoning_parser: str | None = None
 
     @property
     def upstream_model(self) -> str:
@@ -142,6 +144,8 @@ class GatewayState:
                 weights_version=event.weights_version,
                 api_key=event.api_key,
                 seq=stored.seq,
+                tokenizer=event.tokenizer or None,
+                reasoning_parser=event.reasoning_parser or None,
             )
         elif isinstance(event, ModelRemoved):
             self.models.pop((event.run_id, event.name), None)

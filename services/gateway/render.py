@@ -1,0 +1,201 @@
+"""Rendering conversations to token ids as the served model's chat template does (continuous prompt mode).
+
+A `ChatRenderer` holds one model's tokenizer (`tokenizers`, from its `tokenizer.json`) and chat
+template, compiled the way transformers' `apply_chat_template` compiles it: a sandboxed Jinja
+environment with `trim_blocks`/`lstrip_blocks`, loop controls, a `tojson` that does not escape HTML,
+`raise_exception`, `strftime_now`, and the `{% generation %}` tag (rendered as its body). Messages
+are flattened as the engine flattens them (text content, tool-call arguments as mappings), so a
+fresh render gives the ids the engine's chat endpoint would.
+
+`suffix_ids` renders only what follows an earlier assistant turn: the template is applied to a
+fixed conversation ending in an assistant turn with a unique marker as its content, followed by
+the new messages, and the text after the marker is the part to append (the turn's closing tokens,
+the new turns, the generation prompt). When the earlier turn's sampled ids already end with the
+end-of-turn token, that token's text is not appended twice. Templates that cannot be split this
+way (the marker is not rendered once, verbatim) give None, and the caller renders afresh.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+MARKER = "\u2063rollwire-earlier-turn\u2063"
+_LEAD = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+
+
+class RenderError(ValueError):
+    """The conversation cannot be rendered with this template; the message says why."""
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}…{% endgeneration %}` (transformers' assistant-mask tag): renders its body."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2.ext.Extension declares it an instance attribute)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:  # fmt: skip
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _token_text(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+def _text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    raise RenderError("message content must be text or a list of text parts")
+
+
+def _arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return arguments
+
+
+def template_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Chat-completions messages as the template sees them (the engine's flattening)."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RenderError("each message must be an object with a role")
+        item: dict[str, Any] = {"role": message["role"], "content": _text(message.get("content"))}
+        calls = message.get("tool_calls")
+        if calls:
+            item["tool_calls"] = [
+                {
+                    "id": c.get("id") or "",
+                    "type": c.get("type") or "function",
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": _arguments(c["function"].get("arguments")),
+                    },
+                }
+                for c in calls
+                if isinstance(c, dict) and isinstance(c.get("function"), dict)
+            ]
+        for key in ("name", "tool_call_id"):
+            if key in message:
+                item[key] = message[key]
+        out.append(item)
+    return out
+
+
+class ChatRenderer:
+    """One model's tokenizer and chat template (see the module docstring)."""
+
+    def __init__(self, tokenizer_json: str, config: dict[str, Any], template: str, eos_ids: Sequence[int]) -> None:
+        self.tokenizer = Tokenizer.from_str(tokenizer_json)
+        self.template = _compile(template)
+        self.special = {
+            name: text
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if (text := _token_text(config.get(name))) is not None
+        }
+        eos = set(eos_ids)
+        eos_text = self.special.get("eos_token")
+        if eos_text is not None and (eos_id := self.tokenizer.token_to_id(eos_text)) is not None:
+            eos.add(eos_id)
+        self.eos_ids = frozenset(eos)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ChatRenderer:
+        """A model directory's tokenizer.json, tokenizer_config.json and chat template."""
+        root = Path(model_dir)
+        config_file, template_file = root / "tokenizer_config.json", root / "chat_template.jinja"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
+        if not isinstance(template, str) or not template:
+            raise RenderError(f"{root.name} has no chat template (chat_template.jinja or tokenizer_config.json)")
+        generation = root / "generation_config.json"
+        eos: Any = (
+            json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id") if generation.is_file() else None
+        )
+        eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        return cls((root / "tokenizer.json").read_text(encoding="utf-8"), config, template, eos_ids)
+
+    @classmethod
+    def from_files(cls, files: dict[str, Any]) -> ChatRenderer:
+        """The engine's `GET /v1/tokenizer` answer."""
+        return cls(
+            str(files["tokenizer_json"]),
+            dict(files.get("tokenizer_config") or {}),
+            str(files["chat_template"]),
+            list(files.get("eos_token_ids") or []),
+        )
+
+    def text(self, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool, kwargs: dict[str, Any]) -> str:
+        """The template's text for template-ready messages (RenderError when the template refuses them)."""
+        try:
+            return self.template.render(
+                messages=messages,
+                tools=tools or None,
+                add_generation_prompt=generation_prompt,
+                **{**self.special, **kwargs},
+            )
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
+            raise RenderError(f"the chat template could not render these messages: {exc}") from None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text, special tokens recognised, none added."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def prompt_ids(self, messages: Sequence[Any], tools: Any, kwargs: dict[str, Any]) -> list[int]:
+        """A whole conversation's prompt, with the generation prompt (what the engine would render)."""
+        return self.encode(self.text(template_messages(messages), tools, True, kwargs))
+
+    def suffix_ids(
+        self, new: Sequence[Any], tools: Any, kwargs: dict[str, Any], last_sampled: int | None
+    ) -> list[int] | None:
+        """What follows an earlier assistant turn's sampled ids: its closing, the `new` turns, the generation prompt."""
+        lead = [*_LEAD, {"role": "assistant", "content": MARKER}]
+        text = self.text(lead + template_messages(new), tools, True, kwargs)
+        if text.count(MARKER) != 1:
+            return None
+        tail = text[text.index(MARKER) + len(MARKER) :]
+        if last_sampled is not None and last_sampled in self.eos_ids:
+            closing = self.tokenizer.id_to_token(last_sampled) or ""
+            if closing and not tail.startswith(closing):
+                return None  # the template closes a turn with another token than the one the model sampled
+            tail = tail[len(closing) :]
+        return self.encode(tail)

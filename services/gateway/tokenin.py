@@ -1,0 +1,202 @@
+"""Token in, token out: a chat call sent to the engine as a token-id completion, answered as chat.
+
+In continuous prompt mode the proxy builds the prompt ids itself (`services.gateway.continuity`)
+and posts them to the engine's `/completions` (vLLM's `CompletionRequest` with a token-id
+`prompt` and `return_token_ids`; the embedded engine speaks the same). This module writes that
+body from the chat body the front end built, and reads the answer back into the chat-completions
+shape the rest of the pipeline (recording, the front ends' translators) already handles:
+`prompt_token_ids`, per-choice `token_ids`, `logprobs.content[].logprob`, and a message parsed
+from the sampled text the way vLLM's parsers do (a leading `<think>` block as `reasoning_content`
+when the model was registered with a reasoning parser; Hermes `<tool_call>` blocks as tool calls).
+
+Streams are converted chunk by chunk: text is passed on as it comes, except what may still turn
+out to be a `<tool_call>` block or the end of reasoning, which is held until it is decided, so the
+deltas always add up to the final message.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from services.common.toolcalls import THINK_END, THINK_START, TOOL_CALL_START, parse_tool_calls, split_reasoning
+
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
+             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")  # fmt: skip
+
+
+def completion_body(chat: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
+    """The engine's token-in completions body for a chat body (its sampling fields, the given prompt)."""
+    body: dict[str, Any] = {"model": chat.get("model"), "prompt": prompt_ids, "return_token_ids": True}
+    for key in _SAMPLING:
+        if chat.get(key) is not None:
+            body[key] = chat[key]
+    limit = chat.get("max_completion_tokens", chat.get("max_tokens"))
+    if limit is not None:
+        body["max_tokens"] = limit
+    top = chat.get("top_logprobs")
+    body["logprobs"] = top if isinstance(top, int) and not isinstance(top, bool) else 0
+    if chat.get("stream"):
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _held(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
+
+
+class OutputParser:
+    """One choice's sampled text, parsed into reasoning, content and tool calls as it grows."""
+
+    def __init__(self, reasoning: bool) -> None:
+        self.text = ""
+        self._reasoning = reasoning
+        self._shown_reasoning = 0
+        self._shown_content = 0
+
+    def _split(self) -> tuple[str, int, bool]:
+        """(reasoning so far, where content starts or -1, whether reasoning is closed)."""
+        if not self._reasoning:
+            return "", 0, True
+        stripped = self.text.lstrip()
+        if not stripped.startswith(THINK_START):
+            return ("", -1, False) if THINK_START.startswith(stripped) else ("", 0, True)
+        start = len(self.text) - len(stripped) + len(THINK_START)
+        end = self.text.find(THINK_END, start)
+        if end < 0:
+            return self.text[start : len(self.text) - _held(self.text, THINK_END)], -1, False
+        return self.text[start:end], end + len(THINK_END), True
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        """Add sampled text; (reasoning, content) that can be shown now."""
+        self.text += piece
+        reasoning, content_start, _closed = self._split()
+        new_reasoning = reasoning[self._shown_reasoning :]
+        self._shown_reasoning = len(reasoning)
+        if content_start < 0:
+            return new_reasoning, ""
+        body = self.text[content_start:]
+        limit = len(body) - _held(body, TOOL_CALL_START)
+        if (tool := body.find(TOOL_CALL_START)) >= 0:
+            limit = min(limit, tool)
+        shown = body[self._shown_content : limit] if limit > self._shown_content else ""
+        self._shown_content = max(self._shown_content, limit)
+        return new_reasoning, shown
+
+    def finish(self, tools: bool) -> tuple[str, str, list[dict[str, Any]], dict[str, Any]]:
+        """(reasoning, content) not shown yet, the tool calls, and the whole message."""
+        reasoning, body = split_reasoning(self.text) if self._reasoning else ("", self.text)
+        parsed = parse_tool_calls(body) if tools else None
+        calls = [msgspec.to_builtins(c) for c in parsed.tool_calls] if parsed is not None else []
+        content = (parsed.content or "") if calls and parsed is not None else body
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        rest_reasoning = reasoning[self._shown_reasoning :]
+        rest_content = content[self._shown_content :] if len(content) > self._shown_content else ""
+        return rest_reasoning, rest_content, calls, message
+
+
+def _logprobs(choice: dict[str, Any]) -> dict[str, Any] | None:
+    logprobs = choice.get("logprobs")
+    if not isinstance(logprobs, dict):
+        return None
+    tokens = logprobs.get("tokens") or []
+    values = logprobs.get("token_logprobs") or []
+    return {"content": [{"token": t, "logprob": v, "top_logprobs": []} for t, v in zip(tokens, values, strict=False)]}
+
+
+def _finish(reason: Any, calls: list[dict[str, Any]]) -> Any:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def chat_answer(completion: dict[str, Any], tools: bool, reasoning: bool) -> dict[str, Any]:
+    """A non-streamed token-in completion as vLLM's chat completion (prompt and sampled ids, parsed message)."""
+    choices, prompt_ids = [], None
+    for position, choice in enumerate(completion.get("choices") or []):
+        if not isinstance(choice, dict):
+            continue
+        prompt_ids = prompt_ids or choice.get("prompt_token_ids")
+        parser = OutputParser(reasoning)
+        parser.feed(str(choice.get("text") or ""))
+        _r, _c, calls, message = parser.finish(tools)
+        choices.append(
+            {
+                "index": choice.get("index", position),
+                "message": message,
+                "logprobs": _logprobs(choice),
+                "finish_reason": _finish(choice.get("finish_reason"), calls),
+                "stop_reason": choice.get("stop_reason"),
+                "token_ids": choice.get("token_ids") or [],
+            }
+        )
+    return {
+        "id": "chatcmpl-" + str(completion.get("id") or "").removeprefix("cmpl-"),
+        "object": "chat.completion",
+        "created": completion.get("created") or int(time.time()),
+        "model": completion.get("model"),
+        "choices": choices,
+        "usage": completion.get("usage"),
+        "prompt_token_ids": prompt_ids or [],
+    }
+
+
+class ChunkConverter:
+    """Turns a token-in completion stream into chat-completion chunks (see the module docstring)."""
+
+    def __init__(self, tools: bool, reasoning: bool) -> None:
+        self.tools = tools
+        self.reasoning = reasoning
+        self.parsers: dict[int, OutputParser] = {}
+
+    def convert(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """The chat chunk for one completion chunk."""
+        out: dict[str, Any] = {
+            "id": "chatcmpl-" + str(chunk.get("id") or "").removeprefix("cmpl-"),
+            "object": "chat.completion.chunk",
+            "created": chunk.get("created") or int(time.time()),
+            "model": chunk.get("model"),
+            "choices": [self._choice(c, p) for p, c in enumerate(chunk.get("choices") or []) if isinstance(c, dict)],
+        }
+        for choice in chunk.get("choices") or []:
+            if isinstance(choice, dict) and isinstance(choice.get("prompt_token_ids"), list):
+                out["prompt_token_ids"] = choice["prompt_token_ids"]
+                break
+        if "usage" in chunk:
+            out["usage"] = chunk["usage"]
+        return out
+
+    def _choice(self, choice: dict[str, Any], position: int) -> dict[str, Any]:
+        index = int(choice.get("index", position))
+        parser = self.parsers.get(index)
+        if parser is None:
+            parser = self.parsers[index] = OutputParser(self.reasoning)
+        reasoning, content = parser.feed(str(choice.get("text") or ""))
+        delta: dict[str, Any] = {}
+        finish = choice.get("finish_reason")
+        if finish is not None:
+            rest_reasoning, rest_content, calls, _message = parser.finish(self.tools)
+            reasoning, content = reasoning + rest_reasoning, content + rest_content
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            finish = _finish(finish, calls)
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": _logprobs(choice),
+            "finish_reason": finish,
+            "token_ids": choice.get("token_ids") or [],
+        }
