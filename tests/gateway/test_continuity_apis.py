@@ -1,0 +1,169 @@
+"""Continuous prompt mode across front ends and engines: Messages and Responses tool loops, byte-level
+drift kept exact, and the embedded engine (tokenizer fetched from it) over the real `openai` client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import anthropic
+import httpx
+import openai
+import pytest
+from continuity_rig import TURNS, qwen3_model, recorded, sample_count, scripted_engine, start
+from gw_harness import GatewayHandle, Served
+from template_vllm import TemplateVLLM
+
+pytest.importorskip("torch", reason="the embedded engine needs torch (pip install -e .[train])")
+
+from services.engine.background import BackgroundServer
+from services.engine.server import create_app
+from services.engine.tokenizer import load_tokenizer
+
+ANTHROPIC_TOOLS: Any = [{"name": "add", "description": "a + b", "input_schema": {"type": "object"}}]
+RESPONSES_TOOLS: Any = [{"type": "function", "name": "add", "description": "a + b", "parameters": {"type": "object"}}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's tokenizer with a Qwen3-style chat template."""
+    return qwen3_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator[TemplateVLLM]:
+    """The Qwen3-style fake answering the 6-turn script."""
+    app = scripted_engine(model_dir)
+    with Served(app) as served:
+        app.url = served.url  # type: ignore[attr-defined]
+        yield app
+
+
+def test_a_messages_api_tool_loop_is_one_sample(
+    gateway: GatewayHandle,
+    engine: TemplateVLLM,
+    model_dir: Path,
+    run_id: str,
+) -> None:
+    """Anthropic's client: tool_use / tool_result blocks sent back as the SDK builds them extend the chain."""
+    rollout_id, client = start(gateway, run_id, "continuous", engine, model_dir)
+    claude = anthropic.Anthropic(
+        base_url=str(client.base_url).replace("/openai/v1", "/anthropic"), api_key=client.api_key
+    )
+    messages: list[Any] = [{"role": "user", "content": "Add 2 five times."}]
+    for _ in range(TURNS):
+        reply = claude.messages.create(
+            model="policy", system="You add.", max_tokens=64, messages=messages, tools=ANTHROPIC_TOOLS
+        )
+        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+        uses = [b for b in reply.content if b.type == "tool_use"]
+        if not uses:
+            break
+        total = [str(sum(cast(dict[str, int], u.input).values())) for u in uses]
+        results = [{"type": "tool_result", "tool_use_id": u.id, "content": t} for u, t in zip(uses, total, strict=True)]
+        messages.append({"role": "user", "content": results})
+    calls = recorded(gateway, rollout_id)
+    assert len(calls) == TURNS and calls[-1].api == "messages"
+    assert [c.continuity for c in calls][1:] == ["extended"] * (TURNS - 1)
+    assert sample_count(calls, rollout_id) == 1
+
+
+def test_a_responses_api_tool_loop_is_one_sample(
+    gateway: GatewayHandle,
+    engine: TemplateVLLM,
+    model_dir: Path,
+    run_id: str,
+) -> None:
+    """The Responses API with the whole input list sent back each turn (store=False) extends the chain."""
+    rollout_id, client = start(gateway, run_id, "continuous", engine, model_dir)
+    items: list[Any] = [{"role": "user", "content": "Add 2 five times."}]
+    for _ in range(TURNS):
+        reply = client.responses.create(model="policy", instructions="You add.", input=items, tools=RESPONSES_TOOLS,
+                                        store=False, max_output_tokens=64)  # fmt: skip
+        items += [item.model_dump(exclude_none=True) for item in reply.output if item.type != "reasoning"]
+        uses = [item for item in reply.output if item.type == "function_call"]
+        if not uses:
+            break
+        items += [{"type": "function_call_output", "call_id": u.call_id, "output": "3"} for u in uses]
+    calls = recorded(gateway, rollout_id)
+    assert len(calls) == TURNS and calls[-1].api == "responses"
+    assert [c.continuity for c in calls][1:] == ["extended"] * (TURNS - 1)
+    assert sample_count(calls, rollout_id) == 1
+
+
+def _split_token(tokenizer: Any) -> tuple[list[int], int]:
+    """Two ids whose bytes together are a third token's: the canonical encoding would merge them."""
+    vocab = tokenizer.get_vocab()
+    for token, whole in sorted(vocab.items(), key=lambda item: item[1]):
+        for cut in range(1, len(token)):
+            head, tail = vocab.get(token[:cut]), vocab.get(token[cut:])
+            if head is not None and tail is not None and token.isalpha():
+                return [head, tail], whole
+    raise AssertionError("the tokenizer has no token made of two others")
+
+
+def test_byte_level_drift_stays_exact(
+    gateway: GatewayHandle,
+    model_dir: Path,
+    run_id: str,
+) -> None:
+    """A sampled pair of ids that re-encodes as one id: exact mode splits, continuous keeps the pair."""
+    tokenizer = load_tokenizer(model_dir)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pair, whole = _split_token(tokenizer)
+    app = TemplateVLLM(model_dir, lambda turn: [*pair, end] if turn == 0 else [*tokenizer.encode("ok"), end])
+    counts = {}
+    with Served(app) as served:
+        app.url = served.url  # type: ignore[attr-defined]
+        for mode in ("exact", "continuous"):
+            rollout_id, client = start(gateway, f"{run_id}-{mode}", mode, app, model_dir)
+            messages: list[Any] = [{"role": "user", "content": "hi"}]
+            first = client.chat.completions.create(model="policy", messages=messages)
+            messages += [
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "again"},
+            ]
+            client.chat.completions.create(model="policy", messages=messages)
+            calls = recorded(gateway, rollout_id)
+            counts[mode] = sample_count(calls, rollout_id)
+            second_prompt = calls[1].prompt_ids
+            kept = second_prompt[len(calls[0].prompt_ids) : len(calls[0].prompt_ids) + 2]
+            assert (kept == pair) is (mode == "continuous"), (mode, kept, pair, whole)
+    assert counts == {"exact": 2, "continuous": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The embedded engine over the tiny model (continuous mode fetches its tokenizer from it)."""
+    from services.engine.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path_factory.mktemp("cont-engine"), seed=0)
+    with BackgroundServer(create_app(Path(model), served_name="tiny", seed=11, max_model_len=2048)) as server:
+        yield server.url
+
+
+def test_the_embedded_engine_serves_a_continuous_rollout_as_one_sample(
+    gateway: GatewayHandle, tiny_engine: str, run_id: str
+) -> None:
+    """Real sampling: the first prompt is the engine's own rendering; every later one extends the sampled ids."""
+    r = gateway.admin.post("/api/runs", json={"run_id": run_id, "prompt_mode": "continuous"})
+    assert r.status_code in (200, 201), r.text
+    gateway.register_model(run_id, f"{tiny_engine}/v1", name="policy", served_model="tiny")
+    rollout = gateway.create(run_id)[0]
+    attempt = gateway.attempt(rollout["rollout_id"])
+    client = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0)
+    messages: list[Any] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count."}]
+    for turn in range(4):
+        reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=12, seed=turn)
+        messages += [
+            reply.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": f"more {turn}"},
+        ]
+    calls = recorded(gateway, rollout["rollout_id"])
+    direct = httpx.post(f"{tiny_engine}/v1/chat/completions", json={"messages": messages[:2], "max_tokens": 1,
+                        "return_token_ids": True}).json()  # fmt: skip
+    assert calls[0].prompt_ids == direct["prompt_token_ids"]
+    assert [c.continuity for c in calls][1:] == ["extended"] * 3
+    assert all(len(c.logprobs) == len(c.response_ids) > 0 for c in calls)
+    assert sample_count(calls, rollout["rollout_id"]) == 1
