@@ -112,6 +112,9 @@ def quickstart(
     tasks_per_step: int = typer.Option(8, help="Tasks per step."),
     rollouts_per_task: int = typer.Option(4, help="Rollouts of each task (one group)."),
     backend: str = typer.Option("cpu", help="Training backend: cpu or verl (needs rollwire[verl])."),
+    prompt_mode: str = typer.Option(
+        "exact", help="exact (the engine renders prompts) or continuous (the proxy keeps the sampled ids)."
+    ),
 ) -> None:
     """Run RL on a tiny model on this CPU, end to end: stack, agents, updates, a reward curve."""
     from services.devstack.stack import StackError
@@ -121,6 +124,8 @@ def quickstart(
 
     if mode not in ("sync", "async"):
         raise _fail(f"--mode {mode!r} is not allowed; choose one of: sync, async", 2)
+    if prompt_mode not in ("exact", "continuous"):
+        raise _fail(f"--prompt-mode {prompt_mode!r} is not allowed; choose one of: exact, continuous", 2)
     _quiet_transformers()
     options = QuickstartOptions(
         steps=steps,
@@ -130,7 +135,7 @@ def quickstart(
         mode=mode,
         tasks_per_step=tasks_per_step,
         rollouts_per_task=rollouts_per_task,
-        extra={"backend": {"kind": backend}},
+        extra={"backend": {"kind": backend}, "model": {"prompt_mode": prompt_mode}},
     )
     try:
         run_quickstart(options, say=lambda line: print(line, flush=True))

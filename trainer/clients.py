@@ -105,15 +105,24 @@ class GatewayClient(HttpClient):
         return list(answer["rollouts"]) if isinstance(answer, dict) else list(answer)
 
     async def register_model(
-        self, run_id: str, name: str, base_url: str, served_model: str | None, weights_version: int | None, key: str
+        self,
+        run_id: str,
+        name: str,
+        base_url: str,
+        served_model: str | None,
+        weights_version: int | None,
+        key: str,
+        **rendering: str | None,
     ) -> Any:
-        """Point the run's proxy at an inference endpoint (`POST /api/models`)."""
+        """Point the run's proxy at an inference endpoint (`POST /api/models`); `rendering`: its
+        `tokenizer` directory and `reasoning_parser`, for continuous prompt mode."""
         body = {
             "run_id": run_id,
             "name": name,
             "base_url": base_url,
             "served_model": served_model,
             "weights_version": weights_version,
+            **{k: v for k, v in rendering.items() if v is not None},
         }
         return await self.request("POST", "/api/models", body, key=key)
 

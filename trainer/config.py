@@ -3,7 +3,7 @@
     [run]        name, out_dir, seed, steps, mode ("sync" | "async"), resume
     [data]       path (JSONL, one rollout input per line), tasks_per_step, rollouts_per_task, shuffle
     [agent]      command (argv), env, timeout_s, concurrency, max_attempts
-    [model]      path (a saved transformers model directory), served_name
+    [model]      path (a saved transformers model directory), served_name, prompt_mode, reasoning_parser
     [backend]    kind ("cpu" | "verl"), threads, dtype, gradient_checkpointing, lora_rank, lora_alpha,
                  lora_target_modules, lora_adapters (agent role -> adapter name)
     [engine]     kind ("embedded" | "vllm"); vllm: executable, urls (attach) or replicas (start), port,
@@ -33,7 +33,8 @@ from typing import Any, Literal, get_args
 
 import msgspec
 
-from schemas.runs import RewardFrom
+from schemas.events import ReasoningParser
+from schemas.runs import PromptMode, RewardFrom
 from trainer.core import AdapterConfig, AdapterConfigError
 from trainer.run_sections import ExecBackend, FrozenSection, PolicySection, ValidationSection
 
@@ -97,11 +98,20 @@ class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`[model]`: the starting weights (a saved transformers model directory) and the name agents use."""
+    """`[model]`: the starting weights (a saved transformers model directory) and the name agents use.
+
+    `prompt_mode`: `exact` (the engine renders each call's messages) or `continuous` (the proxy
+    renders prompts itself and keeps the ids the model sampled, so a linear rollout is one sample).
+    In continuous mode the proxy reads the tokenizer and chat template from the embedded engine, or
+    from `path` when the engine is vLLM; `reasoning_parser` says the model opens its answers with a
+    `<think>` block (vLLM's parser names: `qwen3`, `deepseek_r1`).
+    """
 
     path: str
     served_name: str = "policy"
     agents: list[str] = []
+    prompt_mode: PromptMode = "exact"
+    reasoning_parser: ReasoningParser | None = None
 
 
 class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -105,7 +105,9 @@ class VllmEngine:
                 process.kill()
 
 
-async def register_replicas(gateway: GatewayClient, engine: ServingEngine, run_id: str, served_name: str) -> None:
+async def register_replicas(
+    gateway: GatewayClient, engine: ServingEngine, run_id: str, served_name: str, **rendering: str | None
+) -> None:
     """Register every replica with the gateway for the run: one model entry each, matched by the served name.
 
     The proxy picks, among the entries whose name or served model is what the agent asked for,
@@ -122,6 +124,7 @@ async def register_replicas(gateway: GatewayClient, engine: ServingEngine, run_i
             # The engine's address is part of the key: a resumed run's engine may listen elsewhere,
             # and the same key would be taken for a repeat of the old registration.
             key=f"{run_id}-model-{served_name}-{index}-{hashlib.sha256(base_url.encode()).hexdigest()[:12]}",
+            **rendering,
         )
 
 

@@ -130,6 +130,7 @@ def step_row(
         "samples": stats.samples,
         "samples_per_rollout": stats.samples_per_rollout_mean,
         "samples_per_rollout_max": stats.samples_per_rollout_max,
+        "rollouts_single_sample": stats.single_sample_rollouts,
         "merge_ratio": stats.merge_ratio,
         "calls": stats.calls,
         "calls_stale_dropped": stale_dropped,
@@ -242,7 +243,13 @@ class Trainer:
     async def _serve(self, engine: ServingEngine, gateway: GatewayClient, version: int) -> None:
         """Make every engine replica serve the run's current weights and route the run's calls to them."""
         await engine.load(self.run_dir.weights(version).resolve(), version)
-        await register_replicas(gateway, engine, self.run_id, self.config.model.served_name)
+        model = self.config.model
+        vllm = self.config.engine.kind == "vllm"  # the embedded engine serves its tokenizer; vLLM does not
+        tokenizer = model.path if model.prompt_mode == "continuous" and vllm else None
+        reasoning = model.reasoning_parser
+        await register_replicas(
+            gateway, engine, self.run_id, model.served_name, tokenizer=tokenizer, reasoning_parser=reasoning
+        )
         # No idempotency key: a resumed run must reopen a gate its crash may have left closed.
         await gateway.set_phase(self.run_id, "rollout", version, key=None)
 

@@ -41,6 +41,7 @@ COLUMNS: tuple[str, ...] = (
     "samples",
     "samples_per_rollout",
     "samples_per_rollout_max",
+    "rollouts_single_sample",
     "merge_ratio",
     "calls",
     "calls_deduped",

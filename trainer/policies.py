@@ -66,6 +66,7 @@ def run_spec(config: TrainConfig, run_id: str) -> RunSpec:
         train_agents=list(adapter.agents),
         train_models=list(adapter.models) or trained_models(config),
         agent_models=agent_routes(config),
+        prompt_mode=config.model.prompt_mode,
     )
 
 
