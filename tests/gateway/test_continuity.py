@@ -22,7 +22,10 @@ pytest.importorskip("transformers", reason="the tiny model's tokenizer needs tra
 
 from continuity_rig import TURNS, qwen3_model, recorded, sample_count, scripted_engine, start, tool_loop
 
+from services.common.eventstore import EventStore
 from services.gateway import create_app
+from services.tools.replay import replay_run
+from trainer.core import build_step, collect_rollouts
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +116,34 @@ def test_calls_alternating_between_two_gateways_extend_one_chain(
     assert len(calls) == TURNS
     assert [c.continuity for c in calls][1:] == ["extended"] * (TURNS - 1)
     assert sample_count(calls, rollout_id) == 1
+
+
+async def test_replay_of_a_continuous_run_equals_what_the_trainer_builds(
+    gateway: GatewayHandle, engine: TemplateVLLM, model_dir: Path, run_id: str, store: EventStore
+) -> None:
+    """Two groups of two rollouts recorded in continuous mode: `replay_run` rebuilds the trainer's step."""
+    r = gateway.admin.post("/api/runs", json={"run_id": run_id, "prompt_mode": "continuous"})
+    assert r.status_code == 201, r.text
+    gateway.register_model(run_id, f"{engine.url}/v1", name="policy", served_model="qwen3-style",  # type: ignore[attr-defined]
+                           tokenizer=str(model_dir), reasoning_parser="qwen3")  # fmt: skip
+    for index in range(4):
+        rollout = gateway.create(run_id, group_id=f"g{index // 2}")[0]
+        rid = rollout["rollout_id"]
+        attempt = gateway.attempt(rid)
+        tool_loop(openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0))
+        reward = {"type": "reward", "value": float(index % 2)}
+        posted = gateway.admin.post(f"/api/rollouts/{rid}/attempt/{attempt['attempt_id']}/events", json=reward)
+        assert posted.status_code in (200, 201), posted.text
+        for status in ("running", "succeeded"):
+            done = gateway.admin.patch(
+                f"/api/rollouts/{rid}", json={"status": status, "attempt_id": attempt["attempt_id"]}
+            )
+            assert done.status_code == 200, done.text
+    events = [stored.event async for stored in store.read_run(run_id)]
+    report = await replay_run(store, run_id)
+    (scheme,) = report.schemes
+    built = build_step(collect_rollouts(events).rollouts, scheme.config)
+    assert len(built.samples) == 4 and built.stats.samples_per_rollout_mean == 1.0
+    key = [(s.rollout_id, s.index, s.response_tokens, s.advantage, s.token_weight) for s in built.samples]
+    assert [(s.rollout_id, s.index, s.response_tokens, s.advantage, s.token_weight) for s in scheme.samples] == key
+    assert [s.prompt_tokens for s in scheme.samples] == [len(s.tokens) - s.response_tokens for s in built.samples]
