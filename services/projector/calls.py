@@ -20,6 +20,7 @@ import asyncpg
 import msgspec
 
 from schemas.refs import CallRef, resolve_request
+from services.projector.incoming import RequestRef
 
 log = logging.getLogger("rollwire.projector.calls")
 
@@ -38,7 +39,7 @@ WITH RECURSIVE chain(seq) AS (
 SELECT {", ".join(f"m.{c}" for c in STORED_COLUMNS)} FROM model_calls m JOIN chain USING (seq)
 """
 
-_ref = msgspec.json.Decoder(CallRef)
+_ref = msgspec.json.Decoder(RequestRef)
 
 
 class CallResolver:
@@ -106,7 +107,9 @@ class CallResolver:
             ref = row["request_ref"]
             if ref is not None and row["base_seq"] is not None and isinstance(request, dict):
                 earlier = self._requests.get(row["base_seq"])
-                request = resolve_request(request, _ref.decode(ref), earlier if isinstance(earlier, dict) else {})
+                stored = _ref.decode(ref)
+                how = CallRef(event_id="", same=stored.same, prefix=stored.prefix)
+                request = resolve_request(request, how, earlier if isinstance(earlier, dict) else {})
             self._requests[row["seq"]] = request
         return self._requests.get(seq)
 

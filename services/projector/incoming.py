@@ -88,6 +88,13 @@ _WIRE_TYPES: tuple[Any, ...] = (*tuple(t for t in EVENT_TYPES if t is not ModelR
 _decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(Union[_WIRE_TYPES])  # type: ignore[valid-type]  # noqa: UP007
 
 
+class RequestRef(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
+    """How a stored request copy continues the referenced call's (`CallRef`'s `same` and `prefix`)."""
+
+    same: list[str] = []
+    prefix: dict[str, int] = {}
+
+
 class CallRow(msgspec.Struct):
     """A model call's column values that do not depend on the rest of the stream.
 
@@ -215,7 +222,7 @@ def _reference(row: CallRow, wire: WireCall, seq: int, event: ModelRequestRecord
             row.base_seq, row.base_tokens = base.seq, len(base.sequence[: 4 * ref.tokens]) // 4
             if row.prompt_text is not None and base.text is not None:
                 row.base_text = shared_prefix(row.prompt_text, base.text)
-            row.request_ref = _json.encode(CallRef(event_id=ref.event_id, same=ref.same, prefix=ref.prefix)).decode()
+            row.request_ref = _json.encode(RequestRef(same=ref.same, prefix=ref.prefix)).decode()
     if refs is not None:
         text = None if row.prompt_text is None else row.prompt_text + (row.response_text or "")
         refs.keep(event.event_id, event.status, Known(seq, rollout, row.prompt_ids + row.response_ids, text))

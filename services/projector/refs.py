@@ -126,7 +126,10 @@ class RefCache:
             except Exception:
                 break
             data = raw.data or b""
-            call = _decode_refs(data)
+            try:
+                call = _decode_refs(data)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                break  # not a call: the referencing call becomes a dead letter when prepared
             if call.event_id != ref.event_id:
                 break
             chain.append((data, ref.seq))
