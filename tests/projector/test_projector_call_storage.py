@@ -3,9 +3,9 @@
 A long linear rollout recorded as the gateway records it (references to the previous call and only
 the new ids and request parts) is projected with a tokenizer. Its rows must take bytes in
 proportion to its distinct tokens, not to turns x context, and the query API's events, the
-viewer's call and timeline, and `rollwire_prompt_ids` in SQL must give what the stream resolves to.
-Also when a referenced call is stored in full (a gateway that forgot the earlier calls) or has no
-row at all (Postgres refused it, so it is a dead letter).
+viewer's call and timeline, and `rollwire_prompt_ids` in SQL must give what the stream resolves
+to; so must they after a `rebuild --run`. Also when a referenced call is stored in full (a gateway
+that forgot the earlier calls) or has no row at all (Postgres refused it, so it is a dead letter).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from services.devstack.embedded import NatsServer
 from services.gateway.recording import CallChains
 from services.projector.packing import unpack_int32
 from services.projector.reader import PostgresRolloutReader
+from services.projector.rebuild import rebuild_run
 from services.projector.tokens import Detokenizer
 from services.projector.viewer import queries
 
@@ -145,6 +146,9 @@ async def test_a_long_rollout_stores_each_token_once(
         assert chains.referenced == TURNS - 1
         await project(fresh_nats, database, conn, tmp_path / "tokenizer.json", last)
         resolved = await check_reads(store, database, conn, "ro-long", tmp_path / "tokenizer.json")
+        detok = Detokenizer.from_specs([f"policy={tmp_path / 'tokenizer.json'}"])
+        assert await rebuild_run(conn, store, store.stream, RUN, detok) == TURNS + 4  # re-folded the same
+        assert await check_reads(store, database, conn, "ro-long", tmp_path / "tokenizer.json") == resolved
     finally:
         await store.close()
     final = resolved[-1].event
