@@ -172,7 +172,7 @@ def _response_dict(raw: str) -> dict[str, Any]:
 
 
 def _arrays(
-    wire: WireCall, event: ModelRequestRecorded, cache: PromptCache | None, refs: RefCache | None
+    wire: WireCall, event: ModelRequestRecorded, cache: PromptCache | None, refs: RefCache | None, seq: int
 ) -> tuple[bytes, bytes, bytes]:
     """The call's full prompt ids, response ids (int32) and logprobs (float64), packed."""
     packed = wire.packed
@@ -195,6 +195,8 @@ def _arrays(
         if refs is None:
             raise RefError("a call with a prompt reference needs the projector's reference cache")
         prompt = refs.prompt(wire.prompt_ref, prompt)
+    if refs is not None:  # kept even if the rest of the event cannot be stored: later calls still resolve
+        refs.keep(event.event_id, event.status, Known(seq, (event.run_id, event.rollout_id), prompt + response, None))
     return prompt, response, logprobs
 
 
@@ -213,7 +215,7 @@ def shared_prefix(text: str, base: str) -> int:
 
 
 def _reference(row: CallRow, wire: WireCall, seq: int, event: ModelRequestRecorded, refs: RefCache | None) -> None:
-    """Point the row at the referenced call's row when that row is of the same rollout, and keep this call."""
+    """Point the row at the referenced call's row when that row is of the same rollout; keep this call's text."""
     ref = wire.prompt_ref
     rollout = (event.run_id, event.rollout_id)
     if ref is not None and refs is not None:
@@ -223,8 +225,8 @@ def _reference(row: CallRow, wire: WireCall, seq: int, event: ModelRequestRecord
             if row.prompt_text is not None and base.text is not None:
                 row.base_text = shared_prefix(row.prompt_text, base.text)
             row.request_ref = _json.encode(RequestRef(same=ref.same, prefix=ref.prefix)).decode()
-    if refs is not None:
-        text = None if row.prompt_text is None else row.prompt_text + (row.response_text or "")
+    if refs is not None and row.prompt_text is not None:
+        text = row.prompt_text + (row.response_text or "")
         refs.keep(event.event_id, event.status, Known(seq, rollout, row.prompt_ids + row.response_ids, text))
 
 
@@ -236,7 +238,7 @@ def _call_row(
     refs: RefCache | None = None,
     seq: int = 0,
 ) -> CallRow:
-    prompt, response, logprobs = _arrays(wire, event, cache, refs)
+    prompt, response, logprobs = _arrays(wire, event, cache, refs, seq)
     response_json = _json_object(wire.response, "response")
     decoded = detok.decode(event.model, unpack_int32(prompt), unpack_int32(response)) if detok else None
     row = CallRow(
