@@ -10,9 +10,11 @@ model), and two real gateways in this process: one recording `full` (schema vers
 call's full prompt ids and request, as the code before version 2 did) and one `compact` (version
 2: references and packed arrays). A plain `openai` tool loop drives each rollout: every turn adds a
 ~1,800-character tool result and a 100-token answer (about 565 tokens a turn). The projector then
-projects the stream into Postgres. Printed per turns and format: the rollout's distinct tokens
-(its final context), the bytes of its messages in JetStream, the bytes of its model-call rows in
-Postgres, and each per distinct token.
+projects the stream into Postgres, where a compact call's row, like its event, stores a reference
+to the earlier call's row and only the new ids, text and request parts (`full` calls' rows hold
+their full prompts). Printed per turns and format: the rollout's distinct tokens (its final
+context), the bytes of its messages in JetStream, the bytes of its model-call rows in Postgres
+(`pg_column_size` of the rows, as stored), and each per distinct token.
 """
 
 from __future__ import annotations

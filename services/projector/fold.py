@@ -118,6 +118,7 @@ class Plan(msgspec.Struct, kw_only=True):
     last_seq: int = 0
     events: list[tuple[Any, ...]] = []
     model_calls: list[tuple[Any, ...]] = []
+    full_calls: dict[int, tuple[Any, ...]] = {}  # by seq: a referencing row stored in full (pgstore.call_rows)
     rewards: list[tuple[Any, ...]] = []
     custom_events: list[tuple[Any, ...]] = []
     phases: list[tuple[Any, ...]] = []
@@ -212,7 +213,14 @@ def _detail_rows(plan: Plan, item: Incoming) -> None:
 
 
 class CallRow(msgspec.Struct, kw_only=True, gc=False):
-    """One `model_calls` row: its fields are the table's columns, in order (`pgstore.MODEL_CALL_COLUMNS`)."""
+    """One `model_calls` row: its fields are the table's columns, in order (`pgstore.MODEL_CALL_COLUMNS`).
+
+    A row with `base_seq` stores each token once: its full prompt is the first `base_tokens` ids
+    of that earlier row's full prompt + response ids, then `prompt_ids`; its full prompt text the
+    first `base_text` characters of that row's full prompt text + response text, then
+    `prompt_text`; its full request `request` completed from that row's full request as
+    `request_ref` (`same`, `prefix`) says. `calls.py` resolves them on read.
+    """
 
     seq: int
     run_id: str
@@ -241,9 +249,14 @@ class CallRow(msgspec.Struct, kw_only=True, gc=False):
     error: str | None
     new_sample: bool
     flags: list[str]
+    base_seq: int | None = None
+    base_tokens: int = 0
+    base_text: int = 0
+    request_ref: str | None = None
 
 
-def _call_row(item: Incoming, new_sample: bool) -> tuple[Any, ...]:
+def _call_row(plan: Plan, item: Incoming, new_sample: bool) -> None:
+    """Add the call's row to the plan: its new part when it references an earlier row, else in full."""
     event, call = item.event, item.call
     assert isinstance(event, ModelRequestRecorded) and call is not None
     row = CallRow(
@@ -256,7 +269,19 @@ def _call_row(item: Incoming, new_sample: bool) -> tuple[Any, ...]:
         response=call.response, usage=call.usage, latency_s=event.latency_s, error=event.error,
         new_sample=new_sample, flags=call.flags,
     )  # fmt: skip
-    return msgspec.structs.astuple(row)
+    if call.base_seq is not None:
+        plan.full_calls[item.seq] = msgspec.structs.astuple(row)
+        text = call.prompt_text
+        row = msgspec.structs.replace(
+            row,
+            prompt_ids=call.prompt_ids[4 * call.base_tokens :],
+            prompt_text=text[call.base_text :] if text is not None else None,
+            base_seq=call.base_seq,
+            base_tokens=call.base_tokens,
+            base_text=call.base_text,
+            request_ref=call.request_ref,
+        )
+    plan.model_calls.append(msgspec.structs.astuple(row))
 
 
 def _add_flags(extras: Extras, names: Iterable[str]) -> None:
@@ -320,7 +345,7 @@ def fold_batch(items: Sequence[Incoming], loaded: Loaded) -> Plan:
         view = fold(before, StoredEvent(seq=item.seq, subject=item.subject, event=event))
         if view is None:
             if item.call is not None:
-                plan.model_calls.append(_call_row(item, False))
+                _call_row(plan, item, False)
             continue
         if before is None:
             plan.created.add(key)
@@ -334,7 +359,7 @@ def fold_batch(items: Sequence[Incoming], loaded: Loaded) -> Plan:
         if view.terminal_seq != terminal_before:
             extras.ended_at = event.time
         if isinstance(event, ModelRequestRecorded):
-            plan.model_calls.append(_call_row(item, _fold_call(plan, loaded, open_chains, item, extras)))
+            _call_row(plan, item, _fold_call(plan, loaded, open_chains, item, extras))
         elif isinstance(event, RewardReported):
             extras.rewards += 1
             stats = plan.stats.setdefault((*key, event.attempt_id or ""), StatsDelta())

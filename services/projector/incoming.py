@@ -27,7 +27,7 @@ from schemas.events import CallApi, CallStatus, Mode
 from schemas.refs import CallRef, PackedTokens, ids_int32, unpack_floats
 from services.projector.flags import call_flags
 from services.projector.packing import PromptCache, pack_float64, pack_float64_json, pack_int32_json, unpack_int32
-from services.projector.refs import RefCache, RefError
+from services.projector.refs import Known, RefCache, RefError
 from services.projector.tokens import Detokenizer
 
 _json = msgspec.json.Encoder()
@@ -88,8 +88,20 @@ _WIRE_TYPES: tuple[Any, ...] = (*tuple(t for t in EVENT_TYPES if t is not ModelR
 _decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(Union[_WIRE_TYPES])  # type: ignore[valid-type]  # noqa: UP007
 
 
+class RequestRef(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
+    """How a stored request copy continues the referenced call's (`CallRef`'s `same` and `prefix`)."""
+
+    same: list[str] = []
+    prefix: dict[str, int] = {}
+
+
 class CallRow(msgspec.Struct):
-    """A model call's column values that do not depend on the rest of the stream."""
+    """A model call's column values that do not depend on the rest of the stream.
+
+    `prompt_ids` and `prompt_text` are the call's full prompt (the sample count and the flags
+    read them); when `base_seq` is set the row stores only what follows the first `base_tokens`
+    ids and `base_text` characters of that earlier row's prompt + response (see `fold.CallRow`).
+    """
 
     prompt_ids: bytes
     response_ids: bytes
@@ -103,6 +115,10 @@ class CallRow(msgspec.Struct):
     response: str
     usage: str
     flags: list[str]
+    base_seq: int | None = None
+    base_tokens: int = 0
+    base_text: int = 0
+    request_ref: str | None = None
 
 
 class Incoming(msgspec.Struct):
@@ -156,7 +172,7 @@ def _response_dict(raw: str) -> dict[str, Any]:
 
 
 def _arrays(
-    wire: WireCall, event: ModelRequestRecorded, cache: PromptCache | None, refs: RefCache | None
+    wire: WireCall, event: ModelRequestRecorded, cache: PromptCache | None, refs: RefCache | None, seq: int
 ) -> tuple[bytes, bytes, bytes]:
     """The call's full prompt ids, response ids (int32) and logprobs (float64), packed."""
     packed = wire.packed
@@ -179,9 +195,39 @@ def _arrays(
         if refs is None:
             raise RefError("a call with a prompt reference needs the projector's reference cache")
         prompt = refs.prompt(wire.prompt_ref, prompt)
-    if refs is not None:
-        refs.keep(event.event_id, event.status, prompt + response)
+    if refs is not None:  # kept even if the rest of the event cannot be stored: later calls still resolve
+        refs.keep(event.event_id, event.status, Known(seq, (event.run_id, event.rollout_id), prompt + response, None))
     return prompt, response, logprobs
+
+
+def shared_prefix(text: str, base: str) -> int:
+    """How many leading characters `text` and `base` share."""
+    if text.startswith(base):
+        return len(base)
+    low, high = 0, min(len(text), len(base))
+    while low < high:  # the longest equal prefix, by halving (each test a C-level compare)
+        middle = (low + high + 1) // 2
+        if text[:middle] == base[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _reference(row: CallRow, wire: WireCall, seq: int, event: ModelRequestRecorded, refs: RefCache | None) -> None:
+    """Point the row at the referenced call's row when that row is of the same rollout; keep this call's text."""
+    ref = wire.prompt_ref
+    rollout = (event.run_id, event.rollout_id)
+    if ref is not None and refs is not None:
+        base = refs.base(ref)
+        if base.rollout == rollout and base.seq < seq:
+            row.base_seq, row.base_tokens = base.seq, len(base.sequence[: 4 * ref.tokens]) // 4
+            if row.prompt_text is not None and base.text is not None:
+                row.base_text = shared_prefix(row.prompt_text, base.text)
+            row.request_ref = _json.encode(RequestRef(same=ref.same, prefix=ref.prefix)).decode()
+    if refs is not None and row.prompt_text is not None:
+        text = row.prompt_text + (row.response_text or "")
+        refs.keep(event.event_id, event.status, Known(seq, rollout, row.prompt_ids + row.response_ids, text))
 
 
 def _call_row(
@@ -190,11 +236,12 @@ def _call_row(
     detok: Detokenizer | None,
     cache: PromptCache | None,
     refs: RefCache | None = None,
+    seq: int = 0,
 ) -> CallRow:
-    prompt, response, logprobs = _arrays(wire, event, cache, refs)
+    prompt, response, logprobs = _arrays(wire, event, cache, refs, seq)
     response_json = _json_object(wire.response, "response")
     decoded = detok.decode(event.model, unpack_int32(prompt), unpack_int32(response)) if detok else None
-    return CallRow(
+    row = CallRow(
         prompt_ids=prompt,
         response_ids=response,
         logprobs=logprobs,
@@ -208,6 +255,8 @@ def _call_row(
         usage=_json.encode(event.usage).decode(),
         flags=call_flags(_response_dict(response_json), event.finish_reason, event.status, event.error),
     )
+    _reference(row, wire, seq, event, refs)
+    return row
 
 
 def _body(event: AnyEvent, data: bytes) -> str | None:
@@ -233,7 +282,7 @@ def prepare_one(
     try:
         decoded = _decoder.decode(data)
         event = decoded.envelope() if isinstance(decoded, WireCall) else decoded
-        call = _call_row(decoded, event, detok, cache, refs) if isinstance(decoded, WireCall) else None
+        call = _call_row(decoded, event, detok, cache, refs, seq) if isinstance(decoded, WireCall) else None
         body = _body(event, data)
     except (msgspec.ValidationError, msgspec.DecodeError, InvalidId) as exc:
         return Incoming(seq, subject, data, stream_time, error=f"undecodable event: {exc}")

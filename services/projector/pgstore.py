@@ -333,11 +333,37 @@ def materialize(plan: Plan) -> Plan:
     return plan
 
 
+_SEQ, _RUN, _ROLLOUT, _BASE = (MODEL_CALL_COLUMNS.index(c) for c in ("seq", "run_id", "rollout_id", "base_seq"))
+
+
+async def call_rows(conn: asyncpg.Connection, plan: Plan) -> list[tuple[Any, ...]]:
+    """The plan's `model_calls` rows, each referencing row whose base row is not there stored in full.
+
+    A referenced row is missing when Postgres refused it (a dead letter) or it belongs to another
+    rollout; checked inside the writing transaction, so a stored reference always resolves.
+    """
+    if not plan.full_calls:
+        return plan.model_calls
+    where = {row[_SEQ]: (row[_RUN], row[_ROLLOUT]) for row in plan.model_calls}
+    wanted = sorted({row[_BASE] for row in plan.model_calls if row[_BASE] is not None} - where.keys())
+    if wanted:
+        for found in await conn.fetch(
+            "SELECT seq, run_id, rollout_id FROM model_calls WHERE seq = ANY($1::bigint[])", wanted
+        ):
+            where[found["seq"]] = (found["run_id"], found["rollout_id"])
+    return [
+        plan.full_calls[row[_SEQ]]
+        if row[_BASE] is not None and where.get(row[_BASE]) != (row[_RUN], row[_ROLLOUT])
+        else row
+        for row in plan.model_calls
+    ]
+
+
 async def write(conn: asyncpg.Connection, plan: Plan) -> None:
     """Write a folded batch (inside the caller's transaction)."""
     rows: Rows = plan.rows if plan.rows is not None else materialize(plan).rows
     await _copy(conn, "events", EVENT_COLUMNS, plan.events)
-    await _copy(conn, "model_calls", MODEL_CALL_COLUMNS, plan.model_calls)
+    await _copy(conn, "model_calls", MODEL_CALL_COLUMNS, await call_rows(conn, plan))
     await _copy(conn, "rewards", REWARD_COLUMNS, plan.rewards)
     await _copy(conn, "custom_events", CUSTOM_COLUMNS, plan.custom_events)
     await _copy(conn, "phases", PHASE_COLUMNS, plan.phases)

@@ -27,6 +27,7 @@ from schemas.ids import STREAM_NAME
 from schemas.rollout import RolloutView
 from services.common.eventstore import StoredEvent
 from services.common.readside import RolloutQuery, RunView
+from services.projector.calls import CallResolver
 from services.projector.migrate import migrate
 from services.projector.packing import unpack_float64, unpack_int32
 from services.projector.pgstore import NOTIFY_CHANNEL, load_lists, view_from_row
@@ -127,23 +128,24 @@ def _loads(text: str | None) -> Any:
     return None if text is None else msgspec.json.decode(text)
 
 
-def call_event(row: asyncpg.Record) -> ModelRequestRecorded:
-    """A model call event rebuilt from its `events` + `model_calls` row."""
+def call_event(row: asyncpg.Record, calls: CallResolver) -> ModelRequestRecorded:
+    """A model call event rebuilt from its `events` + `model_calls` row, its full prompt and request resolved."""
+    seq = row["seq"]
     return ModelRequestRecorded(
         run_id=row["run_id"], rollout_id=row["rollout_id"], attempt_id=row["attempt_id"], event_id=row["event_id"],
         schema_version=row["schema_version"], time=row["time"], call_id=row["call_id"], mode=row["mode"],
         status=row["status"], choice_index=row["choice_index"], model=row["model"],
-        weights_version=row["weights_version"], prompt_ids=unpack_int32(row["prompt_ids"]),
+        weights_version=row["weights_version"], prompt_ids=unpack_int32(calls.prompt_ids(seq)),
         response_ids=unpack_int32(row["response_ids"]), logprobs=unpack_float64(row["logprobs"]),
-        finish_reason=row["finish_reason"], request=_loads(row["request"]), response=_loads(row["response"]),
+        finish_reason=row["finish_reason"], request=calls.request(seq), response=_loads(row["response"]),
         usage=_loads(row["usage"]), latency_s=row["latency_s"], error=row["error"],
     )  # fmt: skip
 
 
-def _event_from_row(row: asyncpg.Record) -> StoredEvent:
+def _event_from_row(row: asyncpg.Record, calls: CallResolver) -> StoredEvent:
     kind = row["type"]
     if kind == "model_request":
-        event: Any = call_event(row)
+        event: Any = call_event(row, calls)
     else:
         body = msgspec.json.decode(row["body"]) if row["body"] is not None else {}
         if kind == "reward":
@@ -162,7 +164,8 @@ def _event_from_row(row: asyncpg.Record) -> StoredEvent:
 EVENTS_SQL = """
 SELECT e.seq, e.run_id, e.rollout_id, e.attempt_id, e.type, e.event_id, e.schema_version, e.time, e.body,
        m.call_id, m.choice_index, m.mode, m.status, m.model, m.weights_version, m.prompt_ids, m.response_ids,
-       m.logprobs, m.finish_reason, m.request, m.response, m.usage, m.latency_s, m.error,
+       m.logprobs, m.finish_reason, m.request, m.response, m.usage, m.latency_s, m.error, m.base_seq,
+       m.base_tokens, m.base_text, m.prompt_text, m.response_text, m.request_ref,
        w.value, w.name AS reward_name, w.step, w.source,
        c.name AS custom_name, c.payload
 FROM events e
@@ -319,7 +322,8 @@ class PostgresRolloutReader:
         """A rollout's events after `after_seq`, optionally only of some `types`, in stream order."""
         async with self.acquire() as conn:
             rows = await conn.fetch(EVENTS_SQL, rollout_id, run_id, after_seq, list(types) if types else None, limit)
-        return [_event_from_row(row) for row in rows]
+            calls = await CallResolver.load(conn, [row for row in rows if row["type"] == "model_request"])
+        return [_event_from_row(row, calls) for row in rows]
 
     async def run(self, run_id: str) -> RunView | None:
         """A run's spec and its rollouts by status, or None when the stream has no event of this run.

@@ -20,6 +20,7 @@ from services.common.eventstore import EventStore
 from services.projector import pgstore
 from services.projector.fold import fold_batch
 from services.projector.incoming import Incoming, prepare
+from services.projector.refs import RefCache
 from services.projector.tokens import Detokenizer
 
 READ_TABLES = (
@@ -57,10 +58,11 @@ async def rebuild_run(
         for table in RUN_TABLES:
             await conn.execute(f"DELETE FROM {table} WHERE run_id = $1", run_id)
         pending: list[Incoming] = []
+        refs = RefCache()  # the run's calls are read in stream order: every referenced call comes first
         reading = store.read_raw(RUN_ALL.format(run=run_id))
         async for msgs in reading:
             # Poison messages keep their dead letters; everything past the position is the projector's.
-            pending += [item for item in prepare(msgs, detok) if item.seq <= applied and item.error is None]
+            pending += [item for item in prepare(msgs, detok, refs=refs) if item.seq <= applied and item.error is None]
             if len(pending) >= CHUNK:
                 await _fold_chunk(conn, pending)
                 folded += len(pending)

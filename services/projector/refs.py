@@ -1,8 +1,11 @@
-"""Resolving version-2 call references on the projector's side, so its rows hold full prompts.
+"""Resolving version-2 call references on the projector's side, while a batch is prepared.
 
 A `model_request` with `prompt_ref` stores only the ids after a prefix of an earlier call's
 prompt + response (see `schemas/refs.py`). The projector keeps each `ok` call's full packed
-sequence (int32 bytes) by event id, bounded by bytes. Before a batch is prepared, `prime` makes
+sequence (int32 bytes) by event id, with where it was seen (stream sequence, run, rollout) and,
+when a tokenizer decoded it, its prompt + response text, bounded by bytes. The full prompt feeds
+the sample count and the decoded text; the row itself stores only the new part and points at the
+referenced call's row (`calls.py` resolves it on read). Before a batch is prepared, `prime` makes
 sure every referenced call is known: one the cache lost (the projector restarted mid-attempt, or
 evicted it) is read back from the stream by its sequence (a direct get), recursively, so a
 reference never depends on the cache.
@@ -11,6 +14,7 @@ reference never depends on the cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgspec
 from nats.aio.msg import Msg
@@ -30,6 +34,8 @@ class RefError(ValueError):
 class _Refs(msgspec.Struct, gc=False):
     """The fields of a `model_request` that resolving reads."""
 
+    run_id: str = ""
+    rollout_id: str | None = None
     event_id: str = ""
     status: str = "ok"
     prompt_ids: msgspec.Raw = msgspec.Raw(b"[]")
@@ -41,28 +47,49 @@ class _Refs(msgspec.Struct, gc=False):
 _decode_refs = msgspec.json.Decoder(_Refs).decode
 
 
+class Known(NamedTuple):
+    """An `ok` call as later calls reference it."""
+
+    seq: int
+    """The stream sequence it was read at: its `model_calls` row."""
+    rollout: tuple[str, str | None]
+    """Its run and rollout: a row only points at a row of its own rollout."""
+    sequence: bytes
+    """Its full prompt + response ids, packed int32."""
+    text: str | None
+    """Its stored prompt text + response text (None when not decoded)."""
+
+
+def _size(known: Known) -> int:
+    return len(known.sequence) + (len(known.text) if known.text else 0)
+
+
 class RefCache:
-    """Full packed sequences (prompt + response, int32 little-endian) of `ok` calls by event id."""
+    """What later calls reference of each `ok` call (`Known`), by event id."""
 
     def __init__(self, max_bytes: int = 128 << 20) -> None:
-        self.entries: ByteLRU[str, bytes] = ByteLRU(max_bytes, len)
+        self.entries: ByteLRU[str, Known] = ByteLRU(max_bytes, _size)
         self.fetched = 0
+
+    def base(self, ref: CallRef) -> Known:
+        """The referenced call (RefError when it is not known)."""
+        base = self.entries.get(ref.event_id)
+        if base is None:
+            raise RefError(f"the referenced call {ref.event_id} (stream sequence {ref.seq}) is not known")
+        return base
 
     def prompt(self, ref: CallRef | None, new: bytes) -> bytes:
         """The full packed prompt: the referenced call's first `ref.tokens` ids, then `new`."""
         if ref is None:
             return new
-        base = self.entries.get(ref.event_id)
-        if base is None:
-            raise RefError(f"the referenced call {ref.event_id} (stream sequence {ref.seq}) is not known")
-        return base[: 4 * ref.tokens] + new
+        return self.base(ref).sequence[: 4 * ref.tokens] + new
 
-    def keep(self, event_id: str, status: str, sequence: bytes) -> None:
-        """Remember an `ok` call's full sequence for the calls that reference it."""
-        if status == "ok" and sequence:
-            self.entries.put(event_id, sequence)
+    def keep(self, event_id: str, status: str, known: Known) -> None:
+        """Remember an `ok` call for the calls that reference it."""
+        if status == "ok" and known.sequence:
+            self.entries.put(event_id, known)
 
-    def learn(self, data: bytes) -> None:
+    def learn(self, data: bytes, seq: int) -> None:
         """Resolve and remember one call from its JSON bytes (RefError when its own reference is unknown)."""
         call = _decode_refs(data)
         packed = call.packed
@@ -72,7 +99,8 @@ class RefCache:
         else:
             new = pack_int32_json(bytes(call.prompt_ids))
             response = pack_int32_json(bytes(call.response_ids))
-        self.keep(call.event_id, call.status, self.prompt(call.prompt_ref, new) + response)
+        full = self.prompt(call.prompt_ref, new) + response
+        self.keep(call.event_id, call.status, Known(seq, (call.run_id, call.rollout_id), full, None))
 
     async def prime(self, store: EventStore, msgs: Sequence[Msg]) -> None:
         """Read back from the stream every call the batch references that is neither known nor in the batch."""
@@ -91,23 +119,26 @@ class RefCache:
 
     async def _fetch(self, store: EventStore, ref: CallRef) -> None:
         """Read the referenced call and the unknown calls it references in turn, then learn them oldest first."""
-        chain: list[bytes] = []
+        chain: list[tuple[bytes, int]] = []
         while ref.seq > 0 and ref.event_id not in self.entries and len(chain) < MAX_CHAIN:
             try:
                 raw = await store.js.get_msg(store.stream, ref.seq)
             except Exception:
                 break
             data = raw.data or b""
-            call = _decode_refs(data)
+            try:
+                call = _decode_refs(data)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                break  # not a call: the referencing call becomes a dead letter when prepared
             if call.event_id != ref.event_id:
                 break
-            chain.append(data)
+            chain.append((data, ref.seq))
             if call.prompt_ref is None:
                 break
             ref = call.prompt_ref
-        for data in reversed(chain):
+        for data, seq in reversed(chain):
             self.fetched += 1
             try:
-                self.learn(data)
+                self.learn(data, seq)
             except (RefError, ValueError):
                 return

@@ -1,5 +1,6 @@
-"""The projector resolves version-2 call references: its rows hold every call's full prompt,
-also after a restart that lost its reference cache (the referenced calls are read back by sequence)."""
+"""The projector resolves version-2 call references: every call's full prompt is recoverable from
+its rows, also after a restart that lost its reference cache (the referenced calls are read back
+by sequence)."""
 
 from __future__ import annotations
 
@@ -50,9 +51,13 @@ async def test_rows_hold_full_prompts_across_a_restart(
         await store.close()
     assert chains.referenced > 5
     assert await conn.fetchval("SELECT count(*) FROM dead_letters") == 0
-    rows = {
+    assert await conn.fetchval("SELECT count(*) FROM model_calls WHERE base_seq IS NOT NULL") > 5
+    rows = {  # the rows store each token once; rollwire_prompt_ids follows their references in SQL
         (r["call_id"], r["choice_index"]): r
-        for r in await conn.fetch("SELECT call_id, choice_index, prompt_ids, response_ids, logprobs FROM model_calls")
+        for r in await conn.fetch(
+            "SELECT call_id, choice_index, rollwire_prompt_ids(seq) AS prompt_ids, response_ids, logprobs "
+            "FROM model_calls"
+        )
     }
     calls = [e for e in events if isinstance(e, ModelRequestRecorded)]
     assert len(rows) == len(calls)

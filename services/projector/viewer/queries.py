@@ -16,6 +16,7 @@ from typing import Any
 import asyncpg
 import msgspec
 
+from services.projector.calls import CallResolver
 from services.projector.flags import MEANINGS
 from services.projector.packing import unpack_float64, unpack_int32
 from services.projector.reader import PostgresRolloutReader
@@ -192,8 +193,8 @@ def _reply(response: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     return _message_text(message.get("content")), tools
 
 
-def _call_item(row: asyncpg.Record, seen_messages: int) -> tuple[dict[str, Any], int]:
-    request = _loads(row["request"]) or {}
+def _call_item(row: asyncpg.Record, seen_messages: int, calls: CallResolver) -> tuple[dict[str, Any], int]:
+    request = calls.request(row["seq"]) or {}
     messages = request.get("messages") if isinstance(request, dict) else None
     messages = messages if isinstance(messages, list) else []
     new = [
@@ -221,7 +222,7 @@ TIMELINE_SQL = """
 SELECT e.seq, e.type, e.time, e.attempt_id, e.body, m.call_id, m.model, m.status, m.mode, m.weights_version,
        m.finish_reason, m.latency_s, m.error, m.prompt_tokens, m.response_tokens, m.new_sample, m.flags,
        m.request, m.response, m.response_ids, m.logprobs, m.response_pieces, m.response_text,
-       m.prompt_text IS NOT NULL AS has_prompt_text,
+       m.prompt_text IS NOT NULL AS has_prompt_text, m.base_seq, m.request_ref,
        w.value, w.name AS reward_name, w.source, w.step, c.name AS custom_name, c.payload
 FROM events e
 LEFT JOIN model_calls m ON m.seq = e.seq AND e.type = 'model_request'
@@ -239,24 +240,27 @@ async def timeline(
     """A rollout's events after `after_seq`, each rendered for the timeline."""
     async with reader.acquire() as conn:
         rows = await conn.fetch(TIMELINE_SQL, run_id, rollout_id, after_seq, limit)
-        # How many messages each attempt's last earlier call had, so only new ones are shown.
-        seen_messages: dict[str | None, int] = {
-            row["attempt_id"]: row["n"] or 0
-            for row in await conn.fetch(
-                "SELECT DISTINCT ON (attempt_id) attempt_id, jsonb_array_length(request->'messages') AS n "
-                "FROM model_calls WHERE run_id = $1 AND rollout_id = $2 AND seq <= $3 "
-                "AND jsonb_typeof(request->'messages') = 'array' ORDER BY attempt_id, seq DESC",
-                run_id,
-                rollout_id,
-                after_seq,
-            )
-        }
+        # Each attempt's last earlier call with messages, to show only the messages new since then.
+        earlier = await conn.fetch(
+            "SELECT DISTINCT ON (attempt_id) attempt_id, seq, base_seq, request, request_ref "
+            "FROM model_calls WHERE run_id = $1 AND rollout_id = $2 AND seq <= $3 "
+            "AND (jsonb_typeof(request->'messages') = 'array' OR request_ref->'same' ? 'messages') "
+            "ORDER BY attempt_id, seq DESC",
+            run_id,
+            rollout_id,
+            after_seq,
+        )
+        calls = await CallResolver.load(conn, [*earlier, *(row for row in rows if row["type"] == "model_request")])
+    seen_messages: dict[str | None, int] = {}
+    for row in earlier:
+        messages = (calls.request(row["seq"]) or {}).get("messages")
+        seen_messages[row["attempt_id"]] = len(messages) if isinstance(messages, list) else 0
     items: list[dict[str, Any]] = []
     for row in rows:
         item: dict[str, Any] = {"seq": row["seq"], "type": row["type"], "time": row["time"],
                                 "attempt_id": row["attempt_id"]}  # fmt: skip
         if row["type"] == "model_request":
-            details, seen = _call_item(row, seen_messages.get(row["attempt_id"], 0))
+            details, seen = _call_item(row, seen_messages.get(row["attempt_id"], 0), calls)
             seen_messages[row["attempt_id"]] = seen
             item.update(details)
         elif row["type"] == "reward":
@@ -276,17 +280,18 @@ async def call(reader: PostgresRolloutReader, seq: int) -> dict[str, Any] | None
     """One model call in full: the whole request, the prompt text and ids, the response."""
     async with reader.acquire() as conn:
         row = await conn.fetchrow("SELECT * FROM model_calls WHERE seq = $1", seq)
-    if row is None:
-        return None
+        if row is None:
+            return None
+        calls = await CallResolver.load(conn, [row])
     return {
         "seq": seq,
         "run_id": row["run_id"],
         "rollout_id": row["rollout_id"],
-        "request": _loads(row["request"]),
+        "request": calls.request(seq),
         "response": _loads(row["response"]),
         "usage": _loads(row["usage"]),
-        "prompt_text": row["prompt_text"],
-        "prompt_ids": unpack_int32(row["prompt_ids"]),
+        "prompt_text": calls.prompt_text(seq),
+        "prompt_ids": unpack_int32(calls.prompt_ids(seq)),
         "response_ids": unpack_int32(row["response_ids"]),
         "logprobs": [_finite(v) for v in unpack_float64(row["logprobs"])],
     }
