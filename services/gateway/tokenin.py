@@ -33,9 +33,8 @@ def completion_body(chat: dict[str, Any], prompt_ids: list[int]) -> dict[str, An
     for key in _SAMPLING:
         if chat.get(key) is not None:
             body[key] = chat[key]
-    limit = chat.get("max_completion_tokens", chat.get("max_tokens"))
-    if limit is not None:
-        body["max_tokens"] = limit
+    # Always sent: a completion's own default is 16 tokens, a chat's is what the context leaves (null).
+    body["max_tokens"] = chat.get("max_completion_tokens", chat.get("max_tokens"))
     top = chat.get("top_logprobs")
     body["logprobs"] = top if isinstance(top, int) and not isinstance(top, bool) else 0
     if chat.get("stream"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -20,7 +21,7 @@ from template_vllm import TemplateVLLM
 
 pytest.importorskip("transformers", reason="the tiny model's tokenizer needs transformers (pip install -e .[train])")
 
-from continuity_rig import TURNS, qwen3_model, recorded, sample_count, scripted_engine, start, tool_loop
+from continuity_rig import TOOLS, TURNS, qwen3_model, recorded, sample_count, scripted_engine, start, tool_loop
 
 from services.common.eventstore import EventStore
 from services.gateway import create_app
@@ -147,3 +148,27 @@ async def test_replay_of_a_continuous_run_equals_what_the_trainer_builds(
     key = [(s.rollout_id, s.index, s.response_tokens, s.advantage, s.token_weight) for s in built.samples]
     assert [(s.rollout_id, s.index, s.response_tokens, s.advantage, s.token_weight) for s in scheme.samples] == key
     assert [s.prompt_tokens for s in scheme.samples] == [len(s.tokens) - s.response_tokens for s in built.samples]
+
+
+def test_interleaved_sub_agents_each_extend_their_own_chain(
+    gateway: GatewayHandle, engine: TemplateVLLM, model_dir: Path, run_id: str
+) -> None:
+    """Two conversations alternating in one attempt: every call after the first of each extends its own."""
+    rollout_id, client = start(gateway, run_id, "continuous", engine, model_dir)
+    conversations: list[list[Any]] = [
+        [{"role": "system", "content": f"You are sub-agent {name}."}, {"role": "user", "content": "Add 2 twice."}]
+        for name in ("A", "B")
+    ]
+    for _turn in range(3):
+        for messages in conversations:
+            reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+            message = reply.choices[0].message.model_dump(exclude_none=True)
+            messages.append(message)
+            messages += [
+                {"role": "tool", "tool_call_id": c["id"], "content": "4"} for c in message.get("tool_calls") or []
+            ]
+    calls = recorded(gateway, rollout_id)
+    assert [c.continuity for c in calls] == [
+        "fresh: first call of the attempt", "fresh: a new conversation (no earlier assistant turn)", *["extended"] * 4
+    ]  # fmt: skip
+    assert sample_count(calls, rollout_id) == 2

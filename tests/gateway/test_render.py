@@ -14,7 +14,7 @@ pytest.importorskip("transformers", reason="the comparison needs transformers (p
 from services.engine.tiny_model import build_tiny_model
 from services.engine.tokenizer import load_tokenizer
 from services.gateway.render import ChatRenderer, RenderError, template_messages
-from services.gateway.tokenin import OutputParser
+from services.gateway.tokenin import OutputParser, completion_body
 
 TOOLS: Any = [{"type": "function", "function": {"name": "add", "description": "a + b",
                "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]  # fmt: skip
@@ -101,3 +101,14 @@ def test_parsed_stream_deltas_add_up_to_the_whole_message(text: str) -> None:
         reasoning, content, _calls, message = parser.finish(tools=True)
         assert shown_reasoning + reasoning == (message.get("reasoning_content") or "")
         assert shown_content + content == (message["content"] or "")
+
+
+def test_the_token_in_body_keeps_the_chat_sampling_fields() -> None:
+    """Sampling fields carry over; no max_tokens means the context's limit (null), never a completion's 16."""
+    chat = {"model": "m", "messages": [], "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["x"], "n": 2,
+            "top_logprobs": 2, "stream": True, "tools": TOOLS}  # fmt: skip
+    body = completion_body(chat, [1, 2, 3])
+    assert body == {"model": "m", "prompt": [1, 2, 3], "return_token_ids": True, "temperature": 0.5, "top_p": 0.9,
+                    "seed": 3, "stop": ["x"], "n": 2, "max_tokens": None, "logprobs": 2, "stream": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+    assert completion_body({"max_completion_tokens": 9, "max_tokens": 5}, [1])["max_tokens"] == 9
