@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -56,6 +57,7 @@ class CompletionRequest(msgspec.Struct):
     suffix: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -128,6 +130,7 @@ def as_sampling_request(request: CompletionRequest) -> ChatCompletionRequest:
         logprobs=top is not None,
         top_logprobs=top or None,
         ignore_eos=request.ignore_eos,
+        response_format=request.response_format,
     )
 
 

@@ -24,7 +24,8 @@ import msgspec
 from services.common.toolcalls import THINK_END, THINK_START, TOOL_CALL_START, parse_tool_calls, split_reasoning
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
-             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")  # fmt: skip
+             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+             "response_format")  # fmt: skip
 
 
 def completion_body(chat: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:

@@ -78,6 +78,7 @@ def test_bad_prompts_are_refused_naming_the_field(engine_server: EngineHandle) -
         ({"prompt": [1, 2], "echo": True}, "echo"),
         ({"prompt": [1, 2], "logprobs": 99}, "logprobs"),
         ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": [1, 2], "response_format": {"type": "json_object"}}, "response_format"),
     ):
         response = httpx.post(url, json=body)
         assert response.status_code == 400, body
