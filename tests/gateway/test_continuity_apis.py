@@ -167,3 +167,23 @@ def test_the_embedded_engine_serves_a_continuous_rollout_as_one_sample(
     assert [c.continuity for c in calls][1:] == ["extended"] * 3
     assert all(len(c.logprobs) == len(c.response_ids) > 0 for c in calls)
     assert sample_count(calls, rollout["rollout_id"]) == 1
+
+
+def test_a_model_without_a_tokenizer_is_refused_in_the_callers_shape(
+    gateway: GatewayHandle, fake_vllm: Any, run_id: str
+) -> None:
+    """An engine with no tokenizer route and no registered directory: a 502 naming the fix, nothing recorded."""
+    r = gateway.admin.post("/api/runs", json={"run_id": run_id, "prompt_mode": "continuous"})
+    assert r.status_code == 201, r.text
+    rollout, attempt = gateway.running(run_id, fake_vllm.url)
+    client = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert refused.value.status_code == 502
+    assert "register the model with `tokenizer`" in refused.value.message
+    claude = anthropic.Anthropic(base_url=attempt["anthropic_base_url"], api_key=attempt["token"], max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as also:
+        claude.messages.create(model="fake", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert also.value.status_code == 502 and "tokenizer" in str(also.value)
+    assert recorded(gateway, rollout["rollout_id"]) == []
+    assert fake_vllm.served == []
