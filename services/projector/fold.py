@@ -33,7 +33,7 @@ from schemas.rollout import RolloutView, fold
 from services.common.eventstore import StoredEvent
 from services.projector import chains as chain_state
 from services.projector.flags import flag_names
-from services.projector.incoming import Incoming, event_type
+from services.projector.incoming import Incoming, event_type, nul_escaped_text
 
 _json = msgspec.json.Encoder()
 
@@ -249,6 +249,14 @@ class CallRow(msgspec.Struct, kw_only=True, gc=False):
     error: str | None
     new_sample: bool
     flags: list[str]
+    agent: str | None
+    endpoint: str | None
+    started_at: float | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    api: str
+    continuity: str | None
     base_seq: int | None = None
     base_tokens: int = 0
     base_text: int = 0
@@ -267,7 +275,10 @@ def _call_row(plan: Plan, item: Incoming, new_sample: bool) -> None:
         response_tokens=call.response_tokens, prompt_text=call.prompt_text, response_text=call.response_text,
         response_pieces=call.response_pieces, finish_reason=event.finish_reason, request=call.request,
         response=call.response, usage=call.usage, latency_s=event.latency_s, error=event.error,
-        new_sample=new_sample, flags=call.flags,
+        new_sample=new_sample, flags=call.flags, agent=nul_escaped_text(event.agent),
+        endpoint=nul_escaped_text(event.endpoint), started_at=event.started_at, temperature=event.temperature,
+        top_p=event.top_p, top_k=event.top_k, api=event.api,
+        continuity=nul_escaped_text(event.continuity) if isinstance(event.continuity, str) else None,
     )  # fmt: skip
     if call.base_seq is not None:
         plan.full_calls[item.seq] = msgspec.structs.astuple(row)

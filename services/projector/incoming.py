@@ -73,6 +73,7 @@ class WireCall(msgspec.Struct, kw_only=True, tag_field="type", tag="model_reques
     top_k: int | UnsetType | None = UNSET
     prompt_ref: CallRef | None = None
     packed: PackedTokens | None = None
+    continuity: str | UnsetType | None = UNSET
 
     def envelope(self) -> ModelRequestRecorded:
         """The event without its raw fields (validates ids exactly as `schemas.decode` does)."""

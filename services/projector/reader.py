@@ -21,6 +21,7 @@ from typing import Any
 
 import asyncpg
 import msgspec
+from msgspec import UNSET
 
 from schemas import ModelRequestRecorded, check_id, from_dict
 from schemas.ids import STREAM_NAME
@@ -129,8 +130,12 @@ def _loads(text: str | None) -> Any:
 
 
 def call_event(row: asyncpg.Record, calls: CallResolver) -> ModelRequestRecorded:
-    """A model call event rebuilt from its `events` + `model_calls` row, its full prompt and request resolved."""
+    """A model call event rebuilt from its `events` + `model_calls` row, its full prompt and request resolved.
+
+    `continuity` is left unset when the row has none, as an exact-mode call is on the stream.
+    """
     seq = row["seq"]
+    top_k, continuity = row["top_k"], row["continuity"]
     return ModelRequestRecorded(
         run_id=row["run_id"], rollout_id=row["rollout_id"], attempt_id=row["attempt_id"], event_id=row["event_id"],
         schema_version=row["schema_version"], time=row["time"], call_id=row["call_id"], mode=row["mode"],
@@ -138,7 +143,10 @@ def call_event(row: asyncpg.Record, calls: CallResolver) -> ModelRequestRecorded
         weights_version=row["weights_version"], prompt_ids=unpack_int32(calls.prompt_ids(seq)),
         response_ids=unpack_int32(row["response_ids"]), logprobs=unpack_float64(row["logprobs"]),
         finish_reason=row["finish_reason"], request=calls.request(seq), response=_loads(row["response"]),
-        usage=_loads(row["usage"]), latency_s=row["latency_s"], error=row["error"],
+        usage=_loads(row["usage"]), latency_s=row["latency_s"], error=row["error"], agent=row["agent"],
+        endpoint=row["endpoint"], started_at=row["started_at"], temperature=row["temperature"], top_p=row["top_p"],
+        top_k=None if top_k is None else int(top_k), api=row["api"],
+        continuity=UNSET if continuity is None else continuity,
     )  # fmt: skip
 
 
@@ -165,7 +173,8 @@ EVENTS_SQL = """
 SELECT e.seq, e.run_id, e.rollout_id, e.attempt_id, e.type, e.event_id, e.schema_version, e.time, e.body,
        m.call_id, m.choice_index, m.mode, m.status, m.model, m.weights_version, m.prompt_ids, m.response_ids,
        m.logprobs, m.finish_reason, m.request, m.response, m.usage, m.latency_s, m.error, m.base_seq,
-       m.base_tokens, m.base_text, m.prompt_text, m.response_text, m.request_ref,
+       m.base_tokens, m.base_text, m.prompt_text, m.response_text, m.request_ref, m.agent, m.endpoint,
+       m.started_at, m.temperature, m.top_p, m.top_k, m.api, m.continuity,
        w.value, w.name AS reward_name, w.step, w.source,
        c.name AS custom_name, c.payload
 FROM events e

@@ -83,6 +83,10 @@ async def test_viewer_api(demo: EventStore, database: str) -> None:
         later = (await client.get(f"/ui/api/runs/{RUN}/rollouts/ro-hack/timeline?after_seq={calls[1]['seq']}",
                                   headers=auth)).json()  # fmt: skip
         assert later["events"][0]["seq"] > calls[1]["seq"]
+        assert [c["continuity"] for c in calls] == [None] * 4  # exact prompt mode
+        live = (await client.get(f"/ui/api/runs/{RUN}/rollouts/ro-live/timeline", headers=auth)).json()
+        live_calls = [e for e in live["events"] if e["type"] == "model_request"]
+        assert [c["continuity"] for c in live_calls] == ["fresh: first call of the attempt", "extended"]
         full = (await client.get(f"/ui/api/calls/{calls[1]['seq']}", headers=auth)).json()
         assert full["prompt_text"] and len(full["request"]["messages"]) == 4
         assert (await client.get(f"/ui/api/runs/{RUN}/rollouts/nope", headers=auth)).status_code == 404
@@ -135,6 +139,7 @@ async def test_viewer_in_chromium(demo: EventStore, database: str, screenshots: 
             await expect(timeline.get_by_text("Call 4")).to_be_visible()
             await expect(timeline.locator(".tool-call.flagged", has_text="assert True")).to_have_count(1)
             await expect(timeline.locator(".ev.reward", has_text="Reward 1.000")).to_have_count(1)
+            await expect(timeline.locator(".chip.continuity")).to_have_count(0)  # exact prompt mode
             assert await timeline.locator(".tok").count() > 20  # response tokens shaded by logprob
             await page.screenshot(path=str(screenshots / "rollout.png"), full_page=True)
             await page.locator(".side").screenshot(path=str(screenshots / "side.png"))
@@ -142,6 +147,9 @@ async def test_viewer_in_chromium(demo: EventStore, database: str, screenshots: 
             await page.goto(f"{server.url}/ui/#/run/{RUN}/rollout/ro-live")
             await expect(page.locator("#timeline").get_by_text("Call 2")).to_be_visible()
             await expect(page.locator("#live")).to_be_visible()
+            continuity = page.locator("#timeline .chip.continuity")
+            await expect(continuity).to_have_text(["fresh: first call of the attempt", "extended"])
+            await page.locator("#timeline").screenshot(path=str(screenshots / "continuous.png"))
             await demo.append(RewardReported(run_id=RUN, rollout_id="ro-live", attempt_id="ro-live-a1", value=0.25))
             await demo.append(RolloutStatusChanged(run_id=RUN, rollout_id="ro-live", attempt_id="ro-live-a1",
                                                    status="succeeded", previous="running"))  # fmt: skip

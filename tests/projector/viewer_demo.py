@@ -1,5 +1,6 @@
 """A small run that looks like real agent RL, for the viewer tests: honest fixes, a reward hack
-(the agent edits the test), a runaway rollout, a failure, and one rollout still running."""
+(the agent edits the test), a runaway rollout, a failure, and one rollout still running (its calls
+made in continuous prompt mode)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import random
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from msgspec import UNSET
 
 from schemas import (
     AttemptStarted,
@@ -54,6 +57,7 @@ class Demo:
         reward: float | None,
         reason: str | None = None,
         group: str = "task-7",
+        continuous: bool = False,
     ) -> None:
         aid = f"{rid}-a1"
         issue = f"Issue #{rid[-1]}: the parser drops the last token of a line."
@@ -78,6 +82,7 @@ class Demo:
                 request={"model": "policy", "messages": list(messages)},
                 response=_reply(content, command), usage={"prompt_tokens": len(prompt)},
                 latency_s=self.rng.uniform(0.3, 2.5),
+                continuity=("extended" if index else "fresh: first call of the attempt") if continuous else UNSET,
             ))  # fmt: skip
             messages += [{"role": "assistant", "content": content}, {"role": "tool", "content": observation}]
             prompt = prompt + response + [self.rng.randrange(0, len(WORDS)) for _ in range(8)]
@@ -123,7 +128,7 @@ def demo_events() -> list[Event]:
     loop = [("Let me check again.", "cat src/parser.py", "def parse(line): ...")] * 18
     demo.rollout("ro-runaway", loop, "failed", 0.0, reason="timed out after 600 s")
     demo.rollout("ro-crash", HONEST[:1], "failed", None, reason="agent exited with code 1: ModuleNotFoundError")
-    demo.rollout("ro-live", HONEST[:2], None, None)
+    demo.rollout("ro-live", HONEST[:2], None, None, continuous=True)
     return demo.events
 
 

@@ -214,7 +214,7 @@ def _call_item(row: asyncpg.Record, seen_messages: int, calls: CallResolver) -> 
         "new_messages": new, "messages_total": len(messages), "response_text": text or row["response_text"],
         "tool_calls": tools, "response_ids": ids, "logprobs": logprobs,
         "response_pieces": list(pieces[:MAX_TOKENS_SHOWN]) if pieces is not None else None,
-        "has_prompt_text": row["has_prompt_text"],
+        "has_prompt_text": row["has_prompt_text"], "continuity": row["continuity"],
     }, len(messages)  # fmt: skip
 
 
@@ -222,7 +222,7 @@ TIMELINE_SQL = """
 SELECT e.seq, e.type, e.time, e.attempt_id, e.body, m.call_id, m.model, m.status, m.mode, m.weights_version,
        m.finish_reason, m.latency_s, m.error, m.prompt_tokens, m.response_tokens, m.new_sample, m.flags,
        m.request, m.response, m.response_ids, m.logprobs, m.response_pieces, m.response_text,
-       m.prompt_text IS NOT NULL AS has_prompt_text, m.base_seq, m.request_ref,
+       m.prompt_text IS NOT NULL AS has_prompt_text, m.base_seq, m.request_ref, m.continuity,
        w.value, w.name AS reward_name, w.source, w.step, c.name AS custom_name, c.payload
 FROM events e
 LEFT JOIN model_calls m ON m.seq = e.seq AND e.type = 'model_request'
@@ -287,6 +287,7 @@ async def call(reader: PostgresRolloutReader, seq: int) -> dict[str, Any] | None
         "seq": seq,
         "run_id": row["run_id"],
         "rollout_id": row["rollout_id"],
+        "continuity": row["continuity"],
         "request": calls.request(seq),
         "response": _loads(row["response"]),
         "usage": _loads(row["usage"]),

@@ -57,6 +57,16 @@ function chip(flag) {
   return h("span", { class: cls, text: name, title: [meaning, detail].filter(Boolean).join(" — ") });
 }
 
+// Continuous prompt mode: "extended" (an earlier call's prompt + sampled ids, verbatim) or "fresh: <why>".
+function continuityChip(value) {
+  if (!value) return null;
+  const fresh = value.startsWith("fresh");
+  const title = fresh ? "continuous prompt mode: rendered from the messages, a new chain of ids starts"
+    : "continuous prompt mode: an earlier call's prompt and sampled ids, then the new turns";
+  return h("span", { class: `chip continuity ${fresh ? "relative" : "info"}`, title: `${value} — ${title}`,
+    text: value.length > 80 ? `${value.slice(0, 79)}…` : value });
+}
+
 function clipped(text, limit = 1200) {
   const body = h("pre", { text });
   if (text.length <= limit) return body;
@@ -326,6 +336,7 @@ function eventCard(ev, index) {
           h("span", { class: "kind", text: `Call ${index}` }),
           h("span", { class: "meta", text: [ev.model, `${fmt.tokens(ev.prompt_tokens)} → ${fmt.tokens(ev.response_tokens)} tokens`, `${fmt.num(ev.latency_s, 2)} s`, ev.finish_reason && `finish ${ev.finish_reason}`, ev.weights_version !== null && `weights v${ev.weights_version}`].filter(Boolean).join(" · ") }),
           ev.new_sample && index > 1 ? h("span", { class: "chip relative", text: "new sample", title: "this call does not extend the conversation so far: the trainer starts a new sample here" }) : null,
+          continuityChip(ev.continuity),
           failed ? h("span", { class: "pill failed", text: ev.status }) : null,
           ev.flags.map(chip),
           h("span", { class: "seq", text: `seq ${ev.seq} · ${fmt.time(ev.time)}` })),
