@@ -31,8 +31,7 @@ from services.engine.protocol import (
     Usage,
     decode_with,
 )
-from services.engine.responses import sse, usage
-from services.engine.scheduler import EngineClosedError, GenerationFailedError
+from services.engine.responses import event_stream, sse, usage
 
 
 class CompletionRequest(msgspec.Struct):
@@ -183,7 +182,7 @@ def completion(engine: Engine, request: CompletionRequest, started: Started) -> 
     )
 
 
-async def stream(engine: Engine, request: CompletionRequest, started: Started) -> AsyncIterator[bytes]:
+def stream(engine: Engine, request: CompletionRequest, started: Started) -> AsyncIterator[bytes]:
     """SSE chunks of a streamed completion: each choice's first chunk carries its prompt ids."""
     chunk_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     ids = bool(request.return_token_ids)
@@ -202,34 +201,31 @@ async def stream(engine: Engine, request: CompletionRequest, started: Started) -
             )
         )
 
-    first = True
-    try:
-        try:
-            async for deltas in started.job.deltas():
-                choices = []
-                for d in deltas:
-                    entries = [d.logprob] if d.logprob is not None else []
-                    choices.append(
-                        CompletionChoice(
-                            index=d.index,
-                            text=d.content,
-                            logprobs=_logprobs(entries, offsets[d.index], request.logprobs is not None),
-                            finish_reason=d.finish_reason,
-                            stop_reason=d.stop_reason,
-                            prompt_token_ids=started.prompt_ids if ids and d.index not in opened else UNSET,
-                            token_ids=[d.token_id] if ids else UNSET,
-                        )
+    async def chunks() -> AsyncIterator[bytes]:
+        first = True
+        async for deltas in started.job.deltas():
+            choices = []
+            for d in deltas:
+                entries = [d.logprob] if d.logprob is not None else []
+                choices.append(
+                    CompletionChoice(
+                        index=d.index,
+                        text=d.content,
+                        logprobs=_logprobs(entries, offsets[d.index], request.logprobs is not None),
+                        finish_reason=d.finish_reason,
+                        stop_reason=d.stop_reason,
+                        prompt_token_ids=started.prompt_ids if ids and d.index not in opened else UNSET,
+                        token_ids=[d.token_id] if ids else UNSET,
                     )
-                    offsets[d.index] += len(d.content)
-                    opened.add(d.index)
-                yield chunk(choices, first=first)
-                first = False
-        except (GenerationFailedError, EngineClosedError) as exc:
-            error = RequestError(str(exc), code="generation_failed", status=500, error_type="server_error")
-            yield sse(error.body())
-        else:
-            if request.stream_options is not None and request.stream_options.include_usage:
-                yield chunk([], counts=usage(started.prompt_ids, started.builders))
-        yield b"data: [DONE]\n\n"
-    finally:
-        started.job.cancel()
+                )
+                offsets[d.index] += len(d.content)
+                opened.add(d.index)
+            yield chunk(choices, first=first)
+            first = False
+
+    wants_usage = request.stream_options is not None and request.stream_options.include_usage
+    return event_stream(
+        started,
+        chunks(),
+        (lambda: chunk([], counts=usage(started.prompt_ids, started.builders))) if wants_usage else None,
+    )

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import msgspec
 from msgspec import UNSET
 
+from services.engine.engine import Started
 from services.engine.output import ChoiceBuilder, TokenDelta
 from services.engine.protocol import (
     AssistantMessage,
@@ -17,9 +18,11 @@ from services.engine.protocol import (
     ChunkChoice,
     Delta,
     FunctionDelta,
+    RequestError,
     ToolCallDelta,
     Usage,
 )
+from services.engine.scheduler import EngineClosedError, GenerationFailedError
 
 _encoder = msgspec.json.Encoder()
 
@@ -67,3 +70,27 @@ def chunk_choice(delta: TokenDelta, request: ChatCompletionRequest) -> ChunkChoi
         stop_reason=delta.stop_reason if delta.finish_reason else UNSET,
         token_ids=[delta.token_id] if request.return_token_ids else UNSET,
     )
+
+
+def generation_error(exc: Exception) -> RequestError:
+    """The error a failed generation is answered with (500, `generation_failed`)."""
+    return RequestError(str(exc), code="generation_failed", status=500, error_type="server_error")
+
+
+async def event_stream(
+    started: Started, chunks: AsyncIterator[bytes], usage_chunk: Callable[[], bytes] | None
+) -> AsyncIterator[bytes]:
+    """A streamed answer's body: its chunks, an error event if generation fails, else the usage chunk
+    when asked, then `[DONE]`; the job is cancelled however the stream ends (a client gone stops it)."""
+    try:
+        try:
+            async for piece in chunks:
+                yield piece
+        except (GenerationFailedError, EngineClosedError) as exc:
+            yield sse(generation_error(exc).body())
+        else:
+            if usage_chunk is not None:
+                yield usage_chunk()
+        yield b"data: [DONE]\n\n"
+    finally:
+        started.job.cancel()

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ from services.engine.protocol import (
     decode_chat_request,
     decode_reload_request,
 )
-from services.engine.responses import chunk_choice, encode, final_choice, sse, usage
+from services.engine.responses import chunk_choice, encode, event_stream, final_choice, generation_error, sse, usage
 from services.engine.scheduler import EngineClosedError, GenerationFailedError
 from services.engine.tokenizer import ModelLoadError
 
@@ -85,7 +85,7 @@ async def _collect(started: Started, request: Request) -> bool:
         watcher.cancel()
 
 
-async def _stream(engine: Engine, request: ChatCompletionRequest, started: Started) -> AsyncIterator[bytes]:
+def _stream(engine: Engine, request: ChatCompletionRequest, started: Started) -> AsyncIterator[bytes]:
     chunk_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices: list[ChunkChoice], counts: Usage | None = None, first: bool = False) -> bytes:
@@ -101,21 +101,18 @@ async def _stream(engine: Engine, request: ChatCompletionRequest, started: Start
             )
         )
 
-    try:
+    async def chunks() -> AsyncIterator[bytes]:
         roles = [ChunkChoice(index=b.index, delta=Delta(role="assistant", content="")) for b in started.builders]
         yield chunk(roles, first=True)
-        try:
-            async for deltas in started.job.deltas():
-                yield chunk([chunk_choice(d, request) for d in deltas])
-        except (GenerationFailedError, EngineClosedError) as exc:
-            error = RequestError(str(exc), code="generation_failed", status=500, error_type="server_error")
-            yield sse(error.body())
-        else:
-            if request.stream_options is not None and request.stream_options.include_usage:
-                yield chunk([], counts=usage(started.prompt_ids, started.builders))
-        yield b"data: [DONE]\n\n"
-    finally:
-        started.job.cancel()
+        async for deltas in started.job.deltas():
+            yield chunk([chunk_choice(d, request) for d in deltas])
+
+    wants_usage = request.stream_options is not None and request.stream_options.include_usage
+    return event_stream(
+        started,
+        chunks(),
+        (lambda: chunk([], counts=usage(started.prompt_ids, started.builders))) if wants_usage else None,
+    )
 
 
 def _routes(app: FastAPI, engine: Engine) -> None:
@@ -159,34 +156,42 @@ def _routes(app: FastAPI, engine: Engine) -> None:
         return _json(payload, weights.version)
 
 
+async def _answer(
+    http_request: Request, started: Started, stream: AsyncIterator[bytes] | None, whole: Callable[[], Any]
+) -> Response:
+    """Stream the answer as SSE, or wait for it and answer `whole()` (499 when the client left first)."""
+    headers = {WEIGHTS_VERSION_HEADER: str(started.weights_version)}
+    if stream is not None:
+        return StreamingResponse(
+            stream, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"}
+        )
+    try:
+        completed = await _collect(started, http_request)
+    except (GenerationFailedError, EngineClosedError) as exc:
+        return _json(generation_error(exc).body(), started.weights_version, status=500)
+    if not completed:
+        return Response(status_code=499)
+    return _json(whole(), started.weights_version)
+
+
 async def _chat_completion(engine: Engine, http_request: Request) -> Response:
     """`POST /v1/chat/completions`: stream the choices as SSE, or answer once they are complete."""
     request = decode_chat_request(await http_request.body())
     _check_model(engine, request.model)
     started = engine.start(request)
-    if request.stream:
-        return StreamingResponse(
-            _stream(engine, request, started),
-            media_type="text/event-stream",
-            headers={WEIGHTS_VERSION_HEADER: str(started.weights_version), "cache-control": "no-cache"},
+
+    def whole() -> ChatCompletion:
+        return ChatCompletion(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=engine.served_name,
+            choices=[final_choice(b, request) for b in started.builders],
+            usage=usage(started.prompt_ids, started.builders),
+            weights_version=started.weights_version,
+            prompt_token_ids=started.prompt_ids if request.return_token_ids else UNSET,
         )
-    try:
-        completed = await _collect(started, http_request)
-    except (GenerationFailedError, EngineClosedError) as exc:
-        error = RequestError(str(exc), code="generation_failed", status=500, error_type="server_error")
-        return _json(error.body(), started.weights_version, status=500)
-    if not completed:
-        return Response(status_code=499)
-    response = ChatCompletion(
-        id=f"chatcmpl-{uuid.uuid4().hex}",
-        created=int(time.time()),
-        model=engine.served_name,
-        choices=[final_choice(b, request) for b in started.builders],
-        usage=usage(started.prompt_ids, started.builders),
-        weights_version=started.weights_version,
-        prompt_token_ids=started.prompt_ids if request.return_token_ids else UNSET,
-    )
-    return _json(response, started.weights_version)
+
+    return await _answer(http_request, started, _stream(engine, request, started) if request.stream else None, whole)
 
 
 def _check_model(engine: Engine, model: str | None) -> None:
@@ -204,20 +209,8 @@ async def _completion(engine: Engine, http_request: Request) -> Response:
     request = completions.decode_completion_request(await http_request.body(), engine.weights.vocab_size)
     _check_model(engine, request.model)
     started = engine.start(completions.as_sampling_request(request), completions.prompt_ids(engine, request))
-    if request.stream:
-        return StreamingResponse(
-            completions.stream(engine, request, started),
-            media_type="text/event-stream",
-            headers={WEIGHTS_VERSION_HEADER: str(started.weights_version), "cache-control": "no-cache"},
-        )
-    try:
-        completed = await _collect(started, http_request)
-    except (GenerationFailedError, EngineClosedError) as exc:
-        error = RequestError(str(exc), code="generation_failed", status=500, error_type="server_error")
-        return _json(error.body(), started.weights_version, status=500)
-    if not completed:
-        return Response(status_code=499)
-    return _json(completions.completion(engine, request, started), started.weights_version)
+    stream = completions.stream(engine, request, started) if request.stream else None
+    return await _answer(http_request, started, stream, lambda: completions.completion(engine, request, started))
 
 
 def _error_handlers(app: FastAPI) -> None:

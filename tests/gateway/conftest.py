@@ -6,6 +6,8 @@ Tests isolate themselves by run id: each registers the fake upstream as the mode
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from fake_vllm import FakeVLLM
@@ -38,3 +40,22 @@ def gateway(nats_url: str) -> Iterator[GatewayHandle]:
         handle = GatewayHandle(served, settings)
         yield handle
         handle.admin.close()
+
+
+@pytest.fixture(scope="session")
+def qwen3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's tokenizer with a Qwen3-style chat template (continuous prompt mode tests)."""
+    from continuity_rig import qwen3_model
+
+    return qwen3_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def qwen3_vllm(qwen3_model_dir: Path) -> Iterator[Any]:
+    """The template-rendering fake vLLM answering the 6-turn script of `continuity_rig`."""
+    from continuity_rig import scripted_engine
+
+    app = scripted_engine(qwen3_model_dir)
+    with Served(app) as served:
+        app.url = served.url
+        yield app

@@ -21,7 +21,7 @@ from template_vllm import TemplateVLLM
 
 pytest.importorskip("transformers", reason="the tiny model's tokenizer needs transformers (pip install -e .[train])")
 
-from continuity_rig import TOOLS, TURNS, qwen3_model, recorded, sample_count, scripted_engine, start, tool_loop
+from continuity_rig import TOOLS, TURNS, recorded, sample_count, start, tool_loop
 
 from services.common.eventstore import EventStore
 from services.gateway import create_app
@@ -29,28 +29,13 @@ from services.tools.replay import replay_run
 from trainer.core import build_step, collect_rollouts
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model's tokenizer with a Qwen3-style chat template."""
-    return qwen3_model(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Iterator[TemplateVLLM]:
-    """The template-rendering fake vLLM, answering the 6-turn script."""
-    app = scripted_engine(model_dir)
-    with Served(app) as served:
-        app.url = served.url  # type: ignore[attr-defined]
-        yield app
-
-
 def test_a_six_turn_tool_loop_is_one_sample_in_continuous_mode_and_splits_in_exact(
-    gateway: GatewayHandle, engine: TemplateVLLM, model_dir: Path, run_id: str
+    gateway: GatewayHandle, qwen3_vllm: TemplateVLLM, qwen3_model_dir: Path, run_id: str
 ) -> None:
     """Exact mode re-renders (reasoning dropped, JSON re-serialised) and splits; continuous keeps the sampled ids."""
     counts = {}
     for mode in ("exact", "continuous"):
-        rollout_id, client = start(gateway, f"{run_id}-{mode}", mode, engine, model_dir)
+        rollout_id, client = start(gateway, f"{run_id}-{mode}", mode, qwen3_vllm, qwen3_model_dir)
         messages = tool_loop(client)
         assert messages[-1]["content"] == "\n\nThe sum is 12."
         calls = recorded(gateway, rollout_id)
@@ -69,10 +54,10 @@ def test_a_six_turn_tool_loop_is_one_sample_in_continuous_mode_and_splits_in_exa
 
 
 def test_a_streamed_loop_extends_too_and_the_stream_adds_up(
-    gateway: GatewayHandle, engine: TemplateVLLM, model_dir: Path, run_id: str
+    gateway: GatewayHandle, qwen3_vllm: TemplateVLLM, qwen3_model_dir: Path, run_id: str
 ) -> None:
     """Streamed calls are converted chunk by chunk: the harness rebuilds the same tool calls and text."""
-    rollout_id, client = start(gateway, run_id, "continuous", engine, model_dir)
+    rollout_id, client = start(gateway, run_id, "continuous", qwen3_vllm, qwen3_model_dir)
     messages = tool_loop(client, stream=True)
     assert messages[-1]["content"] == "\n\nThe sum is 12."
     calls = recorded(gateway, rollout_id)
@@ -81,10 +66,10 @@ def test_a_streamed_loop_extends_too_and_the_stream_adds_up(
 
 
 def test_a_compacting_harness_starts_a_second_chain_and_says_why(
-    gateway: GatewayHandle, engine: TemplateVLLM, model_dir: Path, run_id: str
+    gateway: GatewayHandle, qwen3_vllm: TemplateVLLM, qwen3_model_dir: Path, run_id: str
 ) -> None:
     """Dropping old turns at turn 4: that call is rendered fresh, with the reason; the rest extend it."""
-    rollout_id, client = start(gateway, run_id, "continuous", engine, model_dir)
+    rollout_id, client = start(gateway, run_id, "continuous", qwen3_vllm, qwen3_model_dir)
     tool_loop(client, compact_at=4)
     calls = recorded(gateway, rollout_id)
     kinds = [c.continuity for c in calls]
@@ -105,10 +90,10 @@ def second(nats_url: str) -> Iterator[GatewayHandle]:
 
 
 def test_calls_alternating_between_two_gateways_extend_one_chain(
-    gateway: GatewayHandle, second: GatewayHandle, engine: TemplateVLLM, model_dir: Path, run_id: str
+    gateway: GatewayHandle, second: GatewayHandle, qwen3_vllm: TemplateVLLM, qwen3_model_dir: Path, run_id: str
 ) -> None:
     """Round-robin over two replicas: each finds the other's calls on the stream, the chain holds."""
-    rollout_id, client = start(gateway, run_id, "continuous", engine, model_dir)
+    rollout_id, client = start(gateway, run_id, "continuous", qwen3_vllm, qwen3_model_dir)
     other = openai.OpenAI(
         base_url=str(client.base_url).replace(gateway.url, second.url), api_key=client.api_key, max_retries=0
     )
@@ -120,13 +105,13 @@ def test_calls_alternating_between_two_gateways_extend_one_chain(
 
 
 async def test_replay_of_a_continuous_run_equals_what_the_trainer_builds(
-    gateway: GatewayHandle, engine: TemplateVLLM, model_dir: Path, run_id: str, store: EventStore
+    gateway: GatewayHandle, qwen3_vllm: TemplateVLLM, qwen3_model_dir: Path, run_id: str, store: EventStore
 ) -> None:
     """Two groups of two rollouts recorded in continuous mode: `replay_run` rebuilds the trainer's step."""
     r = gateway.admin.post("/api/runs", json={"run_id": run_id, "prompt_mode": "continuous"})
     assert r.status_code == 201, r.text
-    gateway.register_model(run_id, f"{engine.url}/v1", name="policy", served_model="qwen3-style",  # type: ignore[attr-defined]
-                           tokenizer=str(model_dir), reasoning_parser="qwen3")  # fmt: skip
+    gateway.register_model(run_id, f"{qwen3_vllm.url}/v1", name="policy", served_model="qwen3-style",  # type: ignore[attr-defined]
+                           tokenizer=str(qwen3_model_dir), reasoning_parser="qwen3")  # fmt: skip
     for index in range(4):
         rollout = gateway.create(run_id, group_id=f"g{index // 2}")[0]
         rid = rollout["rollout_id"]
@@ -151,10 +136,10 @@ async def test_replay_of_a_continuous_run_equals_what_the_trainer_builds(
 
 
 def test_interleaved_sub_agents_each_extend_their_own_chain(
-    gateway: GatewayHandle, engine: TemplateVLLM, model_dir: Path, run_id: str
+    gateway: GatewayHandle, qwen3_vllm: TemplateVLLM, qwen3_model_dir: Path, run_id: str
 ) -> None:
     """Two conversations alternating in one attempt: every call after the first of each extends its own."""
-    rollout_id, client = start(gateway, run_id, "continuous", engine, model_dir)
+    rollout_id, client = start(gateway, run_id, "continuous", qwen3_vllm, qwen3_model_dir)
     conversations: list[list[Any]] = [
         [{"role": "system", "content": f"You are sub-agent {name}."}, {"role": "user", "content": "Add 2 twice."}]
         for name in ("A", "B")

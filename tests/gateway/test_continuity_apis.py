@@ -11,7 +11,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from continuity_rig import TURNS, qwen3_model, recorded, sample_count, scripted_engine, start
+from continuity_rig import TURNS, recorded, sample_count, start
 from gw_harness import GatewayHandle, Served
 from template_vllm import TemplateVLLM
 
@@ -25,29 +25,14 @@ ANTHROPIC_TOOLS: Any = [{"name": "add", "description": "a + b", "input_schema": 
 RESPONSES_TOOLS: Any = [{"type": "function", "name": "add", "description": "a + b", "parameters": {"type": "object"}}]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model's tokenizer with a Qwen3-style chat template."""
-    return qwen3_model(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Iterator[TemplateVLLM]:
-    """The Qwen3-style fake answering the 6-turn script."""
-    app = scripted_engine(model_dir)
-    with Served(app) as served:
-        app.url = served.url  # type: ignore[attr-defined]
-        yield app
-
-
 def test_a_messages_api_tool_loop_is_one_sample(
     gateway: GatewayHandle,
-    engine: TemplateVLLM,
-    model_dir: Path,
+    qwen3_vllm: TemplateVLLM,
+    qwen3_model_dir: Path,
     run_id: str,
 ) -> None:
     """Anthropic's client: tool_use / tool_result blocks sent back as the SDK builds them extend the chain."""
-    rollout_id, client = start(gateway, run_id, "continuous", engine, model_dir)
+    rollout_id, client = start(gateway, run_id, "continuous", qwen3_vllm, qwen3_model_dir)
     claude = anthropic.Anthropic(
         base_url=str(client.base_url).replace("/openai/v1", "/anthropic"), api_key=client.api_key
     )
@@ -71,12 +56,12 @@ def test_a_messages_api_tool_loop_is_one_sample(
 
 def test_a_responses_api_tool_loop_is_one_sample(
     gateway: GatewayHandle,
-    engine: TemplateVLLM,
-    model_dir: Path,
+    qwen3_vllm: TemplateVLLM,
+    qwen3_model_dir: Path,
     run_id: str,
 ) -> None:
     """The Responses API with the whole input list sent back each turn (store=False) extends the chain."""
-    rollout_id, client = start(gateway, run_id, "continuous", engine, model_dir)
+    rollout_id, client = start(gateway, run_id, "continuous", qwen3_vllm, qwen3_model_dir)
     items: list[Any] = [{"role": "user", "content": "Add 2 five times."}]
     for _ in range(TURNS):
         reply = client.responses.create(model="policy", instructions="You add.", input=items, tools=RESPONSES_TOOLS,
@@ -105,19 +90,19 @@ def _split_token(tokenizer: Any) -> tuple[list[int], int]:
 
 def test_byte_level_drift_stays_exact(
     gateway: GatewayHandle,
-    model_dir: Path,
+    qwen3_model_dir: Path,
     run_id: str,
 ) -> None:
     """A sampled pair of ids that re-encodes as one id: exact mode splits, continuous keeps the pair."""
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(qwen3_model_dir)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pair, whole = _split_token(tokenizer)
-    app = TemplateVLLM(model_dir, lambda turn: [*pair, end] if turn == 0 else [*tokenizer.encode("ok"), end])
+    app = TemplateVLLM(qwen3_model_dir, lambda turn: [*pair, end] if turn == 0 else [*tokenizer.encode("ok"), end])
     counts = {}
     with Served(app) as served:
         app.url = served.url  # type: ignore[attr-defined]
         for mode in ("exact", "continuous"):
-            rollout_id, client = start(gateway, f"{run_id}-{mode}", mode, app, model_dir)
+            rollout_id, client = start(gateway, f"{run_id}-{mode}", mode, app, qwen3_model_dir)
             messages: list[Any] = [{"role": "user", "content": "hi"}]
             first = client.chat.completions.create(model="policy", messages=messages)
             messages += [
