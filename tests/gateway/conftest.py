@@ -32,14 +32,24 @@ def fake_vllm(fake: FakeVLLM) -> FakeVLLM:
     return fake
 
 
-@pytest.fixture(scope="session")
-def gateway(nats_url: str) -> Iterator[GatewayHandle]:
-    """A gateway shared by the session's tests (isolated from each other by run id)."""
+def _served_gateway(nats_url: str) -> Iterator[GatewayHandle]:
     settings = gateway_settings(nats_url)
     with Served(create_app(settings), settings.port) as served:
         handle = GatewayHandle(served, settings)
         yield handle
         handle.admin.close()
+
+
+@pytest.fixture(scope="session")
+def gateway(nats_url: str) -> Iterator[GatewayHandle]:
+    """A gateway shared by the session's tests (isolated from each other by run id)."""
+    yield from _served_gateway(nats_url)
+
+
+@pytest.fixture
+def second(gateway: GatewayHandle, nats_url: str) -> Iterator[GatewayHandle]:
+    """Another gateway replica on the same NATS, with its own caches (for tests of several gateways)."""
+    yield from _served_gateway(nats_url)
 
 
 @pytest.fixture(scope="session")

@@ -10,13 +10,12 @@ samples per rollout.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from gw_harness import GatewayHandle, Served, gateway_settings
+from gw_harness import GatewayHandle
 from template_vllm import TemplateVLLM
 
 pytest.importorskip("transformers", reason="the tiny model's tokenizer needs transformers (pip install -e .[train])")
@@ -24,7 +23,6 @@ pytest.importorskip("transformers", reason="the tiny model's tokenizer needs tra
 from continuity_rig import TOOLS, TURNS, recorded, sample_count, start, tool_loop
 
 from services.common.eventstore import EventStore
-from services.gateway import create_app
 from services.tools.replay import replay_run
 from trainer.core import build_step, collect_rollouts
 
@@ -77,16 +75,6 @@ def test_a_compacting_harness_starts_a_second_chain_and_says_why(
     assert kinds[4] == "fresh: history differs from every earlier call at message 2"
     assert kinds[5] == "extended"
     assert sample_count(calls, rollout_id) == 2
-
-
-@pytest.fixture
-def second(nats_url: str) -> Iterator[GatewayHandle]:
-    """Another gateway replica on the same NATS (its own call cache)."""
-    settings = gateway_settings(nats_url)
-    with Served(create_app(settings), settings.port) as served:
-        handle = GatewayHandle(served, settings)
-        yield handle
-        handle.admin.close()
 
 
 def test_calls_alternating_between_two_gateways_extend_one_chain(

@@ -4,28 +4,15 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from itertools import cycle
 from typing import Any
 
 import openai
-import pytest
 from fake_vllm import FakeVLLM
-from gw_harness import ADMIN, GatewayHandle, Served, gateway_settings
+from gw_harness import ADMIN, GatewayHandle
 
-from services.gateway import create_app
 from services.gateway.routing import sticky
-
-
-@pytest.fixture
-def second(gateway: GatewayHandle, nats_url: str) -> Iterator[GatewayHandle]:
-    """Another gateway process's worth of state (own caches) on the same NATS."""
-    settings = gateway_settings(nats_url)
-    with Served(create_app(settings), settings.port) as served:
-        handle = GatewayHandle(served, settings)
-        yield handle
-        handle.admin.close()
 
 
 def test_a_key_reused_for_another_body_through_another_gateway_is_refused(
