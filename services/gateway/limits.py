@@ -101,9 +101,7 @@ def check_call(request: dict[str, Any], limits: CallLimits) -> None:
 def clamp_max_tokens(payload: bytes, request: dict[str, Any], limits: CallLimits) -> tuple[bytes, dict[str, Any]]:
     """(payload, request) with `max_tokens` / `max_completion_tokens` lowered to the run's limit;
     the same objects when nothing is over it (the common case costs no re-encoding)."""
-    over = [
-        name for name in ("max_tokens", "max_completion_tokens") if _count(request, name, 1) > limits.max_tokens
-    ]
+    over = [name for name in ("max_tokens", "max_completion_tokens") if _count(request, name, 1) > limits.max_tokens]
     if not over:
         return payload, request
     body = msgspec.json.decode(payload)

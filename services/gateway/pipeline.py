@@ -127,6 +127,8 @@ class Pipeline:
             else:
                 await self._complete(call, receive, send)
         finally:
+            if gw.reaper is not None:
+                gw.reaper.ended(call.call_id)
             gate.leave(call.view.run_id)
             if reserved:
                 gw.budgets.release(call.view, call.attempt_id)

@@ -27,7 +27,6 @@ from services.gateway.commands import (
 from services.gateway.context import Gateway
 from services.gateway.errors import forbidden, invalid, not_found
 from services.gateway.http import json_response
-from services.gateway.reaper import CALL_STARTED
 from services.gateway.views import event_json, rollout_detail_json, rollout_json, triplet_json
 
 
@@ -158,8 +157,6 @@ async def list_events(request: Request, rollout_id: str) -> Response:
                 continue
         elif not isinstance(event, (RewardReported, CustomEvent)) and not _is_call(item):
             continue
-        elif isinstance(event, CustomEvent) and event.name == CALL_STARTED:
-            continue  # the proxy's own bookkeeping (see reaper.py): asked for only with `type=custom`
         if attempt is not None and event.attempt_id != attempt:
             continue
         if own_attempt is not None and event.attempt_id != own_attempt:

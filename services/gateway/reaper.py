@@ -1,16 +1,19 @@
 """Calls visible from their start, and ended as `aborted` when the gateway serving them dies.
 
-When a call passes the phase gate, the proxy publishes a light `call_started` marker (a custom
-event on `rl.<run>.rollout.<rollout>.event.call_started`: call id, the gateway's instance id, the
-API and the model) with a plain NATS publish: JetStream stores it, nothing waits for its ack, so
-the marker costs the call no latency. The call's `model_request` follows when it ends.
+When a call passes the phase gate, the proxy puts a light marker for it into the JetStream
+key-value bucket `rollwire_calls` (key: the call id; value: run, rollout, attempt, the gateway's
+instance id, mode and model) with a plain NATS publish: JetStream stores it, nothing waits for its
+ack, so the marker costs the call no latency. When the call ends, recorded or not, the proxy
+deletes the key the same way. In-flight calls are therefore visible to anyone
+(`nats kv watch rollwire_calls`), and a rollout's event history holds only what happened: the
+markers are transient state, not events (entries also expire after `LOOKBACK_S`).
 
-Every gateway heartbeats into the JetStream key-value bucket `rollwire_gateways` (its instance id,
-entries expire after three intervals) and follows the markers and the calls of the last hour. A
-started call with no `model_request` whose gateway's heartbeat has expired is recorded by any
-live gateway as `aborted` with the reason, under the deterministic event id `<call_id>-reaped`,
-so several reapers append it once. The engine's tokens for such a call are lost (the gateway held
-them), but the call, its rollout attempt and why it ended are on the stream.
+Every gateway heartbeats into the bucket `rollwire_gateways` (its instance id, entries expire after
+three intervals) and watches `rollwire_calls`. A call whose gateway's heartbeat has expired is
+recorded by any live gateway as `aborted` with the reason, under the deterministic event id
+`<call_id>-reaped` (so several reapers append it once), and its marker is deleted. The engine's
+tokens for such a call are lost (the gateway held them), but the call, its rollout attempt and why
+it ended are on the stream.
 """
 
 from __future__ import annotations
@@ -18,38 +21,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import secrets
 import time
-from collections import OrderedDict
-from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
 import nats.errors
 import nats.js.errors
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.kv import KeyValue
 
-from schemas import CustomEvent, MalformedEvent, ModelRequestRecorded, decode, encode
-from services.common.eventstore import EventStore, EventStoreError, raise_if_cancelling
+from schemas import ModelRequestRecorded
+from services.common.eventstore import EventStore, EventStoreError
 
-CALL_STARTED = "call_started"
 BUCKET = "rollwire_gateways"
+CALLS = "rollwire_calls"
 LOOKBACK_S = 3600.0
-ENDED_KEPT = 100_000
-_CALL_ID = re.compile(rb'"call_id":"([^"]+)"')
 log = logging.getLogger("rollwire.gateway.reaper")
 
 
-class _Open:
-    __slots__ = ("attempt_id", "gateway", "mode", "model", "rollout_id", "run_id", "seen")
+class CallMarker(msgspec.Struct, frozen=True, gc=False):
+    """A call in flight, as kept in `rollwire_calls`."""
 
-    def __init__(self, event: CustomEvent) -> None:
-        self.run_id, self.rollout_id, self.attempt_id = event.run_id, event.rollout_id, event.attempt_id
-        self.gateway = str(event.payload.get("gateway", ""))
-        self.mode = "val" if event.payload.get("mode") == "val" else "train"
-        self.model = str(event.payload.get("model", ""))
-        self.seen = time.monotonic()
+    run_id: str
+    rollout_id: str
+    attempt_id: str | None
+    gateway: str
+    mode: str
+    model: str
+    seen: float = 0.0  # when this gateway first saw it (monotonic; not stored)
+
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder(CallMarker).decode
 
 
 class CallReaper:
@@ -59,39 +62,42 @@ class CallReaper:
         self.store = store
         self.instance = secrets.token_hex(8)
         self.interval_s = interval_s
-        self.open: dict[str, _Open] = {}
-        self.ended: OrderedDict[str, None] = OrderedDict()
+        self.open: dict[str, CallMarker] = {}
         self.reaped = 0
         self.kv: KeyValue | None = None
+        self.calls: KeyValue | None = None
         self.tasks: list[asyncio.Task[None]] = []
 
     def started(self, run_id: str, rollout_id: str, attempt_id: str, call_id: str, mode: str, model: str) -> None:
-        """Publish the call's marker without waiting for JetStream (a lost marker only loses the reaping)."""
-        event = CustomEvent(
-            run_id=run_id,
-            rollout_id=rollout_id,
-            attempt_id=attempt_id,
-            event_id=f"{call_id}-started",
-            name=CALL_STARTED,
-            payload={"call_id": call_id, "gateway": self.instance, "mode": mode, "model": model},
-        )
+        """Put the call's marker without waiting for JetStream (a lost marker only loses the reaping)."""
+        marker = CallMarker(run_id, rollout_id, attempt_id, self.instance, mode, model)
+        self._publish(call_id, _encode(marker), None)
+
+    def ended(self, call_id: str) -> None:
+        """Delete the call's marker (it was recorded, or its gateway is alive to answer for it)."""
+        self._publish(call_id, b"", {"KV-Operation": "DEL"})
+
+    def _publish(self, call_id: str, data: bytes, headers: dict[str, str] | None) -> None:
         task = asyncio.get_running_loop().create_task(
-            self.store.nc.publish(event.subject, encode(event), headers={"Nats-Msg-Id": event.event_id})
+            self.store.nc.publish(f"$KV.{CALLS}.{call_id}", data, headers=headers)
         )
         task.add_done_callback(_quiet)
 
     async def start(self) -> None:
-        """Create the heartbeat bucket, then heartbeat, follow and reap in the background."""
-        ttl = 3 * self.interval_s
-        try:
-            self.kv = await self.store.js.key_value(BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            with contextlib.suppress(nats.js.errors.BadRequestError):
-                await self.store.js.create_key_value(bucket=BUCKET, ttl=ttl, history=1)
-            self.kv = await self.store.js.key_value(BUCKET)
+        """Create the two buckets, then heartbeat, watch the calls and reap in the background."""
+        self.kv = await self._bucket(BUCKET, 3 * self.interval_s)
+        self.calls = await self._bucket(CALLS, LOOKBACK_S)
         await self.kv.put(self.instance, b"alive")
         loop = asyncio.get_running_loop()
         self.tasks = [loop.create_task(self._heartbeat()), loop.create_task(self._follow())]
+
+    async def _bucket(self, name: str, ttl: float) -> KeyValue:
+        try:
+            return await self.store.js.key_value(name)
+        except nats.js.errors.BucketNotFoundError:
+            with contextlib.suppress(nats.js.errors.BadRequestError):
+                await self.store.js.create_key_value(bucket=name, ttl=ttl, history=1)
+            return await self.store.js.key_value(name)
 
     async def stop(self) -> None:
         """Stop the background work and withdraw this gateway's heartbeat (its calls were drained)."""
@@ -123,7 +129,7 @@ class CallReaper:
             return set()
 
     async def reap(self) -> None:
-        """Record as aborted every open call whose gateway stopped heartbeating."""
+        """Record as aborted every open call whose gateway stopped heartbeating, and delete its marker."""
         if not self.open:
             return
         alive = await self.alive() | {self.instance}
@@ -137,7 +143,7 @@ class CallReaper:
                 attempt_id=call.attempt_id,
                 event_id=f"{call_id}-reaped",
                 call_id=call_id,
-                mode=call.mode,  # type: ignore[arg-type]
+                mode="val" if call.mode == "val" else "train",
                 status="aborted",
                 model=call.model,
                 error=(
@@ -147,51 +153,28 @@ class CallReaper:
             )
             await self.store.append(event)
             self.open.pop(call_id, None)
+            self.ended(call_id)
             self.reaped += 1
 
     async def _follow(self) -> None:
-        """Track started calls and the calls that ended, from the last hour on."""
-        config = ConsumerConfig(
-            ack_policy=AckPolicy.NONE,
-            deliver_policy=DeliverPolicy.BY_START_TIME,
-            opt_start_time=datetime.fromtimestamp(time.time() - LOOKBACK_S, tz=UTC),
-            filter_subjects=[f"rl.*.rollout.*.event.{CALL_STARTED}", "rl.*.rollout.*.model_request"],
-            inactive_threshold=60.0,
-            max_ack_pending=-1,
-        )
-        psub = await self.store.js.pull_subscribe(
-            f"rl.*.rollout.*.event.{CALL_STARTED}", stream=self.store.stream, config=config
-        )
+        """Keep `open` equal to the markers in `rollwire_calls` (a put opens a call, a delete ends it)."""
+        assert self.calls is not None
+        watcher = await self.calls.watchall()
         try:
-            while True:
-                try:
-                    msgs = await psub.fetch(512, timeout=1.0)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    raise_if_cancelling()
+            async for entry in watcher:
+                if entry is None:  # the bucket's current markers have all arrived
                     continue
-                for msg in msgs:
-                    self._see(msg.subject, msg.data)
+                if entry.operation is not None:
+                    self.open.pop(entry.key, None)
+                    continue
+                try:
+                    marker = _decode(entry.value or b"")
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                self.open.setdefault(entry.key, msgspec.structs.replace(marker, seen=time.monotonic()))
         finally:
             with contextlib.suppress(Exception):
-                await psub.unsubscribe()
-
-    def _see(self, subject: str, data: bytes) -> None:
-        if subject.endswith(".model_request"):
-            match = _CALL_ID.search(data, 0, 2048)
-            if match:
-                call_id = match.group(1).decode()
-                self.open.pop(call_id, None)
-                self.ended[call_id] = None  # a marker that arrives after its call must not open it
-                if len(self.ended) > ENDED_KEPT:
-                    self.ended.popitem(last=False)
-            return
-        try:
-            event = decode(data)
-        except MalformedEvent:
-            return
-        call_id = event.payload.get("call_id") if isinstance(event, CustomEvent) else None
-        if isinstance(event, CustomEvent) and isinstance(call_id, str) and call_id not in self.ended:
-            self.open.setdefault(call_id, _Open(event))
+                await watcher.stop()
 
 
 def _quiet(task: asyncio.Task[Any]) -> None:

@@ -1,5 +1,5 @@
 """Calls visible from their start: a gateway killed mid-stream leaves its call `aborted`, recorded by
-another gateway within the reaper's interval."""
+another gateway within the reaper's interval, and the call's marker in `rollwire_calls` deleted."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import nats.js.errors
 from fake_vllm import FakeVLLM
 from gw_harness import ADMIN, SECRET, GatewayHandle, Served, gateway_settings
 
 from services.common.eventstore import EventStore
 from services.devstack.embedded import NatsServer, free_port
 from services.gateway import create_app
+from services.gateway.reaper import CALLS
 
 INTERVAL_S = 0.5
 
@@ -29,6 +31,24 @@ def _events(url: str, subject: str) -> list[dict[str, Any]]:
         store = await EventStore.connect(url, ensure=False)
         try:
             return [json.loads(m.data) async for b in store.read_raw(subject) for m in b]
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+def _markers(url: str) -> dict[str, dict[str, Any]]:
+    """The in-flight call markers in `rollwire_calls`, by call id."""
+
+    async def read() -> dict[str, dict[str, Any]]:
+        store = await EventStore.connect(url, ensure=False)
+        try:
+            bucket = await store.js.key_value(CALLS)
+            try:
+                keys = await bucket.keys()
+            except nats.js.errors.NoKeysError:
+                return {}
+            return {key: json.loads((await bucket.get(key)).value or b"{}") for key in keys}
         finally:
             await store.close()
 
@@ -68,6 +88,14 @@ def test_kill_9_mid_stream_leaves_the_call_aborted(fake_vllm: FakeVLLM, run_id: 
         with Served(create_app(settings), settings.port) as served:
             survivor = GatewayHandle(served, settings)
             rollout, attempt = survivor.running(run_id, fake_vllm.url)
+            plain = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+            done = httpx.post(f"{attempt['proxy_base_url']}/chat/completions", json=plain,
+                              headers={"authorization": f"Bearer {attempt['token']}"}, timeout=30)  # fmt: skip
+            assert done.status_code == 200
+            deadline = time.monotonic() + 5
+            while _markers(nats.url) and time.monotonic() < deadline:  # a finished call deletes its marker
+                time.sleep(0.05)
+            assert _markers(nats.url) == {}
             fake_vllm.token_delay_s = 0.2
             base = attempt["proxy_base_url"].replace(survivor.url, f"http://127.0.0.1:{port}")
             body = {"model": "fake", "messages": [{"role": "user", "content": "go"}], "max_tokens": 100, "stream": True}
@@ -81,20 +109,23 @@ def test_kill_9_mid_stream_leaves_the_call_aborted(fake_vllm: FakeVLLM, run_id: 
                 victim.wait(10)
                 killed = time.monotonic()
             subject = f"rl.{run_id}.rollout.{rollout['rollout_id']}"
-            markers = _events(nats.url, f"{subject}.event.call_started")
+            markers = _markers(nats.url)
             assert len(markers) == 1
-            call_id = markers[0]["payload"]["call_id"]
-            assert markers[0]["payload"]["gateway"] != served.app.state.gateway.reaper.instance  # the victim served it
+            ((call_id, marker),) = markers.items()
+            assert marker["rollout_id"] == rollout["rollout_id"]
+            assert marker["gateway"] != served.app.state.gateway.reaper.instance  # the victim served it
             aborted: list[dict[str, Any]] = []
             while not aborted and time.monotonic() - killed < 8 * INTERVAL_S + 5:
                 time.sleep(0.1)
-                aborted = _events(nats.url, f"{subject}.model_request")
+                aborted = [c for c in _events(nats.url, f"{subject}.model_request") if c["status"] != "ok"]
             waited = time.monotonic() - killed
             survivor.admin.close()
         assert [c["call_id"] for c in aborted] == [call_id]
         assert aborted[0]["status"] == "aborted" and "stopped before recording" in aborted[0]["error"]
         assert aborted[0]["attempt_id"] == attempt["attempt_id"]
         assert waited < 8 * INTERVAL_S + 5
+        assert _markers(nats.url) == {}  # the reaper deleted the marker of the call it ended
+        assert not [e for e in _events(nats.url, f"{subject}.>") if e["type"] == "custom"]  # markers are not events
     finally:
         if victim.poll() is None:
             victim.kill()
