@@ -157,6 +157,8 @@ async def list_events(request: Request, rollout_id: str) -> Response:
                 continue
         elif not isinstance(event, (RewardReported, CustomEvent)) and not _is_call(item):
             continue
+        elif isinstance(event, CustomEvent) and event.name == "call_started":
+            continue  # the proxy's in-flight markers of streams recorded before they moved to a KV bucket
         if attempt is not None and event.attempt_id != attempt:
             continue
         if own_attempt is not None and event.attempt_id != own_attempt:
