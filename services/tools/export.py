@@ -139,6 +139,11 @@ async def export_run(store: EventStore, run_id: str, fmt: str, out: Path | IO[by
 
 
 _FIELDS = {event_type.__struct_config__.tag: tuple(event_type.__struct_fields__) for event_type in EVENT_TYPES}
+_UNSET_BY_DEFAULT = {
+    event_type.__struct_config__.tag: {f.name for f in msgspec.structs.fields(event_type) if f.default is msgspec.UNSET}
+    for event_type in EVENT_TYPES
+}
+"""Fields absent unless set (their column's null means absent, not an explicit null)."""
 
 
 def read_export(path: Path) -> Iterator[AnyEvent]:
@@ -161,5 +166,7 @@ def _read_parquet(path: Path) -> Iterator[AnyEvent]:
             data: dict[str, Any] = {"type": tag}
             for name in _FIELDS[tag]:
                 value = row.get(name)
+                if value is None and name in _UNSET_BY_DEFAULT[tag]:
+                    continue
                 data[name] = json.loads(value) if name in json_columns and value is not None else value
             yield from_dict(data)
