@@ -137,6 +137,12 @@ async def write_run(
     return n, time.perf_counter() - started
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished workers (on a shared machine, steadier than wall time)."""
+    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
+
+
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 1e6
@@ -169,7 +175,7 @@ async def child(mode: str, url: str, run_id: str, workers: int | None) -> dict[s
 
     store = await EventStore.connect(url, ensure=False)
     rss = PeakRss()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _cpu_seconds()
     result: dict[str, float] = {}
     if mode == "raw":
         count = size = 0
@@ -191,6 +197,7 @@ async def child(mode: str, url: str, run_id: str, workers: int | None) -> dict[s
         step = build_step(collect_rollouts(events).rollouts, AdapterConfig())
         result.update(samples=step.stats.samples)
     result["seconds"] = time.perf_counter() - started
+    result["cpu_seconds"] = _cpu_seconds() - cpu
     result["rss_growth_mb"] = rss.stop()
     result["worker_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     await store.close()
@@ -250,7 +257,7 @@ def main() -> None:
                     worker = f"  worker peak RSS {r['worker_peak_rss_mb']:5.0f} MB" if r["worker_peak_rss_mb"] else ""
                     rate, ratio = raw["events"] / r["seconds"], raw["seconds"] / r["seconds"]
                     print(f"  {label:24s} {r['seconds']:7.2f} s {rate:7.0f} events/s {ratio:5.2f}x raw  "
-                          f"memory +{r['rss_growth_mb']:5.0f} MB{worker}")  # fmt: skip
+                          f"cpu {r['cpu_seconds']:6.2f} s  memory +{r['rss_growth_mb']:5.0f} MB{worker}")  # fmt: skip
         finally:
             server.stop()
 

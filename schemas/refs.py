@@ -20,8 +20,9 @@ when exact) or float64 logprobs. A packed event carries
 empty JSON lists in `prompt_ids` / `response_ids` / `logprobs`.
 
 `upcast` turns any `model_request` as decoded (version 1, or version 2 packed) into the in-memory
-form with plain lists (the codec applies it, in place, on every decode: `upcast_decoded`); `Resolver` turns references into
-full prompts and requests for calls fed in stream order. Both are a few lines in any language.
+form with plain lists (the codec applies it, in place, on every decode: `upcast_decoded`);
+`Resolver` turns references into full prompts and requests for calls fed in stream order. Both
+are a few lines in any language.
 """
 
 from __future__ import annotations
@@ -188,7 +189,14 @@ def upcast(event: P) -> P:
     packed = event.packed
     if not packed:
         return event
-    return msgspec.structs.replace(event, packed=UNSET, **_unpacked(event, packed))  # type: ignore[type-var, arg-type]
+    prompt, response, logprobs = _unpacked(event, packed)
+    return msgspec.structs.replace(  # type: ignore[type-var]
+        event,  # type: ignore[arg-type]
+        packed=UNSET,
+        prompt_ids=prompt,
+        response_ids=response,
+        logprobs=logprobs,
+    )
 
 
 def upcast_decoded(event: P) -> P:
@@ -200,23 +208,23 @@ def upcast_decoded(event: P) -> P:
     packed = event.packed
     if not packed:
         return event
-    for name, value in _unpacked(event, packed).items():
-        msgspec.structs.force_setattr(event, name, value)  # type: ignore[arg-type]
-    msgspec.structs.force_setattr(event, "packed", UNSET)  # type: ignore[arg-type]
+    arrays = _unpacked(event, packed)
+    put = msgspec.structs.force_setattr
+    put(event, "prompt_ids", arrays[0])  # type: ignore[arg-type]
+    put(event, "response_ids", arrays[1])  # type: ignore[arg-type]
+    put(event, "logprobs", arrays[2])  # type: ignore[arg-type]
+    put(event, "packed", UNSET)  # type: ignore[arg-type]
     return event
 
 
-def _unpacked(event: _Packable, packed: PackedTokens) -> dict[str, Any]:
+def _unpacked(event: _Packable, packed: PackedTokens) -> tuple[list[int], list[int], list[float]]:
     if packed.prompt and packed.response:
         prompt, response = unpack_id_pair(packed.prompt, packed.response, packed.id_width)
     else:
         prompt = unpack_ids(packed.prompt, packed.id_width) if packed.prompt else event.prompt_ids
         response = unpack_ids(packed.response, packed.id_width) if packed.response else event.response_ids
-    return {
-        "prompt_ids": prompt,
-        "response_ids": response,
-        "logprobs": unpack_floats(packed.logprobs, packed.logprob_width) if packed.logprobs else event.logprobs,
-    }
+    logprobs = unpack_floats(packed.logprobs, packed.logprob_width) if packed.logprobs else event.logprobs
+    return prompt, response, logprobs
 
 
 def unpack_id_pair(prompt: str, response: str, width: int) -> tuple[list[int], list[int]]:
