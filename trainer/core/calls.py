@@ -7,6 +7,9 @@ only those with `status == "ok"` (failed or aborted calls sampled nothing the ha
 `mode == "train"` (validation calls never become training samples) are kept, in stream order.
 A call is read from a `ModelRequestRecorded` or from a `CallRecord`, the same event decoded with
 only the fields read here (a replay decodes that, skipping the request and response bodies).
+A version-2 call recorded as a reference to an earlier call of its attempt gets its full prompt
+here (the attempt's calls are read in order) and keeps the reference (`Call.prompt_ref`), which
+lets `merge_calls` extend that call's chain without comparing token arrays.
 The reward is the last `RewardReported` of that attempt (or one reported for the rollout as a
 whole, without an attempt id); `None` when there is none, and `AdapterConfig.missing_reward`
 decides later whether such a rollout is dropped or filled.
