@@ -9,7 +9,7 @@ from msgspec import UNSET
 
 from schemas.events import AnyEvent, Event, ModelRequestRecorded
 from schemas.ids import InvalidId
-from schemas.refs import upcast
+from schemas.refs import upcast_decoded
 
 _encoder = msgspec.json.Encoder()
 _decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)  # type: ignore[arg-type]
@@ -43,7 +43,7 @@ def _unpack(event: ModelRequestRecorded) -> ModelRequestRecorded:
             packed=UNSET if event.packed is None else event.packed,
         )
     try:
-        return upcast(event)
+        return upcast_decoded(event)
     except (ValueError, TypeError) as exc:  # bad base64 or a length that is not whole values
         raise MalformedEvent(f"model_request {event.event_id}: packed arrays unreadable: {exc}") from None
 

@@ -20,13 +20,15 @@ when exact) or float64 logprobs. A packed event carries
 empty JSON lists in `prompt_ids` / `response_ids` / `logprobs`.
 
 `upcast` turns any `model_request` as decoded (version 1, or version 2 packed) into the in-memory
-form with plain lists (the codec applies it on every decode); `Resolver` turns references into
-full prompts and requests for calls fed in stream order. Both are a few lines in any language.
+form with plain lists (the codec applies it, in place, on every decode: `upcast_decoded`);
+`Resolver` turns references into full prompts and requests for calls fed in stream order. Both
+are a few lines in any language.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import sys
 from array import array
 from collections import OrderedDict
@@ -97,17 +99,29 @@ def pack_ids(values: Sequence[int], width: int = 4) -> str:
 
 def unpack_ids(text: str, width: int = 4) -> list[int]:
     """The ids packed by `pack_ids`."""
-    return np.frombuffer(ids_int32(text, width), dtype="<i4").tolist()  # type: ignore[no-any-return]
+    return _int32_view(binascii.a2b_base64(text), width).tolist()  # type: ignore[no-any-return]
 
 
 def ids_int32(text: str, width: int = 4) -> bytes:
     """Packed ids as little-endian int32 bytes, whatever their width on the wire."""
-    data = base64.b64decode(text)
+    data = binascii.a2b_base64(text)
+    return data if width != 3 else _int32_view(data, 3).astype("<i4").tobytes()
+
+
+def _int32_view(data: bytes, width: int) -> np.ndarray[Any, Any]:
+    """Ids of `width` bytes each as an integer array (a view of `data` for int32, one copy for 24-bit).
+
+    A 24-bit id is read as the 4 bytes at its 3-byte offset (one padding byte closes the buffer)
+    with its top byte masked off: two numpy operations, however many ids.
+    """
     if width != 3:
-        return data
-    out = np.zeros((len(data) // 3, 4), dtype=np.uint8)
-    out[:, :3] = np.frombuffer(data, dtype=np.uint8).reshape(-1, 3)
-    return out.tobytes()
+        return np.frombuffer(data, dtype="<i4")
+    count, rest = divmod(len(data), 3)
+    if rest:
+        raise ValueError(f"{len(data)} bytes are not whole 24-bit ids")
+    if not count:
+        return np.zeros(0, dtype="<u4")
+    return np.ndarray((count,), dtype="<u4", buffer=data + b"\0", strides=(3,)) & 0xFFFFFF
 
 
 def id_width(*arrays: Sequence[int]) -> int:
@@ -130,11 +144,16 @@ def pack_floats(values: Sequence[float]) -> tuple[str, int]:
 
 def unpack_floats(text: str, width: int) -> list[float]:
     """The floats packed by `pack_floats` (`width` 4 or 8)."""
-    packed = array("f" if width == 4 else "d")
-    packed.frombytes(base64.b64decode(text))
+    data = binascii.a2b_base64(text)
     if _SWAP:
+        packed = array("f" if width == 4 else "d")
+        packed.frombytes(data)
         packed.byteswap()
-    return packed.tolist()
+        return packed.tolist()
+    if len(data) % (4 if width == 4 else 8):
+        raise ValueError(f"{len(data)} bytes are not whole {width}-byte floats")
+    view = memoryview(data)
+    return (view.cast("f") if width == 4 else view.cast("d")).tolist()  # type: ignore[return-value]
 
 
 def pack(ids: Sequence[int], response: Sequence[int], logprobs: Sequence[float]) -> PackedTokens:
@@ -170,13 +189,57 @@ def upcast(event: P) -> P:
     packed = event.packed
     if not packed:
         return event
+    prompt, response, logprobs = _unpacked(event, packed)
     return msgspec.structs.replace(  # type: ignore[type-var]
         event,  # type: ignore[arg-type]
         packed=UNSET,
-        prompt_ids=unpack_ids(packed.prompt, packed.id_width) if packed.prompt else event.prompt_ids,
-        response_ids=unpack_ids(packed.response, packed.id_width) if packed.response else event.response_ids,
-        logprobs=unpack_floats(packed.logprobs, packed.logprob_width) if packed.logprobs else event.logprobs,
+        prompt_ids=prompt,
+        response_ids=response,
+        logprobs=logprobs,
     )
+
+
+def upcast_decoded(event: P) -> P:
+    """`upcast` for an event just decoded that nothing else holds yet: its arrays are unpacked in place.
+
+    What the codec and the replay apply on every decode; skips copying the event (frozen Structs
+    are otherwise rebuilt whole to change a field).
+    """
+    packed = event.packed
+    if not packed:
+        return event
+    arrays = _unpacked(event, packed)
+    put = msgspec.structs.force_setattr
+    put(event, "prompt_ids", arrays[0])  # type: ignore[arg-type]
+    put(event, "response_ids", arrays[1])  # type: ignore[arg-type]
+    put(event, "logprobs", arrays[2])  # type: ignore[arg-type]
+    put(event, "packed", UNSET)  # type: ignore[arg-type]
+    return event
+
+
+def _unpacked(event: _Packable, packed: PackedTokens) -> tuple[list[int], list[int], list[float]]:
+    if packed.prompt and packed.response:
+        prompt, response = unpack_id_pair(packed.prompt, packed.response, packed.id_width)
+    else:
+        prompt = unpack_ids(packed.prompt, packed.id_width) if packed.prompt else event.prompt_ids
+        response = unpack_ids(packed.response, packed.id_width) if packed.response else event.response_ids
+    logprobs = unpack_floats(packed.logprobs, packed.logprob_width) if packed.logprobs else event.logprobs
+    return prompt, response, logprobs
+
+
+def unpack_id_pair(prompt: str, response: str, width: int) -> tuple[list[int], list[int]]:
+    """`unpack_ids` of a call's prompt and response, at once when they are 24-bit (one decode, one conversion).
+
+    Base64 of 24-bit ids has no padding, so the two texts decode as one when every character of
+    both is a data character (then the bytes are exactly three quarters of the characters).
+    """
+    if width == 3 and not len(prompt) % 4:
+        data = binascii.a2b_base64(prompt + response)
+        if len(data) * 4 == (len(prompt) + len(response)) * 3:
+            ids: list[int] = _int32_view(data, 3).tolist()
+            cut = len(prompt) // 4
+            return ids[:cut], ids[cut:]
+    return unpack_ids(prompt, width), unpack_ids(response, width)
 
 
 def prompt_length(event: Any) -> int:

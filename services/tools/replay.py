@@ -17,9 +17,11 @@ size (`budget` calls), not by the run. A small run (or `workers=0`) is replayed 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import os
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Any
@@ -55,12 +57,31 @@ def default_workers() -> int:
     return max(0, min(8, (os.cpu_count() or 1) - 1))
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for a while (back on after, if it was on).
+
+    A chunk's calls, token lists and samples form no cycles and are freed by reference counting
+    as soon as each unit is done, but their millions of allocations would set off collections that
+    walk every long-lived object of the process (the run's index among them): about a third of a
+    100k-call replay's time.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def replay_chunk(chunk: list[UnitInput], configs: list[AdapterConfig]) -> list[list[UnitRows]]:
     """Replay a chunk of units under every config: per unit, one `UnitRows` per config (worker side)."""
     results = []
-    for item in chunk:
-        rollouts, skipped = unit_rollouts(item, configs[0].selection() if configs else None)
-        results.append([unit_rows(item.unit.step, rollouts, config, skipped) for config in configs])
+    with _collector_paused():
+        for item in chunk:
+            rollouts, skipped = unit_rollouts(item, configs[0].selection() if configs else None)
+            results.append([unit_rows(item.unit.step, rollouts, config, skipped) for config in configs])
     return results
 
 

@@ -34,9 +34,10 @@ from typing import Any
 
 import msgspec
 
-from schemas import MalformedEvent, upcast
+from schemas import MalformedEvent
 from schemas.events import AnyEvent, CustomEvent, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, RUN_ALL, check_id
+from schemas.refs import upcast_decoded
 from services.common.eventstore import EventStore, StoredEvent, _stream_sequence
 from trainer.core import (
     TRAIN_STEP_EVENT,
@@ -315,7 +316,7 @@ def decode_call(data: bytes) -> CallRecord:
     """A `model_request` event's bytes as the adapter's `CallRecord`: its request and response bodies are skipped."""
     try:
         call = _call_decoder.decode(data)
-        return upcast(call) if call.packed else call
+        return upcast_decoded(call) if call.packed else call
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
         raise MalformedEvent(str(exc)) from None
 

@@ -7,6 +7,9 @@ only those with `status == "ok"` (failed or aborted calls sampled nothing the ha
 `mode == "train"` (validation calls never become training samples) are kept, in stream order.
 A call is read from a `ModelRequestRecorded` or from a `CallRecord`, the same event decoded with
 only the fields read here (a replay decodes that, skipping the request and response bodies).
+A version-2 call recorded as a reference to an earlier call of its attempt gets its full prompt
+here (the attempt's calls are read in order) and keeps the reference (`Call.prompt_ref`), which
+lets `merge_calls` extend that call's chain without comparing token arrays.
 The reward is the last `RewardReported` of that attempt (or one reported for the rollout as a
 whole, without an attempt id); `None` when there is none, and `AdapterConfig.missing_reward`
 decides later whether such a rollout is dropped or filled.
@@ -39,7 +42,7 @@ from schemas.events import (
     RolloutCreated,
     RolloutStatusChanged,
 )
-from schemas.refs import CallRef, PackedTokens, Resolver, UnresolvedReference
+from schemas.refs import CallRef, PackedTokens
 from trainer.core.failures import FailureKind, failure_kind
 
 
@@ -68,6 +71,16 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
     ended_at: float | None = None
     temperature: float | None = None
     finish_reason: str | None = None
+    event_id: str | None = None
+    """The recorded event's id (None when unknown, or when the attempt recorded it twice)."""
+    prompt_ref: str | None = None
+    """The event id of the earlier call of the attempt this prompt was recorded as continuing, if any."""
+    ref_tokens: int = 0
+    """How many tokens of that call's prompt + response this prompt starts with (`prompt_ref.tokens`).
+
+    With `event_id`, what lets `merge_calls` extend a chain without comparing token arrays; both are
+    set by `rollout_calls` from the recorded reference, and must agree with `prompt_ids` when set.
+    """
 
     def check_trainable(self) -> Call:
         """This call, or `MalformedCall` when it lacks prompt ids or one logprob per response token."""
@@ -191,10 +204,14 @@ def context_call(event: RecordedCall) -> Call:
     The call started at `started_at` (recorded since schema 2), else `latency_s` before it was
     recorded; it ended when it was recorded (`time`).
     """
+    return _call(event, event.prompt_ids, None)
+
+
+def _call(event: RecordedCall, prompt: list[int], ref: CallRef | None) -> Call:
     started = event.started_at if event.started_at is not None else event.time - event.latency_s
     return Call(
         call_id=event.call_id,
-        prompt_ids=event.prompt_ids,
+        prompt_ids=prompt,
         response_ids=event.response_ids,
         logprobs=event.logprobs,
         weights_version=event.weights_version,
@@ -205,15 +222,50 @@ def context_call(event: RecordedCall) -> Call:
         ended_at=event.time or None,
         temperature=event.temperature,
         finish_reason=event.finish_reason,
+        event_id=event.event_id,
+        prompt_ref=ref.event_id if ref else None,
+        ref_tokens=ref.tokens if ref else 0,
     )
 
 
-def _resolved(refs: Resolver, event: RecordedCall) -> RecordedCall:
-    """The call with its full prompt ids (a version-2 call may store only what it adds to an earlier one)."""
-    try:
-        return refs.resolve(event)
-    except UnresolvedReference as exc:
-        raise MalformedCall(f"call {event.call_id}: {exc}") from None
+class _Prompts:
+    """One attempt's calls with their full prompts, references resolved as the calls are read in order.
+
+    Each call's prompt and response are kept by event id; a call that references one gets the
+    referenced prompt + response cut at `prompt_ref.tokens`, then its own ids (one list built, the
+    earlier lists shared, never copied twice). The Call keeps the reference for `merge_calls`,
+    except into an event id the attempt recorded twice (ambiguous: the later one is the one resolved).
+    """
+
+    __slots__ = ("repeated", "seen")
+
+    def __init__(self) -> None:
+        self.seen: dict[str, tuple[list[int], list[int]]] = {}
+        self.repeated: set[str] = set()
+
+    def call(self, event: RecordedCall) -> Call:
+        """The adapter's view of an `ok` call of the attempt, with its full prompt."""
+        ref = event.prompt_ref
+        prompt = event.prompt_ids
+        if ref:
+            earlier = self.seen.get(ref.event_id)
+            if earlier is None:
+                raise MalformedCall(
+                    f"call {event.call_id}: the referenced call {ref.event_id} (stream sequence {ref.seq}) was not seen"
+                )
+            before, response = earlier
+            shared = ref.tokens
+            full = before[:shared] if shared <= len(before) else before + response[: shared - len(before)]
+            full += prompt
+            prompt = full
+            if ref.event_id in self.repeated:
+                ref = None
+        call = _call(event, prompt, ref or None)
+        if event.event_id in self.seen:
+            self.repeated.add(event.event_id)
+            call = msgspec.structs.replace(call, event_id=None)
+        self.seen[event.event_id] = (prompt, event.response_ids)
+        return call
 
 
 def _final_attempt(
@@ -263,11 +315,11 @@ def rollout_calls(events: Iterable[Event | CallRecord], select: Selection | None
     calls: list[Call] = []
     context: list[Call] = []
     reward: float | None = None
-    refs = Resolver(requests=False)
+    prompts = _Prompts()
     for event in ordered:
         if isinstance(event, ModelRequestRecorded | CallRecord):
             if event.attempt_id == attempt and event.status == "ok" and event.mode == "train":
-                call = context_call(_resolved(refs, event))
+                call = prompts.call(event)
                 if select.trains(call):
                     calls.append(call.check_trainable())
                 else:

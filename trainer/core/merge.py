@@ -34,6 +34,14 @@ too long. Such a call closes the chain it would have extended (later calls open 
 dropped and counted: keeping it would need truncation, and truncating the front of a prompt
 trains on a context the model did not see.
 
+References. A call recorded as continuing an earlier one (`Call.prompt_ref`, `Call.ref_tokens`,
+set from the recorded `prompt_ref`) whose shared length is the whole of that call's prompt +
+response extends the chain that call ended, if that chain is still open and ends there: the
+chain's tokens are exactly that call's prompt + response, so they are a prefix of the new prompt
+by construction, and the arrays need not be compared. The other open chains are still looked at
+(one of them may be longer, or the referenced call's chain may have moved on), so the choice is
+the one the comparison alone makes; a call without a usable reference is compared as always.
+
 `per-call` mode skips the merging (one sample per call) for comparison and for harnesses whose
 prompts never share prefixes.
 """
@@ -91,7 +99,9 @@ class MergeResult(msgspec.Struct, frozen=True, kw_only=True):
 class _Chain:
     """An open sample under construction (mutable; only `merge_calls` sees it)."""
 
-    __slots__ = ("call_ids", "logprobs", "mask", "response_tokens", "temperature", "tokens", "touched", "versions")
+    __slots__ = (
+        "call_ids", "end", "logprobs", "mask", "response_tokens", "temperature", "tokens", "touched", "versions",
+    )  # fmt: skip
 
     def __init__(self, call: Call, touched: int) -> None:
         prompt, response = call.prompt_ids, call.response_ids
@@ -105,6 +115,8 @@ class _Chain:
         self.versions: list[int] = [] if call.weights_version is None else [call.weights_version]
         self.touched = touched
         self.temperature = call.temperature
+        self.end = call.event_id
+        """The event id of its last call: its tokens are that call's prompt + response."""
 
     def extend(self, call: Call, touched: int) -> None:
         """Append the call's unseen prompt suffix (observation, mask 0) and its response (mask 1)."""
@@ -121,6 +133,7 @@ class _Chain:
         if call.weights_version is not None:
             self.versions.append(call.weights_version)
         self.touched = touched
+        self.end = call.event_id
 
     def to_sample(self, rollout_id: str, group_id: str | None, index: int) -> Sample:
         return Sample(
@@ -138,16 +151,17 @@ class _Chain:
         )
 
 
-def _longest_prefix_chain(chains: Sequence[_Chain], call: Call) -> _Chain | None:
+def _longest_prefix_chain(chains: Sequence[_Chain], call: Call, known: _Chain | None = None) -> _Chain | None:
     """The longest open chain (same temperature) whose whole token sequence is a prefix of the call's prompt.
 
-    Ties go to the most recent chain.
+    Ties go to the most recent chain. `known` is an open chain already known to be such a prefix
+    (the one the call's reference names): it is not compared again, only the others that could beat it.
     """
     prompt = call.prompt_ids
-    best: _Chain | None = None
-    best_len = -1
+    best = known
+    best_len = -1 if known is None else len(known.tokens)
     for chain in chains:
-        if chain.temperature != call.temperature:
+        if chain.temperature != call.temperature or chain is known:
             continue
         tokens = chain.tokens
         n = len(tokens)
@@ -161,6 +175,48 @@ def _longest_prefix_chain(chains: Sequence[_Chain], call: Call) -> _Chain | None
         if prompt[:n] == tokens:
             best, best_len = chain, n
     return best
+
+
+class _Ends:
+    """The open chains by the event id of their last call, for calls that reference that call."""
+
+    __slots__ = ("chains", "repeated", "seen")
+
+    def __init__(self) -> None:
+        self.chains: dict[str, _Chain] = {}
+        self.seen: set[str] = set()
+        self.repeated: set[str] = set()
+
+    def referenced(self, call: Call) -> _Chain | None:
+        """The open chain the call's reference extends whole, else None (then only comparing decides)."""
+        ref = call.prompt_ref
+        if ref is None or ref in self.repeated:
+            return None
+        chain = self.chains.get(ref)
+        if chain is None or chain.temperature != call.temperature:
+            return None
+        tokens, prompt = chain.tokens, call.prompt_ids
+        n = len(tokens)
+        if call.ref_tokens != n or not 0 < n <= len(prompt) or prompt[n - 1] != tokens[-1] or prompt[0] != tokens[0]:
+            return None
+        return chain
+
+    def forget(self, chain: _Chain) -> None:
+        """The chain no longer ends where it did (extended, or closed)."""
+        if chain.end is not None and self.chains.get(chain.end) is chain:
+            del self.chains[chain.end]
+
+    def ended(self, chain: _Chain) -> None:
+        """The chain now ends at its last call."""
+        end = chain.end
+        if end is None:
+            return
+        if end in self.seen:  # an id seen twice names no single call
+            self.repeated.add(end)
+            self.chains.pop(end, None)
+            return
+        self.seen.add(end)
+        self.chains[end] = chain
 
 
 def merge_calls(
@@ -181,20 +237,25 @@ def merge_calls(
         raise ValueError(f"merge mode {mode!r} is not one of 'exact', 'per-call'")
     opened: list[_Chain] = []
     live: list[_Chain] = []
+    ends = _Ends()
     too_long = 0
     for position, call in enumerate(calls):
-        parent = _longest_prefix_chain(live, call) if mode == "exact" else None
+        parent = _longest_prefix_chain(live, call, ends.referenced(call)) if mode == "exact" else None
         if max_length is not None and len(call.prompt_ids) + len(call.response_ids) > max_length:
             too_long += 1
             if parent is not None:
                 live.remove(parent)
+                ends.forget(parent)
             continue
         if parent is not None:
+            ends.forget(parent)
             parent.extend(call, position)
+            ends.ended(parent)
         else:
             chain = _Chain(call, position)
             opened.append(chain)
             if mode == "exact":
                 live.append(chain)
+                ends.ended(chain)
     samples = [chain.to_sample(rollout_id, group_id, i) for i, chain in enumerate(opened)]
     return MergeResult(samples=samples, calls_too_long=too_long)
