@@ -56,18 +56,8 @@ async def register_models(request: Request) -> Response:
             except (InvalidId, msgspec.ValidationError) as exc:
                 raise from_validation(exc) from None
             ack = await gw.append_registry(event)
-            return 201, encode(
-                {
-                    "name": event.name,
-                    "base_url": event.base_url,
-                    "run_id": run_id,
-                    "served_model": event.served_model,
-                    "weights_version": event.weights_version,
-                    "tokenizer": parsed.tokenizer,
-                    "reasoning_parser": parsed.reasoning_parser,
-                    "seq": ack.seq,
-                }
-            )
+            shown = ("name", "base_url", "run_id", "served_model", "weights_version", "tokenizer", "reasoning_parser")
+            return 201, encode({**{key: getattr(event, key) for key in shown}, "seq": ack.seq})
         out = []
         for index, model in enumerate(parsed):
             name = _agl_model_name(model.model, model.endpoint)
