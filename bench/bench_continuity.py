@@ -129,7 +129,7 @@ def render_cost(root: Path, turn_counts: list[int], repeat: int = 20) -> None:
             for _ in range(repeat):
                 began = time.process_time()
                 planned = plan(renderer, request, calls)
-                _encode(completion_body(request, planned.prompt_ids))
+                _encode(completion_body(request, planned.prompt_ids, "m"))
                 chat_answer(answer, tools=True, reasoning=False)
                 best = min(best, time.process_time() - began)
             timings[kind] = (best * 1000, len(planned.prompt_ids), planned.continuity)

@@ -111,3 +111,15 @@ def split_reasoning(text: str) -> tuple[str, str]:
     if end < 0:
         return text[start:], ""
     return text[start:end], text[end + len(THINK_END) :]
+
+
+def held_back(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `markers`: text a
+    stream must hold until the next piece decides whether a marker (`<tool_call>`, a stop string) starts."""
+    longest = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:size]):
+                longest = size
+                break
+    return longest

@@ -22,7 +22,7 @@ import codecs
 
 import msgspec
 
-from services.common.toolcalls import TOOL_CALL_START, ParsedOutput, ToolCall, parse_tool_calls
+from services.common.toolcalls import TOOL_CALL_START, ParsedOutput, ToolCall, held_back, parse_tool_calls
 from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import TokenTable
 
@@ -54,17 +54,6 @@ class TokenDelta(msgspec.Struct, frozen=True):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     tool_calls: tuple[ToolCall, ...] = ()
-
-
-def _held_back(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `markers`."""
-    longest = 0
-    for marker in markers:
-        for size in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:size]):
-                longest = size
-                break
-    return longest
 
 
 class ChoiceBuilder:
@@ -140,7 +129,7 @@ class ChoiceBuilder:
 
     def _delta(self, token_id: int, entry: LogprobEntry | None) -> TokenDelta:
         if not self.finished:
-            limit = len(self.text) - _held_back(self.text, self._markers)
+            limit = len(self.text) - held_back(self.text, self._markers)
             if self._parse_tools and (tool_start := self.text.find(TOOL_CALL_START)) >= 0:
                 limit = min(limit, tool_start)
             return TokenDelta(self.index, token_id, self._show(limit), entry)

@@ -23,7 +23,6 @@ come from the model's registration (`tokenizer`: a model directory) or, once, fr
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -32,7 +31,7 @@ import numpy as np
 from schemas import ModelRequestRecorded
 from services.gateway.limits import ProxyRefusal
 from services.gateway.recording import PER_ATTEMPT, AttemptKey, CallChains, RecordedCall
-from services.gateway.render import ChatRenderer, RenderError, template_messages
+from services.gateway.render import ChatRenderer, RenderError, template_arguments, template_messages, text_content
 from services.gateway.tokenin import completion_body
 
 if TYPE_CHECKING:
@@ -55,32 +54,21 @@ class Plan(msgspec.Struct, frozen=True):
     partial: bool = False
 
 
-def _arguments(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return value.strip()
-    return value
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
-    return content if isinstance(content, str) else ""
-
-
 def canonical(message: Any) -> Any:
     """What must be equal for two messages to be the same turn (see the module docstring)."""
     if not isinstance(message, dict):
         return message
     calls = [
-        (c["function"].get("name"), _arguments(c["function"].get("arguments")))
+        (c["function"].get("name"), template_arguments(c["function"].get("arguments")))
         for c in message.get("tool_calls") or []
         if isinstance(c, dict) and isinstance(c.get("function"), dict)
     ]
-    text = _text(message.get("content"))
-    if message.get("role") == "assistant":
+    text: Any
+    try:
+        text = text_content(message.get("content"))
+    except RenderError:  # not text: compared as sent
+        text = message.get("content")
+    if message.get("role") == "assistant" and isinstance(text, str):
         return ("assistant", text.strip(), calls)
     return (message.get("role"), text, calls, message.get("tool_call_id"), message.get("name"))
 
@@ -204,7 +192,7 @@ class Continuity:
                 planned = await asyncio.to_thread(plan, renderer, call.recorded_request, earlier)
         except RenderError as exc:
             raise ProxyRefusal(400, str(exc), kind="invalid_request_error", param="messages") from None
-        call.payload = _encode(completion_body(_decode(call.payload), planned.prompt_ids))
+        call.payload = _encode(completion_body(call.recorded_request, planned.prompt_ids, call.model.upstream_model))
         call.endpoint = "/completions"
         call.continuity = planned.continuity
         call.parse_tools = (

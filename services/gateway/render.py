@@ -75,7 +75,8 @@ def _token_text(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
 
-def _text(content: Any) -> str:
+def text_content(content: Any) -> str:
+    """A message's content as text: a string, or its text parts joined (RenderError for anything else)."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
@@ -83,7 +84,8 @@ def _text(content: Any) -> str:
     raise RenderError("message content must be text or a list of text parts")
 
 
-def _arguments(arguments: Any) -> Any:
+def template_arguments(arguments: Any) -> Any:
+    """Tool-call arguments as a mapping when they are a JSON object (as vLLM hands them to templates)."""
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)
@@ -99,7 +101,7 @@ def template_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RenderError("each message must be an object with a role")
-        item: dict[str, Any] = {"role": message["role"], "content": _text(message.get("content"))}
+        item: dict[str, Any] = {"role": message["role"], "content": text_content(message.get("content"))}
         calls = message.get("tool_calls")
         if calls:
             item["tool_calls"] = [
@@ -108,7 +110,7 @@ def template_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
                     "type": c.get("type") or "function",
                     "function": {
                         "name": c["function"]["name"],
-                        "arguments": _arguments(c["function"].get("arguments")),
+                        "arguments": template_arguments(c["function"].get("arguments")),
                     },
                 }
                 for c in calls

@@ -21,16 +21,23 @@ from typing import Any
 
 import msgspec
 
-from services.common.toolcalls import THINK_END, THINK_START, TOOL_CALL_START, parse_tool_calls, split_reasoning
+from services.common.toolcalls import (
+    THINK_END,
+    THINK_START,
+    TOOL_CALL_START,
+    held_back,
+    parse_tool_calls,
+    split_reasoning,
+)
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
              "response_format")  # fmt: skip
 
 
-def completion_body(chat: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
-    """The engine's token-in completions body for a chat body (its sampling fields, the given prompt)."""
-    body: dict[str, Any] = {"model": chat.get("model"), "prompt": prompt_ids, "return_token_ids": True}
+def completion_body(chat: dict[str, Any], prompt_ids: list[int], model: str) -> dict[str, Any]:
+    """The engine's token-in completions body for a chat request (its sampling fields, the given prompt)."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt_ids, "return_token_ids": True}
     for key in _SAMPLING:
         if chat.get(key) is not None:
             body[key] = chat[key]
@@ -42,14 +49,6 @@ def completion_body(chat: dict[str, Any], prompt_ids: list[int]) -> dict[str, An
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     return body
-
-
-def _held(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0
 
 
 class OutputParser:
@@ -71,7 +70,7 @@ class OutputParser:
         start = len(self.text) - len(stripped) + len(THINK_START)
         end = self.text.find(THINK_END, start)
         if end < 0:
-            return self.text[start : len(self.text) - _held(self.text, THINK_END)], -1, False
+            return self.text[start : len(self.text) - held_back(self.text, (THINK_END,))], -1, False
         return self.text[start:end], end + len(THINK_END), True
 
     def feed(self, piece: str) -> tuple[str, str]:
@@ -83,7 +82,7 @@ class OutputParser:
         if content_start < 0:
             return new_reasoning, ""
         body = self.text[content_start:]
-        limit = len(body) - _held(body, TOOL_CALL_START)
+        limit = len(body) - held_back(body, (TOOL_CALL_START,))
         if (tool := body.find(TOOL_CALL_START)) >= 0:
             limit = min(limit, tool)
         shown = body[self._shown_content : limit] if limit > self._shown_content else ""
@@ -115,6 +114,10 @@ def _logprobs(choice: dict[str, Any]) -> dict[str, Any] | None:
     return {"content": [{"token": t, "logprob": v, "top_logprobs": []} for t, v in zip(tokens, values, strict=False)]}
 
 
+def _chat_id(completion: dict[str, Any]) -> str:
+    return "chatcmpl-" + str(completion.get("id") or "").removeprefix("cmpl-")
+
+
 def _finish(reason: Any, calls: list[dict[str, Any]]) -> Any:
     return "tool_calls" if calls and reason == "stop" else reason
 
@@ -140,7 +143,7 @@ def chat_answer(completion: dict[str, Any], tools: bool, reasoning: bool) -> dic
             }
         )
     return {
-        "id": "chatcmpl-" + str(completion.get("id") or "").removeprefix("cmpl-"),
+        "id": _chat_id(completion),
         "object": "chat.completion",
         "created": completion.get("created") or int(time.time()),
         "model": completion.get("model"),
@@ -161,7 +164,7 @@ class ChunkConverter:
     def convert(self, chunk: dict[str, Any]) -> dict[str, Any]:
         """The chat chunk for one completion chunk."""
         out: dict[str, Any] = {
-            "id": "chatcmpl-" + str(chunk.get("id") or "").removeprefix("cmpl-"),
+            "id": _chat_id(chunk),
             "object": "chat.completion.chunk",
             "created": chunk.get("created") or int(time.time()),
             "model": chunk.get("model"),

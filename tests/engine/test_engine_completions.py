@@ -85,10 +85,15 @@ def test_bad_prompts_are_refused_naming_the_field(engine_server: EngineHandle) -
         assert response.json()["error"]["param"] == param
 
 
-def test_tokenizer_route_serves_what_the_engine_renders_with(engine_server: EngineHandle) -> None:
-    """GET /v1/tokenizer: the tokenizer file, its config, the chat template and the EOS ids."""
+def test_tokenizer_route_serves_what_the_engine_renders_with(
+    engine_server: EngineHandle, client: openai.OpenAI
+) -> None:
+    """GET /v1/tokenizer: a gateway rendering with what it serves gets the chat endpoint's prompt ids."""
+    from services.gateway.render import ChatRenderer
+
     files = httpx.get(engine_server.url + "/v1/tokenizer").json()
-    engine = engine_server.engine
-    assert files["chat_template"] == engine.tokenizer.chat_template
-    assert files["eos_token_ids"] == sorted(engine.eos_token_ids)
-    assert '"model"' in files["tokenizer_json"]
+    assert files["eos_token_ids"] == sorted(engine_server.engine.eos_token_ids)
+    chat = client.chat.completions.create(
+        model=SERVED_NAME, messages=HELLO, max_tokens=1, extra_body={"return_token_ids": True}
+    ).model_dump()
+    assert ChatRenderer.from_files(files).prompt_ids(HELLO, None, {}) == chat["prompt_token_ids"]

@@ -107,8 +107,8 @@ def test_the_token_in_body_keeps_the_chat_sampling_fields() -> None:
     """Sampling fields carry over; no max_tokens means the context's limit (null), never a completion's 16."""
     chat = {"model": "m", "messages": [], "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["x"], "n": 2,
             "top_logprobs": 2, "stream": True, "tools": TOOLS}  # fmt: skip
-    body = completion_body(chat, [1, 2, 3])
+    body = completion_body(chat, [1, 2, 3], "m")
     assert body == {"model": "m", "prompt": [1, 2, 3], "return_token_ids": True, "temperature": 0.5, "top_p": 0.9,
                     "seed": 3, "stop": ["x"], "n": 2, "max_tokens": None, "logprobs": 2, "stream": True,
                     "stream_options": {"include_usage": True}}  # fmt: skip
-    assert completion_body({"max_completion_tokens": 9, "max_tokens": 5}, [1])["max_tokens"] == 9
+    assert completion_body({"max_completion_tokens": 9, "max_tokens": 5}, [1], "m")["max_tokens"] == 9
