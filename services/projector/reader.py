@@ -89,11 +89,13 @@ class RunSummary(msgspec.Struct, kw_only=True):
     duration_mean_s: float | None
 
 
+# Rewards are an agent's finite floats: summed as float8, two near its maximum overflow (an error in
+# Postgres), so the mean is taken in numeric; a mean of finite values is itself finite.
 _SUMMARY_SQL = """
 SELECT run.run_id, run.name, run.started_seq, run.started_at, run.last_event_at, run.events, run.phase,
        run.weights_version,
        count(r.rollout_id) AS rollouts,
-       count(r.reward) AS rewarded, avg(r.reward) AS reward_mean,
+       count(r.reward) AS rewarded, avg(r.reward::numeric)::float8 AS reward_mean,
        coalesce(sum(r.calls), 0) AS calls, coalesce(sum(r.failed_calls), 0) AS failed_calls,
        avg(r.calls) AS calls_per_rollout,
        coalesce(sum(r.prompt_tokens), 0) AS prompt_tokens, coalesce(sum(r.response_tokens), 0) AS response_tokens,

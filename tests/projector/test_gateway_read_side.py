@@ -101,3 +101,26 @@ async def test_a_run_with_rollouts_but_never_declared_has_a_summary(fresh_nats: 
                 assert body["spec"] == {} and body["started_at"] is None and body["rollouts"] == {"queuing": 3}
                 assert body["summary"]["rollouts"] == 3 and body["summary"]["started"] is False
                 assert (await client.get("/api/runs/nothing-here")).status_code == 404
+
+
+async def test_a_run_summary_survives_rewards_near_the_largest_float(fresh_nats: NatsServer, database: str) -> None:
+    """Two rewards of 1e308 (finite, accepted) would overflow a float sum: the summary's mean is 1e308, not a 500."""
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    with gateway(fresh_nats.url, database) as server:
+        async with httpx.AsyncClient(base_url=server.url, headers=auth, timeout=30) as client:
+            async with running_projector(fresh_nats.url, database):
+                batch = [{"run_id": "huge", "rollout_id": f"h{i}", "input": i} for i in range(2)]
+                assert (await client.post("/api/rollouts", json={"rollouts": batch})).status_code == 201
+                seq = 0
+                for i in range(2):
+                    attempt = (await client.post(f"/api/rollouts/h{i}/attempts", json={})).json()
+                    posted = await client.post(
+                        f"/api/rollouts/h{i}/attempt/{attempt['attempt_id']}/events",
+                        json={"type": "reward", "value": 1e308},
+                    )
+                    assert posted.status_code in (200, 201), posted.text
+                    seq = max(seq, posted.json().get("seq", 0))
+                listed = await client.get("/api/runs", params={"min_seq": seq})
+                assert listed.status_code == 200, listed.text
+                (run,) = [r for r in listed.json()["runs"] if r["run_id"] == "huge"]
+                assert run["rewarded"] == 2 and run["reward_mean"] == 1e308
