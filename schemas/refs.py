@@ -40,6 +40,8 @@ import numpy as np
 from msgspec import UNSET, UnsetType
 
 _SWAP = sys.byteorder != "little"
+_IdArray = np.ndarray[Any, np.dtype[np.int32]]
+_FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 
 
 class CallRef(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
@@ -120,8 +122,10 @@ def _int32_view(data: bytes, width: int) -> np.ndarray[Any, Any]:
     if rest:
         raise ValueError(f"{len(data)} bytes are not whole 24-bit ids")
     if not count:
-        return np.zeros(0, dtype="<u4")
-    return np.ndarray((count,), dtype="<u4", buffer=data + b"\0", strides=(3,)) & 0xFFFFFF
+        return np.zeros(0, dtype="<i4")
+    ids = np.ndarray((count,), dtype="<u4", buffer=data + b"\0", strides=(3,)).astype("<i4")
+    ids &= 0xFFFFFF
+    return ids
 
 
 def id_width(*arrays: Sequence[int]) -> int:
@@ -225,6 +229,35 @@ def _unpacked(event: _Packable, packed: PackedTokens) -> tuple[list[int], list[i
         response = unpack_ids(packed.response, packed.id_width) if packed.response else event.response_ids
     logprobs = unpack_floats(packed.logprobs, packed.logprob_width) if packed.logprobs else event.logprobs
     return prompt, response, logprobs
+
+
+def unpack_arrays(packed: PackedTokens) -> tuple[_IdArray, _IdArray, _FloatArray]:
+    """A call's packed prompt ids, response ids and logprobs as numpy arrays (int32, int32, float64).
+
+    What a bulk reader (the replay) takes instead of `upcast`: no Python int or float is made per
+    token. The id arrays may be read-only views of the decoded bytes.
+    """
+    width = packed.id_width
+    prompt, response = packed.prompt, packed.response
+    if width == 3 and prompt and response and not len(prompt) % 4:
+        data = binascii.a2b_base64(prompt + response)
+        if len(data) * 4 == (len(prompt) + len(response)) * 3:
+            ids = _int32_view(data, 3)
+            cut = len(prompt) // 4
+            return ids[:cut], ids[cut:], _float_array(packed.logprobs, packed.logprob_width)
+    return (
+        _int32_view(binascii.a2b_base64(prompt), width),
+        _int32_view(binascii.a2b_base64(response), width),
+        _float_array(packed.logprobs, packed.logprob_width),
+    )
+
+
+def _float_array(text: str, width: int) -> _FloatArray:
+    data = binascii.a2b_base64(text)
+    if len(data) % width:
+        raise ValueError(f"{len(data)} bytes are not whole {width}-byte floats")
+    values = np.frombuffer(data, dtype="<f4" if width == 4 else "<f8")
+    return values.astype(np.float64) if width == 4 else values
 
 
 def unpack_id_pair(prompt: str, response: str, width: int) -> tuple[list[int], list[int]]:

@@ -37,7 +37,6 @@ import msgspec
 from schemas import MalformedEvent
 from schemas.events import AnyEvent, CustomEvent, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, RUN_ALL, check_id
-from schemas.refs import upcast_decoded
 from services.common.eventstore import EventStore, StoredEvent, _stream_sequence
 from trainer.core import (
     TRAIN_STEP_EVENT,
@@ -313,10 +312,12 @@ _call_decoder = msgspec.json.Decoder(CallRecord)
 
 
 def decode_call(data: bytes) -> CallRecord:
-    """A `model_request` event's bytes as the adapter's `CallRecord`: its request and response bodies are skipped."""
+    """A `model_request` event's bytes as the adapter's `CallRecord`: its request and response bodies are skipped.
+
+    Packed arrays stay packed: the adapter reads them straight into numpy arrays (`call_arrays`).
+    """
     try:
-        call = _call_decoder.decode(data)
-        return upcast_decoded(call) if call.packed else call
+        return _call_decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
         raise MalformedEvent(str(exc)) from None
 

@@ -6,7 +6,7 @@ import msgspec
 
 from schemas import ModelRequestRecorded, encode
 from services.tools.source import decode_call
-from trainer.core import call_from_event
+from trainer.core import call_from_event, plain
 from trainer.core.calls import CallRecord
 
 
@@ -25,4 +25,4 @@ def test_decoded_record_gives_the_same_call() -> None:
     )  # fmt: skip
     record = decode_call(encode(event))
     assert (record.rollout_id, record.attempt_id, record.status, record.mode) == ("ro1", "a1", "ok", "train")
-    assert call_from_event(record) == call_from_event(event)
+    assert plain(call_from_event(record)) == plain(call_from_event(event))

@@ -15,7 +15,7 @@ from schemas.refs import id_width, ids_int32, pack_floats, pack_ids, unpack_floa
 from services.common.eventstore import Appended, EventStore
 from services.gateway.recording import CallChains, compact_request
 from services.tools.replay import ReplayReport, replay_run
-from trainer.core import build_step, collect_rollouts
+from trainer.core import build_step, collect_rollouts, plain
 
 SCHEMES = ["merge=exact", "per-call+token-mean", "rloo+rollout-mean"]
 
@@ -58,8 +58,12 @@ async def test_replay_of_a_compact_recording_equals_the_full_one(store: EventSto
     typed = [s.event async for s in store.read_run(compact_run)]
     mine = collect_rollouts(typed).rollouts
     theirs = collect_rollouts(full_events).rollouts
-    assert [[c.prompt_ids for c in r.calls] for r in mine] == [[c.prompt_ids for c in r.calls] for r in theirs]
-    assert [[c.logprobs for c in r.calls] for r in mine] == [[c.logprobs for c in r.calls] for r in theirs]
+    assert plain([[c.prompt_ids for c in r.calls] for r in mine]) == plain(
+        [[c.prompt_ids for c in r.calls] for r in theirs]
+    )
+    assert plain([[c.logprobs for c in r.calls] for r in mine]) == plain(
+        [[c.logprobs for c in r.calls] for r in theirs]
+    )
 
 
 async def test_read_rollout_and_resolved_give_full_prompts_and_requests(store: EventStore, run_id: str) -> None:

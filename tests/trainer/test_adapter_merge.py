@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.core import Call, Sample, dedup_calls, merge_calls
+from trainer.core import Call, Sample, dedup_calls, merge_calls, plain
 
 PROPERTY = settings(max_examples=150, derandomize=True, deadline=None)
 
@@ -42,15 +42,15 @@ def assert_exact(calls: list[Call], samples: list[Sample]) -> None:
         for cid in s.call_ids:
             c = by_id[cid]
             p, r = len(c.prompt_ids), len(c.response_ids)
-            assert s.tokens[: p + r] == c.prompt_ids + c.response_ids
-            assert s.loss_mask[p : p + r] == [1] * r
-            assert s.logprobs[p : p + r] == c.logprobs
+            assert plain(s.tokens[: p + r]) == plain(c.prompt_ids) + plain(c.response_ids)
+            assert plain(s.loss_mask[p : p + r]) == [1] * r
+            assert plain(s.logprobs[p : p + r]) == plain(c.logprobs)
             sampled[p : p + r] = [1] * r
-        assert s.loss_mask == sampled, "mask is 1 exactly on the tokens the sample's calls sampled"
+        assert plain(s.loss_mask) == sampled, "mask is 1 exactly on the tokens the sample's calls sampled"
         assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if not m)
         assert s.response_tokens == sum(s.loss_mask)
         last = by_id[s.call_ids[-1]]
-        assert s.tokens == last.prompt_ids + last.response_ids
+        assert plain(s.tokens) == plain(last.prompt_ids) + plain(last.response_ids)
         order = [calls.index(by_id[cid]) for cid in s.call_ids]
         assert order == sorted(order), "calls keep their order within a sample"
 
@@ -157,8 +157,8 @@ def test_retokenization_drift_splits_the_chain_and_never_corrupts_it() -> None:
     samples = merge([first, drifted, third])
     assert_exact([first, drifted, third], samples)
     assert [s.call_ids for s in samples] == [[first.call_id], [drifted.call_id, third.call_id]]
-    assert samples[0].tokens == [1, 2, 3, 10, 11] and samples[0].loss_mask == [0, 0, 0, 1, 1]
-    assert samples[1].loss_mask == [0, 0, 0, 0, 0, 1, 0, 1]  # the drifted ids are context, never trained
+    assert plain(samples[0].tokens) == [1, 2, 3, 10, 11] and plain(samples[0].loss_mask) == [0, 0, 0, 1, 1]
+    assert plain(samples[1].loss_mask) == [0, 0, 0, 0, 0, 1, 0, 1]  # the drifted ids are context, never trained
 
 
 def test_a_call_extends_the_longest_matching_chain() -> None:
@@ -182,7 +182,7 @@ def test_a_fork_from_an_extended_turn_opens_a_chain_without_training_the_turn_tw
     branch_b = call([1, 2, 3, 6], [7])  # forks from root's state, which branch_a already extended
     samples = merge([root, branch_a, branch_b])
     assert_exact([root, branch_a, branch_b], samples)
-    assert samples[1].call_ids == [branch_b.call_id] and samples[1].loss_mask == [0, 0, 0, 0, 1]
+    assert samples[1].call_ids == [branch_b.call_id] and plain(samples[1].loss_mask) == [0, 0, 0, 0, 1]
 
 
 def test_dedup_keeps_the_last_retry_at_its_own_position() -> None:
@@ -214,7 +214,7 @@ def test_max_length_closes_the_chain() -> None:
     result = merge_calls([c1, c2, c3, c4], rollout_id="ro", group_id="g", max_length=25)
     assert result.calls_too_long == 1
     assert [s.call_ids for s in result.samples] == [[c1.call_id, c2.call_id], [c4.call_id]]
-    assert result.samples[1].loss_mask == [0] * 21 + [1]  # c1's and c2's answers are context here
+    assert plain(result.samples[1].loss_mask) == [0] * 21 + [1]  # c1's and c2's answers are context here
     assert_exact([c1, c2, c3, c4], result.samples)
 
 
@@ -222,7 +222,7 @@ def test_per_call_mode_makes_one_sample_per_call() -> None:
     calls = [call([1, 2], [3]), call([1, 2, 3, 4], [5])]
     samples = merge_calls(calls, rollout_id="ro", group_id="g", mode="per-call").samples
     assert [s.call_ids for s in samples] == [[c.call_id] for c in calls]
-    assert samples[1].loss_mask == [0, 0, 0, 0, 1]
+    assert plain(samples[1].loss_mask) == [0, 0, 0, 0, 1]
     assert_exact(calls, samples)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from schemas import AttemptStarted, Event, ModelRequestRecorded, RewardReported, RolloutCreated, RolloutStatusChanged
-from trainer.core import AdapterConfig, Selection, build_step, collect_rollouts, failure_kind, rollout_calls
+from trainer.core import AdapterConfig, Selection, build_step, collect_rollouts, failure_kind, plain, rollout_calls
 
 RUN = "run1"
 
@@ -117,7 +117,7 @@ def test_calls_to_models_the_run_does_not_train_are_context_never_fatal() -> Non
     (sample,) = batch.samples
     assert sample.call_ids == ["c1", "c2"] and batch.stats.calls_context == 2
     # the checker's answer (token 6) is an observation: mask 0
-    assert sample.tokens == [1, 2, 3, 4, 5, 6, 7, 8] and sample.loss_mask == [0, 0, 1, 1, 0, 0, 0, 1]
+    assert plain(sample.tokens) == [1, 2, 3, 4, 5, 6, 7, 8] and plain(sample.loss_mask) == [0, 0, 1, 1, 0, 0, 0, 1]
     # by agent name as well
     rc_agents = rollout_calls(_rollout("ro", calls), Selection(agents=("writer",)))
     assert [c.call_id for c in rc_agents.calls] == ["c1", "c2"]

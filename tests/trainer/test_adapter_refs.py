@@ -28,7 +28,7 @@ from schemas import (
     encode,
 )
 from schemas.refs import CallRef, pack
-from trainer.core import AdapterConfig, RolloutCalls, merge_calls, merge_rollouts, rollout_calls
+from trainer.core import AdapterConfig, RolloutCalls, merge_calls, merge_rollouts, plain, rollout_calls
 
 RUN = "refs"
 CONFIGS = [
@@ -187,7 +187,7 @@ def missing_base() -> History:
 
 def _samples(rollout: RolloutCalls, config: AdapterConfig) -> list[dict[str, object]]:
     merged, _ = merge_rollouts([rollout], config)
-    return [msgspec.structs.asdict(s) for m in merged for s in m.samples]
+    return [plain(s) for m in merged for s in m.samples]
 
 
 def _without_refs(rollout: RolloutCalls) -> RolloutCalls:
@@ -199,8 +199,8 @@ def _without_refs(rollout: RolloutCalls) -> RolloutCalls:
 def test_merging_through_references_equals_comparing(history: Callable[[], History]) -> None:
     h = history()
     compact, full = rollout_calls(h.compact()), rollout_calls(h.full())
-    assert [c.prompt_ids for c in compact.calls] == [c.prompt_ids for c in full.calls]
-    assert [c.logprobs for c in compact.calls] == [c.logprobs for c in full.calls]
+    assert plain([c.prompt_ids for c in compact.calls]) == plain([c.prompt_ids for c in full.calls])
+    assert plain([c.logprobs for c in compact.calls]) == plain([c.logprobs for c in full.calls])
     assert any(c.prompt_ref for c in compact.calls), "the compact history carries references"
     assert not any(c.prompt_ref for c in full.calls)
     for config in CONFIGS:
@@ -220,7 +220,7 @@ def test_a_linear_conversation_is_one_sample_chained_by_references() -> None:
         )
     (sample,) = merge_calls(calls, rollout_id="linear", group_id="g").samples
     assert sample.call_ids == [c.call_id for c in calls]
-    assert sample.tokens == [*calls[-1].prompt_ids, *calls[-1].response_ids]
+    assert plain(sample.tokens) == [*plain(calls[-1].prompt_ids), *plain(calls[-1].response_ids)]
 
 
 def test_an_event_recorded_twice_is_not_a_reference_target() -> None:

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 import torch
 import transformers
 
-from trainer.core import AdapterConfig, Call, RolloutCalls, Sample, build_step
+from trainer.core import AdapterConfig, Call, RolloutCalls, Sample, build_step, plain
 from trainer.loss import PolicyBatch, PolicyLossConfig, collate, policy_loss, token_entropy, token_logprobs
 
 VOCAB = 300
@@ -165,9 +165,9 @@ def test_collate_aligns_targets_and_pads() -> None:
     assert batch.input_ids.shape == (2, longest) and batch.loss_mask.shape == (2, longest - 1)
     for row, s in enumerate(samples):
         n = len(s.tokens)
-        assert batch.input_ids[row, :n].tolist() == s.tokens and batch.attention_mask[row].sum() == n
-        assert batch.loss_mask[row, : n - 1].tolist() == s.loss_mask[1:]
-        assert batch.old_logprobs[row, : n - 1].tolist() == pytest.approx(s.logprobs[1:])
+        assert batch.input_ids[row, :n].tolist() == plain(s.tokens) and batch.attention_mask[row].sum() == n
+        assert batch.loss_mask[row, : n - 1].tolist() == plain(s.loss_mask[1:])
+        assert batch.old_logprobs[row, : n - 1].tolist() == pytest.approx(plain(s.logprobs[1:]))
         assert batch.loss_mask[row, n - 1 :].sum() == 0 and batch.token_weight[row, n - 1 :].sum() == 0
 
 

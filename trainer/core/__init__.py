@@ -42,6 +42,7 @@ from trainer.core.step import (
     rollout_advantages,
     rollout_reward,
 )
+from trainer.core.tokens import as_floats, as_ids, plain, same_ids
 from trainer.core.weights import NORMS, Norm, loss_weights
 
 __all__ = [
@@ -70,6 +71,8 @@ __all__ = [
     "Selection",
     "StepBatch",
     "StepStats",
+    "as_floats",
+    "as_ids",
     "build_step",
     "build_steps",
     "call_from_event",
@@ -87,10 +90,12 @@ __all__ = [
     "merge_rollouts",
     "pack_bins",
     "partition_balanced",
+    "plain",
     "plan_micro_batches",
     "plan_steps",
     "rollout_advantages",
     "rollout_calls",
     "rollout_reward",
+    "same_ids",
     "sample_row",
 ]

@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
+import numpy as np
 from msgspec import UNSET, UnsetType
 
 from schemas.bounds import Count, Int32
@@ -42,8 +43,9 @@ from schemas.events import (
     RolloutCreated,
     RolloutStatusChanged,
 )
-from schemas.refs import CallRef, PackedTokens
+from schemas.refs import CallRef, PackedTokens, unpack_arrays
 from trainer.core.failures import FailureKind, failure_kind
+from trainer.core.tokens import FloatArray, IdArray, Logprobs, TokenIds, as_floats, as_ids
 
 
 class MalformedCall(ValueError):
@@ -57,12 +59,13 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
     sibling choices of one request (`n > 1`) apart, so they are never taken for retries.
     `started_at` / `ended_at` (Unix seconds, None when unknown) tell a retry from a fan-out;
     `agent` and `model` (the registered model name) decide whether the run trains the call.
+    Ids and logprobs are arrays when read from events (`trainer.core.tokens`); lists also do.
     """
 
     call_id: str
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
+    prompt_ids: TokenIds
+    response_ids: TokenIds
+    logprobs: Logprobs
     weights_version: int | None = None
     choice_index: int = 0
     agent: str | None = None
@@ -84,7 +87,7 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
 
     def check_trainable(self) -> Call:
         """This call, or `MalformedCall` when it lacks prompt ids or one logprob per response token."""
-        if not self.prompt_ids:
+        if not len(self.prompt_ids):
             raise MalformedCall(
                 f"call {self.call_id} has no prompt token ids; the engine must return token ids "
                 "(vLLM: return_token_ids) for calls to be trainable"
@@ -190,7 +193,7 @@ RecordedCall = ModelRequestRecorded | CallRecord
 
 
 def call_from_event(event: RecordedCall) -> Call:
-    """The adapter's view of a recorded call (token lists are shared, not copied).
+    """The adapter's view of a recorded call (its ids and logprobs as arrays).
 
     Raises `MalformedCall` when the record lacks what training needs: prompt token ids, and one
     logprob per response token. Both come from the engine (vLLM: `return_token_ids`, `logprobs`).
@@ -204,16 +207,37 @@ def context_call(event: RecordedCall) -> Call:
     The call started at `started_at` (recorded since schema 2), else `latency_s` before it was
     recorded; it ended when it was recorded (`time`).
     """
-    return _call(event, event.prompt_ids, None)
+    prompt, response, logprobs = call_arrays(event)
+    return _call(event, prompt, response, logprobs, None)
 
 
-def _call(event: RecordedCall, prompt: list[int], ref: CallRef | None) -> Call:
+def call_arrays(event: RecordedCall) -> tuple[IdArray, IdArray, FloatArray]:
+    """The recorded prompt ids (as recorded: after a reference, only the new ones), response ids and logprobs.
+
+    Packed arrays are read straight into numpy arrays (no Python int per token); raises
+    `MalformedCall` when they cannot be read.
+    """
+    packed = event.packed
+    if not packed:
+        return as_ids(event.prompt_ids), as_ids(event.response_ids), as_floats(event.logprobs)
+    try:
+        prompt, response, logprobs = unpack_arrays(packed)
+    except (ValueError, TypeError) as exc:  # bad base64, or a length that is not whole values
+        raise MalformedCall(f"call {event.call_id}: packed arrays unreadable: {exc}") from None
+    return (
+        prompt if packed.prompt else as_ids(event.prompt_ids),
+        response if packed.response else as_ids(event.response_ids),
+        logprobs if packed.logprobs else as_floats(event.logprobs),
+    )
+
+
+def _call(event: RecordedCall, prompt: IdArray, response: IdArray, logprobs: FloatArray, ref: CallRef | None) -> Call:
     started = event.started_at if event.started_at is not None else event.time - event.latency_s
     return Call(
         call_id=event.call_id,
         prompt_ids=prompt,
-        response_ids=event.response_ids,
-        logprobs=event.logprobs,
+        response_ids=response,
+        logprobs=logprobs,
         weights_version=event.weights_version,
         choice_index=event.choice_index,
         agent=event.agent,
@@ -232,39 +256,40 @@ class _Prompts:
     """One attempt's calls with their full prompts, references resolved as the calls are read in order.
 
     Each call's prompt and response are kept by event id; a call that references one gets the
-    referenced prompt + response cut at `prompt_ref.tokens`, then its own ids (one list built, the
-    earlier lists shared, never copied twice). The Call keeps the reference for `merge_calls`,
-    except into an event id the attempt recorded twice (ambiguous: the later one is the one resolved).
+    referenced prompt + response cut at `prompt_ref.tokens`, then its own ids (one array built, the
+    earlier arrays shared). The Call keeps the reference for `merge_calls`, except into an event id
+    the attempt recorded twice (ambiguous: the later one is the one resolved).
     """
 
     __slots__ = ("repeated", "seen")
 
     def __init__(self) -> None:
-        self.seen: dict[str, tuple[list[int], list[int]]] = {}
+        self.seen: dict[str, tuple[IdArray, IdArray]] = {}
         self.repeated: set[str] = set()
 
     def call(self, event: RecordedCall) -> Call:
         """The adapter's view of an `ok` call of the attempt, with its full prompt."""
         ref = event.prompt_ref
-        prompt = event.prompt_ids
+        prompt, response, logprobs = call_arrays(event)
         if ref:
             earlier = self.seen.get(ref.event_id)
             if earlier is None:
                 raise MalformedCall(
                     f"call {event.call_id}: the referenced call {ref.event_id} (stream sequence {ref.seq}) was not seen"
                 )
-            before, response = earlier
+            before, said = earlier
             shared = ref.tokens
-            full = before[:shared] if shared <= len(before) else before + response[: shared - len(before)]
-            full += prompt
-            prompt = full
+            if shared <= len(before):
+                prompt = np.concatenate((before[:shared], prompt))
+            else:
+                prompt = np.concatenate((before, said[: shared - len(before)], prompt))
             if ref.event_id in self.repeated:
                 ref = None
-        call = _call(event, prompt, ref or None)
+        call = _call(event, prompt, response, logprobs, ref or None)
         if event.event_id in self.seen:
             self.repeated.add(event.event_id)
             call = msgspec.structs.replace(call, event_id=None)
-        self.seen[event.event_id] = (prompt, event.response_ids)
+        self.seen[event.event_id] = (prompt, response)
         return call
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from trainer.core.calls import Call
+from trainer.core.tokens import as_ids, same_ids
 
 
 def _bucket_key(call: Call) -> tuple[int, int, int, int, int]:
@@ -30,7 +31,9 @@ def _bucket_key(call: Call) -> tuple[int, int, int, int, int]:
     # so a 4k-token prompt is never hashed or copied just to find that it is unique.
     ids = call.prompt_ids
     n = len(ids)
-    return (call.choice_index, n, ids[0] if n else -1, ids[n // 2] if n else -1, ids[-1] if n else -1)
+    if not n:
+        return (call.choice_index, 0, -1, -1, -1)
+    return (call.choice_index, n, int(ids[0]), int(ids[n // 2]), int(ids[-1]))
 
 
 def _ended_before(earlier: Call, later: Call) -> bool:
@@ -42,13 +45,13 @@ def _ended_before(earlier: Call, later: Call) -> bool:
 
 def _extended(call: Call, others: Sequence[Call]) -> bool:
     """True when some other call's prompt starts with this call's prompt + response."""
-    prompt, response = call.prompt_ids, call.response_ids
+    prompt, response = as_ids(call.prompt_ids), as_ids(call.response_ids)
     n = len(prompt) + len(response)
     for other in others:
-        ids = other.prompt_ids
-        if other is call or len(ids) < n or not response:
+        ids = as_ids(other.prompt_ids)
+        if other is call or len(ids) < n or not len(response):
             continue
-        if ids[len(prompt) : n] == response and ids[: len(prompt)] == prompt:
+        if same_ids(ids[len(prompt) : n], response) and same_ids(ids[: len(prompt)], prompt):
             return True
     return False
 
@@ -61,7 +64,7 @@ def dedup_calls(calls: Sequence[Call], context: Sequence[Call] = ()) -> list[Cal
     for i in range(len(calls) - 1, -1, -1):
         later = buckets.setdefault(_bucket_key(calls[i]), [])
         call = calls[i]
-        twins = [j for j in later if calls[j].prompt_ids == call.prompt_ids]
+        twins = [j for j in later if same_ids(calls[j].prompt_ids, call.prompt_ids)]
         if any(_ended_before(call, calls[j]) for j in twins):
             if everything is None:
                 everything = [*calls, *context]

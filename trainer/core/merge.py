@@ -49,12 +49,13 @@ prompts never share prefixes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import repeat
 from typing import Literal
 
 import msgspec
+import numpy as np
 
 from trainer.core.calls import Call
+from trainer.core.tokens import IdArray, Logprobs, TokenIds, as_floats, as_ids, joined, same_ids
 
 MergeMode = Literal["exact", "per-call"]
 
@@ -65,15 +66,16 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     `tokens`, `loss_mask` and `logprobs` have one entry per token; `loss_mask[t]` is 1 exactly
     where `tokens[t]` was sampled by the model, and `logprobs[t]` is its behaviour log-probability
     (0.0 where the mask is 0). `advantage` and `token_weight` are set by the step builder; the
-    token loss of this sample counts with weight `token_weight` on each sampled token.
+    token loss of this sample counts with weight `token_weight` on each sampled token. A merged
+    sample holds numpy arrays (int32 tokens and mask, float64 logprobs; `trainer.core.tokens`).
     """
 
     rollout_id: str
     group_id: str | None
     index: int
-    tokens: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
+    tokens: TokenIds
+    loss_mask: TokenIds
+    logprobs: Logprobs
     call_ids: list[str]
     response_tokens: int
     min_weights_version: int | None = None
@@ -97,54 +99,65 @@ class MergeResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Chain:
-    """An open sample under construction (mutable; only `merge_calls` sees it)."""
+    """An open sample under construction (mutable; only `merge_calls` sees it).
+
+    Its tokens are always its last call's prompt + response (a call extends a chain only when the
+    chain is a prefix of its prompt), so they are kept as those two arrays, and the sampled spans
+    as (offset, call) pairs: the sample's arrays are built once, when it is closed.
+    """
 
     __slots__ = (
-        "call_ids", "end", "logprobs", "mask", "response_tokens", "temperature", "tokens", "touched", "versions",
+        "call_ids", "end", "first", "last", "length", "prompt", "response", "spans", "temperature", "touched",
+        "versions",
     )  # fmt: skip
 
     def __init__(self, call: Call, touched: int) -> None:
-        prompt, response = call.prompt_ids, call.response_ids
-        self.tokens: list[int] = [*prompt, *response]
-        self.mask: list[int] = [0] * len(prompt)
-        self.mask.extend(repeat(1, len(response)))
-        self.logprobs: list[float] = [0.0] * len(prompt)
-        self.logprobs.extend(call.logprobs)
-        self.call_ids: list[str] = [call.call_id]
-        self.response_tokens = len(response)
-        self.versions: list[int] = [] if call.weights_version is None else [call.weights_version]
-        self.touched = touched
+        self.call_ids: list[str] = []
+        self.spans: list[tuple[int, Call]] = []
+        self.versions: list[int] = []
         self.temperature = call.temperature
+        self._take(call, touched)
+        self.first = int(self.prompt[0]) if len(self.prompt) else int(self.response[0]) if self.length else -1
+
+    def _take(self, call: Call, touched: int) -> None:
+        self.prompt, self.response = as_ids(call.prompt_ids), as_ids(call.response_ids)
+        self.length = len(self.prompt) + len(self.response)
+        self.last = int(self.response[-1]) if len(self.response) else int(self.prompt[-1]) if self.length else -1
+        self.spans.append((len(self.prompt), call))
+        self.call_ids.append(call.call_id)
+        if call.weights_version is not None:
+            self.versions.append(call.weights_version)
+        self.touched = touched
         self.end = call.event_id
         """The event id of its last call: its tokens are that call's prompt + response."""
 
     def extend(self, call: Call, touched: int) -> None:
         """Append the call's unseen prompt suffix (observation, mask 0) and its response (mask 1)."""
-        observation = call.prompt_ids[len(self.tokens) :]
-        response = call.response_ids
-        self.tokens.extend(observation)
-        self.tokens.extend(response)
-        self.mask.extend(repeat(0, len(observation)))
-        self.mask.extend(repeat(1, len(response)))
-        self.logprobs.extend(repeat(0.0, len(observation)))
-        self.logprobs.extend(call.logprobs)
-        self.call_ids.append(call.call_id)
-        self.response_tokens += len(response)
-        if call.weights_version is not None:
-            self.versions.append(call.weights_version)
-        self.touched = touched
-        self.end = call.event_id
+        self._take(call, touched)
+
+    def is_prefix_of(self, prompt: IdArray) -> bool:
+        """True when the chain's whole token sequence is a prefix of `prompt`."""
+        cut = len(self.prompt)
+        return same_ids(prompt[:cut], self.prompt) and same_ids(prompt[cut : self.length], self.response)
 
     def to_sample(self, rollout_id: str, group_id: str | None, index: int) -> Sample:
+        mask = np.zeros(self.length, dtype=np.int32)
+        logprobs = np.zeros(self.length, dtype=np.float64)
+        sampled = 0
+        for offset, call in self.spans:
+            n = len(call.response_ids)
+            mask[offset : offset + n] = 1
+            logprobs[offset : offset + n] = as_floats(call.logprobs)
+            sampled += n
         return Sample(
             rollout_id=rollout_id,
             group_id=group_id,
             index=index,
-            tokens=self.tokens,
-            loss_mask=self.mask,
-            logprobs=self.logprobs,
+            tokens=joined(self.prompt, self.response),
+            loss_mask=mask,
+            logprobs=logprobs,
             call_ids=self.call_ids,
-            response_tokens=self.response_tokens,
+            response_tokens=sampled,
             min_weights_version=min(self.versions) if self.versions else None,
             max_weights_version=max(self.versions) if self.versions else None,
             temperature=self.temperature,
@@ -157,22 +170,21 @@ def _longest_prefix_chain(chains: Sequence[_Chain], call: Call, known: _Chain | 
     Ties go to the most recent chain. `known` is an open chain already known to be such a prefix
     (the one the call's reference names): it is not compared again, only the others that could beat it.
     """
-    prompt = call.prompt_ids
+    prompt = as_ids(call.prompt_ids)
     best = known
-    best_len = -1 if known is None else len(known.tokens)
+    best_len = -1 if known is None else known.length
     for chain in chains:
         if chain.temperature != call.temperature or chain is known:
             continue
-        tokens = chain.tokens
-        n = len(tokens)
+        n = chain.length
         # Cheap rejections first; only a surviving candidate pays for the full comparison.
         if n == 0 or n > len(prompt) or n < best_len:
             continue
         if n == best_len and best is not None and chain.touched < best.touched:
             continue
-        if prompt[n - 1] != tokens[-1] or prompt[0] != tokens[0]:
+        if prompt[n - 1] != chain.last or prompt[0] != chain.first:
             continue
-        if prompt[:n] == tokens:
+        if chain.is_prefix_of(prompt):
             best, best_len = chain, n
     return best
 
@@ -195,9 +207,8 @@ class _Ends:
         chain = self.chains.get(ref)
         if chain is None or chain.temperature != call.temperature:
             return None
-        tokens, prompt = chain.tokens, call.prompt_ids
-        n = len(tokens)
-        if call.ref_tokens != n or not 0 < n <= len(prompt) or prompt[n - 1] != tokens[-1] or prompt[0] != tokens[0]:
+        prompt, n = call.prompt_ids, chain.length
+        if call.ref_tokens != n or not 0 < n <= len(prompt) or prompt[n - 1] != chain.last or prompt[0] != chain.first:
             return None
         return chain
 
