@@ -160,10 +160,12 @@ def _to_stored(msg: Msg) -> StoredEvent:
 class EventStore:
     """Append-only access to the Rollwire stream (see the module docstring for the rules)."""
 
-    def __init__(self, nc: NATS, stream: str = STREAM_NAME) -> None:
+    def __init__(self, nc: NATS, stream: str = STREAM_NAME, *, url: str = "") -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.stream = stream
+        self.url = url
+        """The URL(s) it was connected with ("" when built on a connection): where another process connects."""
 
     @classmethod
     async def connect(
@@ -195,7 +197,7 @@ class EventStore:
             )
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             raise EventStoreUnavailable(f"could not connect to NATS at {url}: {exc}") from None
-        store = cls(nc, stream)
+        store = cls(nc, stream, url=url)
         if ensure:
             try:
                 await store.ensure_stream(replicas=replicas, duplicate_window_s=duplicate_window_s)
@@ -313,26 +315,38 @@ class EventStore:
 
     # ---- reading ---------------------------------------------------------------------------
 
-    async def read(self, filter_subject: str | Sequence[str], *, after_seq: int = 0) -> AsyncIterator[StoredEvent]:
-        """Yield every stored event matching the filter(s), in stream order, then stop."""
-        async for batch in self.read_raw(filter_subject, after_seq=after_seq):
+    async def read(
+        self, filter_subject: str | Sequence[str], *, after_seq: int = 0, last_per_subject: bool = False
+    ) -> AsyncIterator[StoredEvent]:
+        """Yield every stored event matching the filter(s), in stream order, then stop (see `read_raw`)."""
+        async for batch in self.read_raw(filter_subject, after_seq=after_seq, last_per_subject=last_per_subject):
             for msg in batch:
                 yield _to_stored(msg)
 
-    async def read_raw(self, filter_subject: str | Sequence[str], *, after_seq: int = 0) -> AsyncIterator[list[Msg]]:
+    async def read_raw(
+        self, filter_subject: str | Sequence[str], *, after_seq: int = 0, last_per_subject: bool = False
+    ) -> AsyncIterator[list[Msg]]:
         """Yield batches of raw messages matching the filter(s) until none is pending.
 
         An ephemeral pull consumer with no acks; batches are requested with `no_wait` and
         delivered to one callback subscription, which avoids a task per message in the client.
         The next batch is requested before this one is yielded, so the server reads and sends it
         while the caller works (one request in flight: a batch is complete before the next starts).
+        `last_per_subject` reads only the newest message of each matching subject: the server
+        finds those from its subject index, where a wildcard filter otherwise makes it test every
+        message of the stream (a few small events of a large run then cost a scan of all of it).
         """
         filters = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
         name = secrets.token_hex(8)
+        policy = DeliverPolicy.BY_START_SEQUENCE if after_seq else DeliverPolicy.ALL
+        if last_per_subject:
+            if after_seq:
+                raise ValueError("a read of the last message per subject starts at the stream's start")
+            policy = DeliverPolicy.LAST_PER_SUBJECT
         config = ConsumerConfig(
             name=name,
             ack_policy=AckPolicy.NONE,
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if after_seq else DeliverPolicy.ALL,
+            deliver_policy=policy,
             opt_start_seq=after_seq + 1 if after_seq else None,
             inactive_threshold=30.0,
             mem_storage=True,

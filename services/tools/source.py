@@ -3,12 +3,16 @@
 The advantages of a rollout only need its group; the loss weights need step totals, which are
 small numbers. So a run is read in two passes over the stream, never all at once:
 
-1. **Index** (small events only): `created`, `status`, `attempt`, `reward` and the trainer's
-   step records (`event.train_step`) of every rollout, plus the run's `RunStarted` (one read per
-   subject filter, concurrently, merged in stream order) and the number of recorded calls per
-   rollout (from the stream's per-subject counts, no message read). From
-   this the index knows each rollout's group, step and order, and which rollouts the trainer
-   would skip (the adapter's own `rollout_calls` decides, on the small events alone).
+1. **Index** (small events only): the newest `created`, `status`, `attempt`, `reward` and
+   trainer step record (`event.train_step`) of every rollout, plus the run's `RunStarted` (one
+   read per subject filter, concurrently, merged in stream order) and the number of recorded
+   calls per rollout (from the stream's per-subject counts, no message read). The newest of each
+   is all the adapter reads (the final status, the last attempt, the last reward of the final
+   attempt: a rollout whose newest reward is of another attempt gets all its rewards read), and
+   the server finds them from its subject index instead of testing every message of the stream
+   against a wildcard. From this the index knows each rollout's group, step and order, and which
+   rollouts the trainer would skip (the adapter's own `rollout_calls` decides, on the small
+   events alone).
 2. **Calls**: one sequential read of the run's `model_request` events from the first planned
    rollout on; a unit's calls are held only until the last of them arrives (the index knows each
    rollout's count), then decoded (as `CallRecord`s: the request and response bodies are
@@ -35,8 +39,16 @@ from typing import Any
 import msgspec
 
 from schemas import MalformedEvent
-from schemas.events import AnyEvent, CustomEvent, RolloutCreated, RunStarted
-from schemas.ids import MODEL_REQUEST, RUN_ALL, check_id
+from schemas.events import (
+    AnyEvent,
+    AttemptStarted,
+    CustomEvent,
+    RewardReported,
+    RolloutCreated,
+    RolloutStatusChanged,
+    RunStarted,
+)
+from schemas.ids import MODEL_REQUEST, REWARD, RUN_ALL, check_id
 from services.common.eventstore import EventStore, StoredEvent, _stream_sequence
 from trainer.core import (
     TRAIN_STEP_EVENT,
@@ -144,31 +156,59 @@ async def run_exists(store: EventStore, run_id: str) -> bool:
     return True
 
 
-def _small_subjects(run_id: str) -> list[str]:
+def _small_subjects(run_id: str) -> list[tuple[str, bool]]:
+    """The index's subject filters, each with whether only the newest message per subject is read."""
     prefix = f"rl.{run_id}"
     return [
-        f"{prefix}.run",
-        f"{prefix}.rollout.*.created",
-        f"{prefix}.rollout.*.status",
-        f"{prefix}.rollout.*.attempt",
-        f"{prefix}.rollout.*.reward",
-        f"{prefix}.rollout.*.event.{TRAIN_STEP_EVENT}",
+        (f"{prefix}.run", False),
+        (f"{prefix}.rollout.*.created", True),
+        (f"{prefix}.rollout.*.status", True),
+        (f"{prefix}.rollout.*.attempt", True),
+        (f"{prefix}.rollout.*.reward", True),
+        (f"{prefix}.rollout.*.event.{TRAIN_STEP_EVENT}", True),
     ]
+
+
+async def _read_compacted(store: EventStore, subject: str, last_per_subject: bool = False) -> list[StoredEvent]:
+    """The subject's events, compacted (`_compact`), sorted by stream sequence."""
+    found = [
+        msgspec.structs.replace(stored, event=_compact(stored.event))
+        async for stored in store.read(subject, last_per_subject=last_per_subject)
+    ]
+    found.sort(key=lambda stored: stored.seq)
+    return found
 
 
 async def _small_events(store: EventStore, run_id: str) -> list[StoredEvent]:
     """The run's small events (`_small_subjects`), compacted, in stream order.
 
-    One read per subject filter, run concurrently: the server walks the stream once per filter
-    either way, but one consumer with several filters is markedly slower than a consumer per
-    filter, and concurrent reads overlap the server's walks with this process's decoding.
+    One read per subject filter, run concurrently: one consumer with several filters is markedly
+    slower than a consumer per filter, and concurrent reads overlap the server's lookups with
+    this process's decoding.
     """
-
-    async def one(subject: str) -> list[StoredEvent]:
-        return [msgspec.structs.replace(stored, event=_compact(stored.event)) async for stored in store.read(subject)]
-
-    per_subject = await asyncio.gather(*(one(subject) for subject in _small_subjects(run_id)))
+    reads = (_read_compacted(store, subject, last) for subject, last in _small_subjects(run_id))
+    per_subject = await asyncio.gather(*reads)
     return list(heapq.merge(*per_subject, key=lambda stored: stored.seq))
+
+
+def _other_attempts_reward(entry: RolloutEntry) -> bool:
+    """True when the rollout's newest reward is of an attempt other than its final one (read all its rewards)."""
+    reward = next((e for _, e in reversed(entry.events) if isinstance(e, RewardReported)), None)
+    if reward is None or reward.attempt_id is None:
+        return False
+    status = next((e for _, e in reversed(entry.events) if isinstance(e, RolloutStatusChanged)), None)
+    attempt = status.attempt_id if status is not None else None
+    if attempt is None:
+        started = next((e for _, e in reversed(entry.events) if isinstance(e, AttemptStarted)), None)
+        attempt = started.attempt_id if started is not None else None
+    return reward.attempt_id != attempt
+
+
+async def _all_rewards(store: EventStore, run_id: str, entry: RolloutEntry) -> None:
+    """Replace the entry's newest reward by every reward of the rollout (in stream order)."""
+    rewards = await _read_compacted(store, REWARD.format(run=run_id, rollout=entry.rollout_id))
+    others = [(seq, e) for seq, e in entry.events if not isinstance(e, RewardReported)]
+    entry.events = list(heapq.merge(others, [(s.seq, s.event) for s in rewards], key=lambda pair: pair[0]))
 
 
 def _compact(event: AnyEvent) -> AnyEvent:
@@ -231,6 +271,9 @@ async def index_run(store: EventStore, run_id: str, *, nats_url: str = "") -> Ru
             entry.group_id = event.group_id
             entry.declared_step = _step_of(event.metadata)
         entry.events.append((stored.seq, event))
+    await asyncio.gather(
+        *(_all_rewards(store, run_id, entry) for entry in rollouts.values() if _other_attempts_reward(entry))
+    )
     counts = await subject_counts(store, MODEL_REQUEST.format(run=run_id, rollout="*"))
     for subject, count in counts.items():
         rollout_id = subject.split(".")[3]

@@ -292,3 +292,35 @@ def test_worker_processes_and_chunk_sizes_change_nothing(nats_url: str, run_id: 
     workers = asyncio.run(_replay(nats_url, run_id, compare_specs=specs, workers=2, budget=5))
     tiny = asyncio.run(_replay(nats_url, run_id, compare_specs=specs, workers=0, budget=1))
     assert msgspec.json.encode(here) == msgspec.json.encode(workers) == msgspec.json.encode(tiny)
+
+
+async def test_the_index_reads_the_final_attempts_reward_under_a_late_reward_of_another_attempt(
+    store: EventStore, nats_url: str, run_id: str
+) -> None:
+    """The index reads each rollout's newest small events only; a late reward of an earlier attempt
+    sends it back for all the rollout's rewards."""
+
+    def retried(rollout_id: str, late: str | None) -> list[Event]:
+        call = ModelRequestRecorded(
+            run_id=run_id, rollout_id=rollout_id, attempt_id="a2", call_id=f"{rollout_id}-c",
+            prompt_ids=[7, 1, 2], response_ids=[5, 5], logprobs=[-0.1, -0.2],
+        )  # fmt: skip
+        return [
+            RolloutCreated(run_id=run_id, rollout_id=rollout_id, group_id="g"),
+            AttemptStarted(run_id=run_id, rollout_id=rollout_id, attempt_id="a1", sequence=1),
+            RewardReported(run_id=run_id, rollout_id=rollout_id, attempt_id="a1", value=1.0),
+            RolloutStatusChanged(run_id=run_id, rollout_id=rollout_id, attempt_id="a1", status="requeuing"),
+            AttemptStarted(run_id=run_id, rollout_id=rollout_id, attempt_id="a2", sequence=2),
+            call,
+            RewardReported(run_id=run_id, rollout_id=rollout_id, attempt_id="a2", value=0.25),
+            RolloutStatusChanged(run_id=run_id, rollout_id=rollout_id, attempt_id="a2", status="succeeded"),
+            *([RewardReported(run_id=run_id, rollout_id=rollout_id, attempt_id=late, value=0.9)] if late else []),
+        ]
+
+    events = retried("late-a1", "a1") + retried("on-time", None) + _scripted(run_id, "other", "g", 0.0, [2])
+    await store.append_many(events)
+    report = await _replay(nats_url, run_id)
+    (scheme,) = report.schemes
+    rewards = {r.rollout_id: r.reward for r in scheme.rollouts}
+    assert rewards == {"late-a1": 0.25, "on-time": 0.25, "other": 0.0}
+    _assert_same(scheme, build_step(collect_rollouts(events).rollouts, scheme.config))
