@@ -7,11 +7,15 @@ The run is read group by group (`services.tools.source`), every unit goes throug
 under each scheme (`services.tools.report`), and with two or more schemes the rollouts' loss
 weights are compared (`services.tools.compare`).
 
-Decoding calls and merging them is CPU work, reading the stream mostly waiting and parsing. So a
-large run is replayed by worker processes: this process reads a chunk of whole groups as raw
-bytes and hands it to a worker, which decodes it and runs the adapter, while this process reads
-the next chunk. At most `workers + 1` chunks are in flight, so memory stays bounded by the chunk
-size (`budget` calls), not by the run. A small run (or `workers=0`) is replayed in this process.
+Reading the stream (the NATS client parses every message), decoding calls and merging them are
+all CPU work in this process's one thread. So a large run is replayed by worker processes, each
+doing all of it for its share: the planned units are cut into as many runs of consecutive units
+as there are workers, of about equal calls, and each worker reads the stream from its share's
+first rollout on (its own connection) until its share's last call, replaying units as they
+complete. The shares' reads overlap only where rollouts of two shares interleave on the stream.
+Workers are started (and import) while this process builds the index. Memory per worker stays
+bounded by the units in flight (`budget` calls per batch), not by the run. A small run (or
+`workers=0`, or a store without a URL to reconnect to) is replayed in this process.
 """
 
 from __future__ import annotations
@@ -20,25 +24,34 @@ import asyncio
 import contextlib
 import gc
 import os
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Any
 
 import msgspec
 
+from schemas.ids import MODEL_REQUEST, check_id
 from services.common.eventstore import EventStore
 from services.tools.compare import Comparison, compare
 from services.tools.report import SchemeAccumulator, SchemeReport, UnitRows, unit_rows
 from services.tools.schemes import base_config, schemes
-from services.tools.source import CALL_BUDGET, RunIndex, UnitInput, index_run, plan_units, stream_chunks, unit_rollouts
+from services.tools.source import (
+    CALL_BUDGET,
+    RolloutEntry,
+    RunIndex,
+    Unit,
+    UnitInput,
+    index_run,
+    plan_units,
+    stream_chunks,
+    subject_counts,
+    unit_rollouts,
+)
 from trainer.core import AdapterConfig
 
 REPORT_VERSION = 1
-PARALLEL_BUDGET = 512
-"""Calls per chunk handed to a worker (smaller than in-process chunks: several are in flight)."""
-MIN_PARALLEL_CALLS = 64 * PARALLEL_BUDGET
+MIN_PARALLEL_CALLS = 32_768
 """Below this many calls, starting worker processes costs more than it saves."""
 
 
@@ -53,8 +66,9 @@ class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def default_workers() -> int:
-    """Worker processes for a large replay: one per spare CPU core, at most 8 (0 on one core)."""
-    return max(0, min(8, (os.cpu_count() or 1) - 1))
+    """Worker processes for a large replay: one per CPU core, at most 8 (none on one core)."""
+    cores = os.cpu_count() or 1
+    return 0 if cores < 2 else min(8, cores)
 
 
 @contextlib.contextmanager
@@ -85,36 +99,99 @@ def replay_chunk(chunk: list[UnitInput], configs: list[AdapterConfig]) -> list[l
     return results
 
 
+def replay_share(
+    url: str, stream: str, run_id: str, rollouts: dict[str, RolloutEntry], units: list[Unit],
+    configs: list[AdapterConfig], budget: int,
+) -> list[list[UnitRows]]:  # fmt: skip
+    """Read and replay one share of a run's units (worker side): per unit, one `UnitRows` per config."""
+    return asyncio.run(_replay_share(url, stream, run_id, rollouts, units, configs, budget))
+
+
+async def _replay_share(
+    url: str, stream: str, run_id: str, rollouts: dict[str, RolloutEntry], units: list[Unit],
+    configs: list[AdapterConfig], budget: int,
+) -> list[list[UnitRows]]:  # fmt: skip
+    store = await EventStore.connect(url, stream=stream, ensure=False, name="rollwire-replay")
+    try:
+        index = RunIndex(run_id=run_id, rollouts=rollouts, recorded_adapter=None, has_steps=False)
+        results: list[list[UnitRows]] = []
+        async for chunk in stream_chunks(store, index, units, budget=budget):
+            results.extend(replay_chunk(chunk, configs))
+        return results
+    finally:
+        await store.close()
+
+
+def _warm() -> None:
+    """A worker's first task: nothing, so that it starts and imports while the index is built."""
+
+
+def split_units(units: list[Unit], shares: int) -> list[list[Unit]]:
+    """The units (in run order) cut into at most `shares` runs of consecutive units of about equal calls."""
+    total = sum(unit.calls for unit in units)
+    cuts: list[list[Unit]] = [[]]
+    done = 0
+    for unit in units:
+        if cuts[-1] and len(cuts) < shares and done >= total * len(cuts) / shares:
+            cuts.append([])
+        cuts[-1].append(unit)
+        done += unit.calls
+    return [cut for cut in cuts if cut]
+
+
 async def _replay_units(
     store: EventStore, index: RunIndex, accumulators: list[SchemeAccumulator], step: int | None,
-    workers: int | None, budget: int | None,
+    pool: _Pool | None, budget: int | None,
 ) -> None:  # fmt: skip
     units = plan_units(index, step)
     order = {rid: entry.order for rid, entry in index.rollouts.items()}
     configs = [acc.config for acc in accumulators]
-    calls = sum(unit.calls for unit in units)
 
     def collect(results: list[list[UnitRows]]) -> None:
         for per_scheme in results:
             for acc, rows in zip(accumulators, per_scheme, strict=True):
                 acc.add_rows(rows, order)
 
-    if workers is None:
-        workers = default_workers() if calls >= MIN_PARALLEL_CALLS else 0
-    if workers <= 0:
+    if pool is None:
         async for chunk in stream_chunks(store, index, units, budget=budget or CALL_BUDGET):
             collect(replay_chunk(chunk, configs))
         return
     loop = asyncio.get_running_loop()
-    # spawn: a worker must not inherit this process's event loop and NATS connection.
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        in_flight: deque[asyncio.Future[list[list[UnitRows]]]] = deque()
-        async for chunk in stream_chunks(store, index, units, budget=budget or PARALLEL_BUDGET):
-            in_flight.append(loop.run_in_executor(pool, replay_chunk, chunk, configs))
-            while len(in_flight) > workers or (in_flight and in_flight[0].done()):
-                collect(await in_flight.popleft())
-        while in_flight:
-            collect(await in_flight.popleft())
+    futures = []
+    for share in split_units(units, pool.size):
+        rollouts = {rid: index.rollouts[rid] for unit in share for rid in unit.rollout_ids}
+        futures.append(
+            loop.run_in_executor(
+                pool.executor, replay_share, store.url, store.stream, index.run_id, rollouts, share, configs,
+                budget or CALL_BUDGET,
+            )
+        )  # fmt: skip
+    for done in asyncio.as_completed(futures):
+        collect(await done)
+
+
+class _Pool(msgspec.Struct, frozen=True):
+    executor: ProcessPoolExecutor
+    size: int
+
+
+@contextlib.asynccontextmanager
+async def _workers(store: EventStore, run_id: str, workers: int | None) -> AsyncIterator[_Pool | None]:
+    """A started pool of replay workers for a large run (None: replay in this process)."""
+    if workers is None:
+        calls = sum((await subject_counts(store, MODEL_REQUEST.format(run=run_id, rollout="*"))).values())
+        workers = default_workers() if calls >= MIN_PARALLEL_CALLS else 0
+    if workers <= 0 or not store.url:
+        yield None
+        return
+    # forkserver: a worker must not inherit this process's event loop and NATS connection; forked
+    # from a server that imported this module once, workers start in milliseconds, not seconds.
+    context = get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        for _ in range(workers):
+            pool.submit(_warm)
+        yield _Pool(pool, workers)
 
 
 async def replay_run(
@@ -137,15 +214,19 @@ async def replay_run(
     the worker processes (default: `default_workers()` for a large run, none for a small one).
     Raises `RunNotFound`, `ReplayError` or the adapter's `AdapterConfigError`, each for the user.
     """
-    index = await index_run(store, run_id, nats_url=nats_url)
-    base = base_config(index.recorded_adapter, options or {})
-    selection = {"agents": base.agents, "models": base.models}
-    compared = [
-        msgspec.structs.replace(s, config=AdapterConfig.from_mapping({**msgspec.structs.asdict(s.config), **selection}))
-        for s in schemes(base, compare_specs)
-    ]
-    accumulators = [SchemeAccumulator(scheme) for scheme in compared]
-    await _replay_units(store, index, accumulators, step, default_workers() if workers is None else workers, budget)
+    check_id("run_id", run_id)
+    async with _workers(store, run_id, workers) as pool:
+        index = await index_run(store, run_id, nats_url=nats_url)
+        base = base_config(index.recorded_adapter, options or {})
+        selection = {"agents": base.agents, "models": base.models}
+        compared = [
+            msgspec.structs.replace(
+                s, config=AdapterConfig.from_mapping({**msgspec.structs.asdict(s.config), **selection})
+            )
+            for s in schemes(base, compare_specs)
+        ]
+        accumulators = [SchemeAccumulator(scheme) for scheme in compared]
+        await _replay_units(store, index, accumulators, step, pool, budget)
     skipped = index.skipped()
     if step is not None:
         skipped = {rid: reason for rid, reason in skipped.items() if index.rollouts[rid].step == step}
