@@ -15,6 +15,15 @@ to the earlier call's row and only the new ids, text and request parts (`full` c
 their full prompts). Printed per turns and format: the rollout's distinct tokens (its final
 context), the bytes of its messages in JetStream, the bytes of its model-call rows in Postgres
 (`pg_column_size` of the rows, as stored), and each per distinct token.
+
+Measured (schema version 4, bytes per distinct token, JetStream / Postgres, at 30, 60 and 120 turns):
+
+    --chars-per-token 1   full     72.4 / 74.4   137.6 / 143.5   268.0 / 281.6
+                          compact   7.8 / 7.7      7.7 / 7.8       7.7 / 7.8
+    --chars-per-token 4   full    161.2 / 99.8   315.1 / 194.2   623.6 / 384.0
+                          compact  11.3 / 11.3    11.3 / 11.3     11.3 / 11.3
+
+(Version 3, which wrote every field at its default too, took 8.1 on the stream at 1 byte per token.)
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from schemas.codec import MalformedEvent, decode, encode, from_dict, to_dict
 from schemas.events import (
+    ENVELOPE_KEYS,
     EVENT_TYPES,
     SCHEMA_VERSION,
     TERMINAL_STATUSES,
@@ -24,6 +25,7 @@ from schemas.refs import CallRef, PackedTokens, Resolver, UnresolvedReference, u
 from schemas.transitions import IllegalTransition, check_transition, is_terminal
 
 __all__ = [
+    "ENVELOPE_KEYS",
     "EVENT_TYPES",
     "SCHEMA_VERSION",
     "TERMINAL_STATUSES",

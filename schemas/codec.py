@@ -20,7 +20,10 @@ class MalformedEvent(ValueError):
 
 
 def encode(event: Event) -> bytes:
-    """Encode an event as compact JSON bytes (the payload published on its subject)."""
+    """Encode an event as compact JSON bytes (the payload published on its subject).
+
+    Fields at their default are left out (schema version 4); the envelope keys are always there.
+    """
     return _encoder.encode(event)
 
 
@@ -60,5 +63,14 @@ def from_dict(obj: dict[str, Any]) -> AnyEvent:
 
 
 def to_dict(event: Event) -> dict[str, Any]:
-    """The event as a plain JSON-compatible mapping (with its `type` tag)."""
-    return msgspec.to_builtins(event)  # type: ignore[no-any-return]
+    """The event as a plain JSON-compatible mapping: its `type` tag and every field that is set.
+
+    Unlike the encoded JSON (`encode`), fields at their default are included, so a reader of the
+    mapping (an API answer, an export row) needs no knowledge of the defaults.
+    """
+    fields: dict[str, Any] = {"type": type(event).__struct_config__.tag}
+    for name in event.__struct_fields__:
+        value = getattr(event, name)
+        if value is not UNSET:
+            fields[name] = value
+    return msgspec.to_builtins(fields)  # type: ignore[no-any-return]

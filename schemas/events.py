@@ -7,7 +7,9 @@ fields. Evolution is additive: new fields get defaults, no field ever changes ty
 `schema_version` says which revision wrote the event.
 
 Events are named for what happened. They are encoded as flat JSON objects with a `"type"` key,
-so a monitor in any language can read them.
+so a monitor in any language can read them. Since version 4 a field whose value is its default is
+left out of the JSON (absent means the default: `null`, `[]`, `{}`, `0`, `"ok"`, ...); the envelope
+keys `type`, `event_id`, `schema_version`, `run_id` and `time` are always written (`ENVELOPE_KEYS`).
 """
 
 from __future__ import annotations
@@ -34,9 +36,13 @@ from schemas.ids import (
 )
 from schemas.refs import CallRef, PackedTokens
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """2: a `model_request` may carry `prompt_ref` (only the new ids and request parts) and `packed` arrays.
-3: `model_request` gained `agent`, `endpoint`, `started_at` and the sampling parameters."""
+3: `model_request` gained `agent`, `endpoint`, `started_at` and the sampling parameters.
+4: fields equal to their default are left out of the JSON (absent = default), except the envelope keys."""
+
+ENVELOPE_KEYS = ("type", "event_id", "schema_version", "run_id", "time")
+"""The keys every encoded event carries, whatever their values (monitors in any language rely on them)."""
 
 RolloutStatus = Literal["queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
@@ -53,8 +59,20 @@ def _new_event_id() -> str:
     return uuid.uuid4().hex
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
+def _schema_version() -> int:
+    return SCHEMA_VERSION
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", omit_defaults=True, gc=False):
     """The envelope every event carries.
+
+    `omit_defaults=True`: a field equal to its default is not encoded, and decoding a missing field
+    gives the default back, so an event decodes to exactly what was encoded. `event_id`,
+    `schema_version` and `time` are filled by the constructor (a default factory), which msgspec
+    never omits: they, `type` and `run_id` are on every encoded event (`ENVELOPE_KEYS`). msgspec
+    recognises a string or float default only when the value is the default object itself, so the
+    constructor puts the default object in place of an equal value (a mode read from a URL, a
+    status from a database row): equal events encode alike.
 
     `gc=False`: events hold only plain data and never form reference cycles, so the garbage
     collector need not track them (replaying millions of events is then markedly faster).
@@ -64,7 +82,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=Fals
     rollout_id: str | None = None
     attempt_id: str | None = None
     event_id: str = msgspec.field(default_factory=_new_event_id)
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = msgspec.field(default_factory=_schema_version)
     time: float = msgspec.field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -74,6 +92,10 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=Fals
         if self.attempt_id is not None:
             check_id("attempt_id", self.attempt_id)
         check_id("event_id", self.event_id)
+        for name, default in _BY_IDENTITY.get(type(self), ()):
+            value = getattr(self, name)
+            if value is not default and value == default and type(value) is type(default):
+                msgspec.structs.force_setattr(self, name, default)
 
     @property
     def subject(self) -> str:
@@ -157,7 +179,8 @@ class ModelRequestRecorded(Event, frozen=True, kw_only=True, tag="model_request"
     Version 2: with `prompt_ref`, `prompt_ids` holds only the ids after the referenced call's
     first `prompt_ref.tokens` tokens and `request` only what is new (`schemas.refs.Resolver`
     puts them back); with `packed`, the id and logprob arrays are in it instead (decoding
-    unpacks them, see `schemas.refs.upcast`).
+    unpacks them, see `schemas.refs.upcast`). Version 4: a packed call's JSON has no
+    `prompt_ids`, `response_ids` or `logprobs` keys at all (nor any other field at its default).
     """
 
     call_id: str
@@ -301,3 +324,13 @@ AnyEvent = Union[  # noqa: UP007 - a runtime union object msgspec decodes into
 ]
 
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
+
+_BY_IDENTITY: dict[type[Event], tuple[tuple[str, Any], ...]] = {
+    event_type: tuple(
+        (f.name, f.default)
+        for f in msgspec.structs.fields(event_type)
+        if type(f.default) in (str, float) and f.default != ""
+    )
+    for event_type in EVENT_TYPES
+}
+"""Per event type, the defaults `omit_defaults` recognises only by identity: non-empty strings, floats."""

@@ -7,18 +7,24 @@ from pathlib import Path
 
 import msgspec
 
-from schemas.events import EVENT_TYPES
+from schemas.events import ENVELOPE_KEYS, EVENT_TYPES
 from schemas.runs import RunSpec
 
 JSON_DIR = Path(__file__).parent / "json"
 
 
 def render_schemas() -> dict[str, str]:
-    """File name → JSON Schema text, one per event type plus the run spec."""
+    """File name → JSON Schema text, one per event type plus the run spec.
+
+    An event's schema requires the envelope keys, which every encoded event carries; every other
+    field with a default may be absent (absent means the default, schema version 4).
+    """
     out: dict[str, str] = {}
     for event_type in EVENT_TYPES:
         tag = event_type.__struct_config__.tag
         schema = msgspec.json.schema(event_type)
+        definition = schema["$defs"][event_type.__name__]
+        definition["required"] = [*ENVELOPE_KEYS, *(k for k in definition["required"] if k not in ENVELOPE_KEYS)]
         schema["$comment"] = f"Rollwire event '{tag}' ({event_type.__name__}); see schemas/README.md"
         out[f"{tag}.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
     run_spec = msgspec.json.schema(RunSpec)

@@ -16,8 +16,8 @@ only point at `ok` calls of the same rollout attempt, recorded earlier on the sa
 
 Id and logprob arrays may be `packed`: base64 of little-endian unsigned 24-bit ids (`id_width` 3,
 when every id fits) or int32 ids (4), and of little-endian float32 (`logprob_width` 4, used only
-when exact) or float64 logprobs. A packed event carries
-empty JSON lists in `prompt_ids` / `response_ids` / `logprobs`.
+when exact) or float64 logprobs. A packed event's `prompt_ids` / `response_ids` / `logprobs`
+are empty (absent from its JSON since version 4, empty lists before).
 
 `upcast` turns any `model_request` as decoded (version 1, or version 2 packed) into the in-memory
 form with plain lists (the codec applies it, in place, on every decode: `upcast_decoded`);

@@ -260,14 +260,14 @@ def _call_row(
     return row
 
 
-def _body(event: AnyEvent, data: bytes) -> str | None:
+def _body(event: AnyEvent) -> str | None:
+    """The event's JSON for `events.body`, with every field (the stream's JSON leaves out defaults)."""
     if event_type(event) in TYPED_BODIES:
         return None
+    body = to_dict(event)
     if isinstance(event, ModelRegistered):
-        body = to_dict(event)
         body.pop("api_key", None)  # secrets stay on the stream, never in the read models
-        return _json.encode(body).decode()
-    return data.decode()
+    return _json.encode(body).decode()
 
 
 def prepare_one(
@@ -284,7 +284,7 @@ def prepare_one(
         decoded = _decoder.decode(data)
         event = decoded.envelope() if isinstance(decoded, WireCall) else decoded
         call = _call_row(decoded, event, detok, cache, refs, seq) if isinstance(decoded, WireCall) else None
-        body = _body(event, data)
+        body = _body(event)
     except (msgspec.ValidationError, msgspec.DecodeError, InvalidId) as exc:
         return Incoming(seq, subject, data, stream_time, error=f"undecodable event: {exc}")
     except (OverflowError, UnicodeDecodeError, ValueError) as exc:

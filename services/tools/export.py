@@ -1,6 +1,7 @@
 """`rollwire export`: a run's events in a file, for offline analysis, and read back.
 
-- `jsonl`: one event per line, exactly the JSON on the stream (`schemas.decode` reads a line back).
+- `jsonl`: one event per line, as `schemas.encode` writes it (fields at their default left out,
+  packed arrays as plain lists; `schemas.decode` reads a line back).
 - `parquet` (needs pyarrow): one row per event; the columns are `seq`, `subject` and the union of
   every event type's fields, typed from the event Structs themselves (token ids as list<int64>,
   logprobs as list<double>, numbers and strings as such); free-form fields (`request`, `response`,

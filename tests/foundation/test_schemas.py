@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
+import msgspec
 import pytest
 
 from schemas import (
+    ENVELOPE_KEYS,
+    EVENT_TYPES,
+    SCHEMA_VERSION,
     AttemptStarted,
     CustomEvent,
+    Event,
     InvalidId,
     MalformedEvent,
     ModelRegistered,
@@ -23,8 +29,10 @@ from schemas import (
     decode,
     encode,
     from_dict,
+    to_dict,
 )
-from schemas.export import stale_files
+from schemas.export import JSON_DIR, stale_files
+from schemas.refs import CallRef, pack
 from schemas.transitions import IllegalTransition, check_transition
 
 EXAMPLES = [
@@ -136,3 +144,81 @@ def test_transition_table() -> None:
 
 def test_committed_json_schemas_are_current() -> None:
     assert stale_files() == [], "run `rollwire schemas export` and commit schemas/json"
+
+
+def _minimal(event_type: type[Event]) -> Event:
+    """An event of the type with only its required fields set (every other field at its default)."""
+    required: dict[str, Any] = {
+        "call_id": "c1", "status": "running", "sequence": 1, "value": 1.0, "name": "n", "base_url": "http://h/v1",
+        "phase": "update",
+    }  # fmt: skip
+    names = {f.name for f in msgspec.structs.fields(event_type) if f.required}
+    return event_type(run_id="r1", rollout_id="ro1", **{k: v for k, v in required.items() if k in names})
+
+
+@pytest.mark.parametrize("event_type", EVENT_TYPES, ids=lambda t: t.__name__)
+def test_fields_at_their_default_are_absent_but_the_envelope_is_always_there(event_type: type[Event]) -> None:
+    event = _minimal(event_type)
+    data = json.loads(encode(event))
+    required = {f.name for f in msgspec.structs.fields(event_type) if f.required}
+    assert set(data) == {*ENVELOPE_KEYS, "rollout_id", *required}
+    assert data["schema_version"] == SCHEMA_VERSION == 4
+    assert decode(encode(event)) == event == from_dict(data)
+    assert set(to_dict(event)) == {"type", *event_type.__struct_fields__} - {
+        f.name for f in msgspec.structs.fields(event_type) if f.default is msgspec.UNSET
+    }
+
+
+def test_a_packed_reference_call_carries_only_what_it_says() -> None:
+    call = ModelRequestRecorded(
+        run_id="r1", rollout_id="ro1", attempt_id="a1", call_id="c2", model="m", weights_version=1,
+        finish_reason="stop", request={"messages": []}, usage={"prompt_tokens": 9}, latency_s=0.5,
+        prompt_ref=CallRef(event_id="c1-0", seq=3, tokens=7, same=["model"]), packed=pack([8, 9], [10], [-0.5]),
+    )  # fmt: skip
+    data = json.loads(encode(call))
+    assert list(data) == [
+        "type", "run_id", "rollout_id", "attempt_id", "event_id", "schema_version", "time", "call_id", "model",
+        "weights_version", "finish_reason", "request", "usage", "latency_s", "prompt_ref", "packed",
+    ]  # fmt: skip
+    assert decode(encode(call)) == msgspec.structs.replace(
+        call, packed=msgspec.UNSET, prompt_ids=[8, 9], response_ids=[10], logprobs=[-0.5]
+    )
+
+
+def test_a_default_read_from_elsewhere_is_left_out_too() -> None:
+    """msgspec knows a string or float default only by identity: the constructor puts the default object in."""
+    train: Any = "".join(["tr", "ain"])  # equal to the defaults, other objects
+    ok: Any = "".join(["o", "k"])
+    call = ModelRequestRecorded(run_id="r1", rollout_id="r", call_id="c1", mode=train, status=ok, latency_s=float("0"))
+    assert not {"mode", "status", "latency_s"} & json.loads(encode(call)).keys()
+    created = RolloutCreated(run_id="r1", rollout_id="ro1", mode=train)
+    assert "mode" not in json.loads(encode(created)) and decode(encode(created)) == created
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_events_recorded_with_every_field_explicit_still_decode(version: int) -> None:
+    """Before version 4 every field was written, nulls and empty lists included: the same event."""
+    call = ModelRequestRecorded(
+        run_id="r1", rollout_id="ro1", attempt_id="a1", call_id="c1", schema_version=version,
+        prompt_ids=[1, 2], response_ids=[3], logprobs=[-0.25], request={"messages": []},
+    )  # fmt: skip
+    explicit = to_dict(call)
+    if version >= 2:
+        packed = msgspec.to_builtins(pack([1, 2], [3], [-0.25]))
+        explicit.update(prompt_ids=[], response_ids=[], logprobs=[], packed=packed)
+    if version < 3:
+        for name in ("agent", "endpoint", "started_at", "temperature", "top_p", "top_k"):
+            del explicit[name]
+    assert decode(json.dumps(explicit)) == call == from_dict(explicit)
+    assert json.loads(encode(call)).keys() < explicit.keys()
+
+
+@pytest.mark.parametrize("event", [*EXAMPLES, *(_minimal(t) for t in EVENT_TYPES)], ids=lambda e: type(e).__name__)
+def test_encoded_events_validate_against_the_committed_json_schemas(event: Event) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((JSON_DIR / f"{type(event).__struct_config__.tag}.json").read_text())
+    data = json.loads(encode(event))
+    jsonschema.validate(data, schema)
+    for key in ENVELOPE_KEYS:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({k: v for k, v in data.items() if k != key}, schema)
