@@ -269,9 +269,9 @@ def unpack_id_pair(prompt: str, response: str, width: int) -> tuple[list[int], l
     if width == 3 and not len(prompt) % 4:
         data = binascii.a2b_base64(prompt + response)
         if len(data) * 4 == (len(prompt) + len(response)) * 3:
-            ids: list[int] = _int32_view(data, 3).tolist()
+            ids = _int32_view(data, 3)
             cut = len(prompt) // 4
-            return ids[:cut], ids[cut:]
+            return ids[:cut].tolist(), ids[cut:].tolist()
     return unpack_ids(prompt, width), unpack_ids(response, width)
 
 
