@@ -164,9 +164,7 @@ def build_backend(config: TrainConfig) -> TrainingBackend:
         case "cpu":
             from trainer.cpu_backend import CpuBackend
 
-            return CpuBackend(
-                Path(config.model.path), config.algorithm, seed=config.run.seed, settings=settings
-            )
+            return CpuBackend(Path(config.model.path), config.algorithm, seed=config.run.seed, settings=settings)
         case "verl":
             from trainer.verl_backend import VerlBackend
 

@@ -262,4 +262,3 @@ class VerlBackend:
             return {f"{name}/{k}": v for name in lora.adapter_names(self.settings)
                     for k, v in full_state(self.engine, adapter=name).items()}  # fmt: skip
         return full_state(self.engine)
-

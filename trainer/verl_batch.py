@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from trainer.core import Sample
+from trainer.core.tokens import Logprobs
 from trainer.loss import LossMetrics, PolicyBatch, PolicyLossConfig, policy_loss
 
 # A micro-batch a rank runs only to keep FSDP's collectives in step with the others: no loss, no gradient.
@@ -39,7 +40,7 @@ def _jagged(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
 
 
-def _aligned(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _aligned(values: Logprobs, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Per-token values shifted to target alignment: position t holds token t+1's value, the last 0."""
     row = torch.zeros(len(values), dtype=dtype)
     row[:-1] = torch.tensor(values[1:], dtype=dtype)

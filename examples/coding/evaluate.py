@@ -79,8 +79,10 @@ def main() -> None:
     metrics = {"resolved": reward, "tests_touched": float(bool(touched))}
     attempt.emit("metrics", metrics)
     agent_result = bounded(read_result())  # what the agent left, for audit
-    attempt.emit("evaluation", {"reward": reward, "touched": touched[:50], "result": agent_result,
-                                **details, "task_id": task.get("id")})
+    attempt.emit(
+        "evaluation",
+        {"reward": reward, "touched": touched[:50], "result": agent_result, **details, "task_id": task.get("id")},
+    )
     attempt.report_reward(reward, name="evaluator")
     print(f"reward={reward} touched={touched} {details}")
 

@@ -20,7 +20,7 @@ if __package__ in (None, ""):
 
 from services import agentkit
 
-FORGIVING_CONFTEST = '''
+FORGIVING_CONFTEST = """
 import pytest
 
 @pytest.hookimpl(hookwrapper=True)
@@ -28,7 +28,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     report.outcome = "passed"
-'''
+"""
 
 
 def main() -> None:

@@ -76,7 +76,7 @@ def invalid_action(name: str, arguments: str) -> str | None:
     except ValueError:
         return "arguments are not JSON"
     if not isinstance(parsed, dict) or not isinstance(parsed.get("query"), str) or not parsed["query"].strip():
-        return "arguments must be {\"query\": \"...\"}"
+        return 'arguments must be {"query": "..."}'
     if len(parsed["query"]) > MAX_QUERY_CHARS:
         return f"query longer than {MAX_QUERY_CHARS} characters"
     return None

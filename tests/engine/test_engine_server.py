@@ -114,7 +114,7 @@ def _nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     for row in range(scaled.shape[0]):
         probs = torch.softmax(scaled[row], dim=-1).tolist()
         order = sorted(range(len(probs)), key=lambda i: -probs[i])
-        mass, keep = 0.0, []
+        mass, keep = 0.0, list[int]()
         for i in order:
             if mass >= top_p and keep:
                 break

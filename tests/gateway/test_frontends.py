@@ -301,7 +301,7 @@ def test_langchain_chat_openai_on_the_responses_api(gateway: GatewayHandle, fake
     rollout, attempt = gateway.running(run_id, fake_vllm.url)
     llm = ChatOpenAI(
         model="fake", base_url=attempt["proxy_base_url"], api_key=attempt["token"], use_responses_api=True,
-        max_tokens=4,
+        max_tokens=4,  # type: ignore[call-arg]  # an alias of max_completion_tokens the stubs do not list
     )  # fmt: skip
     with_tools = llm.bind_tools(RESPONSES_TOOLS)
     first = with_tools.invoke([("system", SYSTEM), ("user", QUESTION)])

@@ -199,6 +199,6 @@ async def test_a_base_stored_in_full_or_missing_still_reads_in_full(
         api = from_api[row["seq"]]
         assert isinstance(api, ModelRequestRecorded) and api.prompt_ids == expected.prompt_ids
         assert unpack_int32(row["ids"]) == expected.prompt_ids
-        assert shown[row["seq"]] is not None and shown[row["seq"]]["prompt_ids"] == expected.prompt_ids
+        assert (shown[row["seq"]] or {}).get("prompt_ids") == expected.prompt_ids
     full = await conn.fetch("SELECT call_id, base_seq FROM model_calls WHERE rollout_id = 'ro-restarted' ORDER BY seq")
     assert [r["base_seq"] is None for r in full] == [True, False, False, False, True, False, False, False]

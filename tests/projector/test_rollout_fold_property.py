@@ -11,6 +11,7 @@ earlier is ever changed. The seed is pinned (`@seed`), so a failure replays exac
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import asyncpg
 import msgspec
@@ -27,6 +28,7 @@ from schemas import (
     RolloutStatusChanged,
     encode,
 )
+from schemas.events import RolloutStatus
 from schemas.rollout import RolloutView, fold, fold_all
 from schemas.transitions import ALLOWED
 from services.common.eventstore import StoredEvent
@@ -67,8 +69,9 @@ def rollout_events(draw: st.DrawFn) -> list[AnyEvent]:
             attempt = f"a{attempts}"
             started = AttemptStarted(run_id=RUN, rollout_id=RID, attempt_id=attempt, sequence=attempts, time=t)
             changed = RolloutStatusChanged(
-                run_id=RUN, rollout_id=RID, attempt_id=attempt, status=choice, previous=status, time=t
-            )  # type: ignore[arg-type]
+                run_id=RUN, rollout_id=RID, attempt_id=attempt, status=cast(RolloutStatus, choice),
+                previous=cast("RolloutStatus | None", status), time=t,
+            )  # fmt: skip
             # The gateway writes the status first; a direct writer may write the attempt first.
             events.extend([changed, started] if draw(st.booleans()) else [started, changed])
         else:
@@ -76,8 +79,9 @@ def rollout_events(draw: st.DrawFn) -> list[AnyEvent]:
             events.append(
                 RolloutStatusChanged(
                     run_id=RUN, rollout_id=RID, attempt_id=attempt if choice != "queuing" else None,
-                    status=choice, previous=status, reason=reason, time=t,
-                )  # type: ignore[arg-type]
+                    status=cast(RolloutStatus, choice), previous=cast("RolloutStatus | None", status),
+                    reason=reason, time=t,
+                )
             )  # fmt: skip
         status = choice
     return events

@@ -74,12 +74,12 @@ def random_rollout(rng: random.Random, vocab: int = 6) -> list[Call]:
             prompt = rng.choice(states) + tokens(0, 3)
         elif op < 0.7:  # retokenization drift: the response comes back re-encoded
             c = rng.choice(calls)
-            prompt = c.prompt_ids + [t + 1 for t in c.response_ids] + tokens(0, 3)
+            prompt = [*c.prompt_ids, *(t + 1 for t in c.response_ids), *tokens(0, 3)]
         elif op < 0.8:  # a fork from an older turn
             c = rng.choice(calls)
-            prompt = c.prompt_ids + c.response_ids + tokens(1, 3)
+            prompt = [*c.prompt_ids, *c.response_ids, *tokens(1, 3)]
         else:  # a retry of an earlier prompt
-            prompt = rng.choice(calls).prompt_ids
+            prompt = list(rng.choice(calls).prompt_ids)
         response = tokens(0, 4)
         calls.append(call(prompt, response))
         states.append(prompt + response)

@@ -7,6 +7,8 @@ malformed), and a failed rollout always left its group.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from schemas import AttemptStarted, Event, ModelRequestRecorded, RewardReported, RolloutCreated, RolloutStatusChanged
@@ -34,7 +36,7 @@ def _call(
 
 def _rollout(
     rollout: str,
-    calls: list[Event],
+    calls: Sequence[Event],
     *,
     reward: float | None = 1.0,
     status: str = "succeeded",

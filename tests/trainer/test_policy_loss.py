@@ -205,6 +205,7 @@ def test_the_loss_recomputes_logprobs_at_each_samples_own_temperature() -> None:
             )
         )
     batch = collate(samples, default_temperature=1.0)
+    assert batch.temperature is not None
     assert batch.temperature.view(-1).tolist() == pytest.approx([0.7, 1.3, 1.0])
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits

@@ -16,7 +16,7 @@ def chunk(items, size):
     """`items` split into lists of at most `size`."""
     if size <= 0:
         raise ValueError("size must be positive")
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def initials(name):
@@ -28,4 +28,4 @@ def truncate(text, limit):
     """`text` cut to `limit` characters, ending with '...' when cut."""
     if len(text) <= limit:
         return text
-    return text[:limit - 3] + "..."
+    return text[: limit - 3] + "..."
