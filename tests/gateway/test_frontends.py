@@ -21,6 +21,7 @@ from langchain_openai import ChatOpenAI
 from test_gateway_proxy import _calls, _check_against_served
 
 from services.common.eventstore import EventStore
+from trainer.core import plain
 from trainer.core.calls import rollout_calls
 from trainer.core.config import AdapterConfig
 from trainer.core.step import merge_rollout
@@ -45,7 +46,7 @@ async def _samples(gateway: GatewayHandle, store: EventStore, run_id: str, rollo
         assert r.status_code == 200, r.text
     events = [stored.event for stored in await store.read_rollout(run_id, rollout_id)]
     merged = merge_rollout(rollout_calls(events), AdapterConfig(), 1.0)
-    return [(s.tokens, s.loss_mask, s.logprobs, s.response_tokens) for s in merged.samples]
+    return [plain((s.tokens, s.loss_mask, s.logprobs, s.response_tokens)) for s in merged.samples]
 
 
 def _chat_round_trip(attempt: dict[str, Any]) -> None:
