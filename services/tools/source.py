@@ -38,7 +38,6 @@ from typing import Any
 
 import msgspec
 
-from schemas import MalformedEvent
 from schemas.events import (
     AnyEvent,
     AttemptStarted,
@@ -59,7 +58,7 @@ from trainer.core import (
     drop_stale_calls,
     rollout_calls,
 )
-from trainer.core.calls import CallRecord
+from trainer.core.calls import decode_call
 
 CALL_BUDGET = 2048
 """Calls per batch of units handed to the adapter (whole units; one larger unit goes alone)."""
@@ -349,20 +348,6 @@ class UnitInput(msgspec.Struct, frozen=True, kw_only=True):
     unit: Unit
     histories: list[tuple[list[tuple[int, AnyEvent]], list[tuple[int, bytes]]]]
     """Per rollout of the unit: its small events and its calls' (sequence, JSON bytes), both in stream order."""
-
-
-_call_decoder = msgspec.json.Decoder(CallRecord)
-
-
-def decode_call(data: bytes) -> CallRecord:
-    """A `model_request` event's bytes as the adapter's `CallRecord`: its request and response bodies are skipped.
-
-    Packed arrays stay packed: the adapter reads them straight into numpy arrays (`call_arrays`).
-    """
-    try:
-        return _call_decoder.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
-        raise MalformedEvent(str(exc)) from None
 
 
 def unit_rollouts(item: UnitInput, select: Selection | None = None) -> tuple[list[RolloutCalls], dict[str, str]]:

@@ -15,7 +15,9 @@ from schemas.refs import id_width, ids_int32, pack_floats, pack_ids, unpack_floa
 from services.common.eventstore import Appended, EventStore
 from services.gateway.recording import CallChains, compact_request
 from services.tools.replay import ReplayReport, replay_run
-from trainer.core import build_step, collect_rollouts, plain
+from trainer.core import AdapterConfig, build_step, collect_rollouts, merge_rollout, plain, rollout_calls
+from trainer.core.calls import CallRecord
+from trainer.rollouts import rollout_history
 
 SCHEMES = ["merge=exact", "per-call+token-mean", "rloo+rollout-mean"]
 
@@ -139,3 +141,22 @@ def test_ids_pack_in_24_bits_when_they_fit_else_32() -> None:
     assert ids_int32(pack_ids(small, 3), 3) == ids_int32(pack_ids(small, 4), 4)
     large = [1 << 24, -1]
     assert id_width(small, large) == 4 and unpack_ids(pack_ids(large, 4), 4) == large
+
+
+async def test_the_trainers_history_gives_the_samples_of_resolved_reads(store: EventStore, run_id: str) -> None:
+    """`rollout_history` (calls left packed and referenced) feeds the adapter what `read_rollout` resolves."""
+    events = agent_run(run_id, groups=3, per_group=3, seed=9)
+    chains = CallChains()
+    await record(store, events, chains)
+    assert chains.referenced > 5
+    config = AdapterConfig()
+    compared = referencing = 0
+    for rollout in collect_rollouts(events).rollouts:
+        history = await rollout_history(store, run_id, rollout.rollout_id)
+        referencing += any(isinstance(e, CallRecord) and e.prompt_ref for e in history)  # left as recorded
+        resolved = [stored.event for stored in await store.read_rollout(run_id, rollout.rollout_id)]
+        ours = merge_rollout(rollout_calls(history), config, 1.0)
+        theirs = merge_rollout(rollout_calls(resolved), config, 1.0)
+        assert plain(ours) == plain(theirs) == plain(merge_rollout(rollout, config, 1.0))
+        compared += 1
+    assert compared >= 6 and referencing >= 3

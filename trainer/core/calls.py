@@ -32,6 +32,7 @@ import numpy as np
 from msgspec import UNSET, UnsetType
 
 from schemas.bounds import Count, Int32
+from schemas.codec import MalformedEvent
 from schemas.events import (
     TERMINAL_STATUSES,
     AttemptStarted,
@@ -190,6 +191,21 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 RecordedCall = ModelRequestRecorded | CallRecord
 """A recorded model call, whole or with the adapter's fields only."""
+
+_call_decoder = msgspec.json.Decoder(CallRecord)
+
+
+def decode_call(data: bytes) -> CallRecord:
+    """A `model_request` event's bytes as a `CallRecord`: request and response bodies skipped, arrays left packed.
+
+    What a reader that feeds the adapter decodes calls into (the trainer, the replay): the adapter
+    reads packed arrays straight into numpy arrays and resolves references itself, in order.
+    Raises `MalformedEvent` for bytes that are not such an event.
+    """
+    try:
+        return _call_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise MalformedEvent(str(exc)) from None
 
 
 def call_from_event(event: RecordedCall) -> Call:
