@@ -193,7 +193,7 @@ def upcast(event: P) -> P:
     packed = event.packed
     if not packed:
         return event
-    prompt, response, logprobs = _unpacked(event, packed)
+    prompt, response, logprobs = _unpacked(event)
     return msgspec.structs.replace(  # type: ignore[type-var]
         event,  # type: ignore[arg-type]
         packed=UNSET,
@@ -212,7 +212,7 @@ def upcast_decoded(event: P) -> P:
     packed = event.packed
     if not packed:
         return event
-    arrays = _unpacked(event, packed)
+    arrays = _unpacked(event)
     put = msgspec.structs.force_setattr
     put(event, "prompt_ids", arrays[0])  # type: ignore[arg-type]
     put(event, "response_ids", arrays[1])  # type: ignore[arg-type]
@@ -221,35 +221,43 @@ def upcast_decoded(event: P) -> P:
     return event
 
 
-def _unpacked(event: _Packable, packed: PackedTokens) -> tuple[list[int], list[int], list[float]]:
-    if packed.prompt and packed.response:
-        prompt, response = unpack_id_pair(packed.prompt, packed.response, packed.id_width)
-    else:
-        prompt = unpack_ids(packed.prompt, packed.id_width) if packed.prompt else event.prompt_ids
-        response = unpack_ids(packed.response, packed.id_width) if packed.response else event.response_ids
-    logprobs = unpack_floats(packed.logprobs, packed.logprob_width) if packed.logprobs else event.logprobs
-    return prompt, response, logprobs
+def _unpacked(event: _Packable) -> tuple[list[int], list[int], list[float]]:
+    prompt, response, logprobs = unpack_arrays(event)
+    return prompt.tolist(), response.tolist(), logprobs.tolist()
 
 
-def unpack_arrays(packed: PackedTokens) -> tuple[_IdArray, _IdArray, _FloatArray]:
-    """A call's packed prompt ids, response ids and logprobs as numpy arrays (int32, int32, float64).
+def unpack_arrays(event: _Packable) -> tuple[_IdArray, _IdArray, _FloatArray]:
+    """A call's prompt ids, response ids and logprobs as numpy arrays (int32, int32, float64), packed or not.
 
-    What a bulk reader (the replay) takes instead of `upcast`: no Python int or float is made per
-    token. The id arrays may be read-only views of the decoded bytes.
+    What a bulk reader (the trainer, the replay) takes instead of `upcast`: no Python int or float
+    is made per token. Packed id arrays may be read-only views of the decoded bytes; an array the
+    event does not pack is its list, converted. A 24-bit prompt and response decode as one (base64
+    of 3-byte ids never pads). Raises ValueError (or binascii.Error) for unreadable packed arrays.
     """
-    width = packed.id_width
-    prompt, response = packed.prompt, packed.response
+    packed = event.packed
+    if not packed:
+        return _ids(event.prompt_ids), _ids(event.response_ids), _floats(event.logprobs)
+    width, prompt, response = packed.id_width, packed.prompt, packed.response
+    logprobs = _float_array(packed.logprobs, packed.logprob_width) if packed.logprobs else _floats(event.logprobs)
     if width == 3 and prompt and response and not len(prompt) % 4:
         data = binascii.a2b_base64(prompt + response)
         if len(data) * 4 == (len(prompt) + len(response)) * 3:
             ids = _int32_view(data, 3)
             cut = len(prompt) // 4
-            return ids[:cut], ids[cut:], _float_array(packed.logprobs, packed.logprob_width)
+            return ids[:cut], ids[cut:], logprobs
     return (
-        _int32_view(binascii.a2b_base64(prompt), width),
-        _int32_view(binascii.a2b_base64(response), width),
-        _float_array(packed.logprobs, packed.logprob_width),
+        _int32_view(binascii.a2b_base64(prompt), width) if prompt else _ids(event.prompt_ids),
+        _int32_view(binascii.a2b_base64(response), width) if response else _ids(event.response_ids),
+        logprobs,
     )
+
+
+def _ids(values: Sequence[int]) -> _IdArray:
+    return np.asarray(values, dtype=np.int32)
+
+
+def _floats(values: Sequence[float]) -> _FloatArray:
+    return np.asarray(values, dtype=np.float64)
 
 
 def _float_array(text: str, width: int) -> _FloatArray:
@@ -258,21 +266,6 @@ def _float_array(text: str, width: int) -> _FloatArray:
         raise ValueError(f"{len(data)} bytes are not whole {width}-byte floats")
     values = np.frombuffer(data, dtype="<f4" if width == 4 else "<f8")
     return values.astype(np.float64) if width == 4 else values
-
-
-def unpack_id_pair(prompt: str, response: str, width: int) -> tuple[list[int], list[int]]:
-    """`unpack_ids` of a call's prompt and response, at once when they are 24-bit (one decode, one conversion).
-
-    Base64 of 24-bit ids has no padding, so the two texts decode as one when every character of
-    both is a data character (then the bytes are exactly three quarters of the characters).
-    """
-    if width == 3 and not len(prompt) % 4:
-        data = binascii.a2b_base64(prompt + response)
-        if len(data) * 4 == (len(prompt) + len(response)) * 3:
-            ids = _int32_view(data, 3)
-            cut = len(prompt) // 4
-            return ids[:cut].tolist(), ids[cut:].tolist()
-    return unpack_ids(prompt, width), unpack_ids(response, width)
 
 
 def prompt_length(event: Any) -> int:

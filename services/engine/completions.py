@@ -223,9 +223,6 @@ def stream(engine: Engine, request: CompletionRequest, started: Started) -> Asyn
             yield chunk(choices, first=first)
             first = False
 
-    wants_usage = request.stream_options is not None and request.stream_options.include_usage
     return event_stream(
-        started,
-        chunks(),
-        (lambda: chunk([], counts=usage(started.prompt_ids, started.builders))) if wants_usage else None,
+        started, chunks(), request.stream_options, lambda: chunk([], counts=usage(started.prompt_ids, started.builders))
     )

@@ -19,6 +19,7 @@ from services.engine.protocol import (
     Delta,
     FunctionDelta,
     RequestError,
+    StreamOptions,
     ToolCallDelta,
     Usage,
 )
@@ -78,10 +79,11 @@ def generation_error(exc: Exception) -> RequestError:
 
 
 async def event_stream(
-    started: Started, chunks: AsyncIterator[bytes], usage_chunk: Callable[[], bytes] | None
+    started: Started, chunks: AsyncIterator[bytes], options: StreamOptions | None, usage_chunk: Callable[[], bytes]
 ) -> AsyncIterator[bytes]:
     """A streamed answer's body: its chunks, an error event if generation fails, else the usage chunk
-    when asked, then `[DONE]`; the job is cancelled however the stream ends (a client gone stops it)."""
+    when `options` ask for it, then `[DONE]`; the job is cancelled however the stream ends (a client
+    gone stops it)."""
     try:
         try:
             async for piece in chunks:
@@ -89,7 +91,7 @@ async def event_stream(
         except (GenerationFailedError, EngineClosedError) as exc:
             yield sse(generation_error(exc).body())
         else:
-            if usage_chunk is not None:
+            if options is not None and options.include_usage:
                 yield usage_chunk()
         yield b"data: [DONE]\n\n"
     finally:

@@ -107,11 +107,8 @@ def _stream(engine: Engine, request: ChatCompletionRequest, started: Started) ->
         async for deltas in started.job.deltas():
             yield chunk([chunk_choice(d, request) for d in deltas])
 
-    wants_usage = request.stream_options is not None and request.stream_options.include_usage
     return event_stream(
-        started,
-        chunks(),
-        (lambda: chunk([], counts=usage(started.prompt_ids, started.builders))) if wants_usage else None,
+        started, chunks(), request.stream_options, lambda: chunk([], counts=usage(started.prompt_ids, started.builders))
     )
 
 

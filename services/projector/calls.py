@@ -21,6 +21,7 @@ import msgspec
 
 from schemas.refs import CallRef, resolve_request
 from services.projector.incoming import RequestRef
+from services.projector.packing import json_column
 
 log = logging.getLogger("rollwire.projector.calls")
 
@@ -103,7 +104,7 @@ class CallResolver:
     def request(self, seq: int) -> Any:
         """The call's full request, decoded."""
         for row in self._chain(seq, self._requests):
-            request = _loads(row["request"])
+            request = json_column(row["request"])
             ref = row["request_ref"]
             if ref is not None and row["base_seq"] is not None and isinstance(request, dict):
                 earlier = self._requests.get(row["base_seq"])
@@ -112,7 +113,3 @@ class CallResolver:
                 request = resolve_request(request, how, earlier if isinstance(earlier, dict) else {})
             self._requests[row["seq"]] = request
         return self._requests.get(seq)
-
-
-def _loads(text: str | None) -> Any:
-    return None if text is None else msgspec.json.decode(text)

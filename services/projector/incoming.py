@@ -22,7 +22,16 @@ import msgspec
 from msgspec import UNSET, Raw, UnsetType
 from nats.aio.msg import Msg
 
-from schemas import EVENT_TYPES, AnyEvent, InvalidId, ModelRegistered, ModelRequestRecorded, to_dict
+from schemas import (
+    EVENT_TYPES,
+    AnyEvent,
+    InvalidId,
+    MalformedEvent,
+    ModelRegistered,
+    ModelRequestRecorded,
+    from_dict,
+    to_dict,
+)
 from schemas.events import CallApi, CallStatus, Mode
 from schemas.refs import CallRef, PackedTokens, ids_int32, unpack_floats
 from services.projector.flags import call_flags
@@ -260,14 +269,27 @@ def _call_row(
     return row
 
 
-def _body(event: AnyEvent) -> str | None:
-    """The event's JSON for `events.body`, with every field (the stream's JSON leaves out defaults)."""
+def _body(event: AnyEvent, data: bytes) -> str | None:
+    """The event's JSON for `events.body`: as on the stream (fields at their default absent, since
+    version 4; readers fill them, `full_body`), a model registration without its API key."""
     if event_type(event) in TYPED_BODIES:
         return None
-    body = to_dict(event)
     if isinstance(event, ModelRegistered):
+        body = to_dict(event)
         body.pop("api_key", None)  # secrets stay on the stream, never in the read models
-    return _json.encode(body).decode()
+        return _json.encode(body).decode()
+    return data.decode()
+
+
+def full_body(text: str | None) -> dict[str, Any]:
+    """An `events.body` with every field, defaults filled (as `to_dict` gives them); {} for none."""
+    if text is None:
+        return {}
+    try:
+        return to_dict(from_dict(msgspec.json.decode(text)))
+    except (MalformedEvent, msgspec.DecodeError):  # not an event this version knows: as stored
+        body = msgspec.json.decode(text)
+        return body if isinstance(body, dict) else {}
 
 
 def prepare_one(
@@ -284,7 +306,7 @@ def prepare_one(
         decoded = _decoder.decode(data)
         event = decoded.envelope() if isinstance(decoded, WireCall) else decoded
         call = _call_row(decoded, event, detok, cache, refs, seq) if isinstance(decoded, WireCall) else None
-        body = _body(event)
+        body = _body(event, data)
     except (msgspec.ValidationError, msgspec.DecodeError, InvalidId) as exc:
         return Incoming(seq, subject, data, stream_time, error=f"undecodable event: {exc}")
     except (OverflowError, UnicodeDecodeError, ValueError) as exc:

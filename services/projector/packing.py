@@ -70,6 +70,11 @@ def unpack_float64(data: bytes) -> list[float]:
     return _unpack("d", data)
 
 
+def json_column(text: str | None) -> Any:
+    """A `json`/`jsonb`-as-text column's value decoded (None stays None)."""
+    return None if text is None else msgspec.json.decode(text)
+
+
 def _fast_int32(text: bytes) -> bytes | None:
     text = text.strip()
     if _np is None or text[:1] != b"[" or text[-1:] != b"]":

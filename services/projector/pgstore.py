@@ -28,6 +28,7 @@ import msgspec
 from schemas.rollout import AttemptView, RewardView, RolloutView
 from services.projector.fold import CallRow, Extras, Loaded, Plan, RolloutKey, fold_batch, needs
 from services.projector.incoming import Incoming
+from services.projector.packing import json_column
 
 NOTIFY_CHANNEL = "rollwire_projection"
 POISON_CLASSES = frozenset({"22", "23", "54"})
@@ -157,15 +158,11 @@ def is_poison(exc: BaseException, conn: asyncpg.Connection | None = None) -> boo
     return isinstance(exc, (ValueError, TypeError, ArithmeticError))
 
 
-def _loads(text: str | None) -> Any:
-    return None if text is None else msgspec.json.decode(text)
-
-
 def view_from_row(row: asyncpg.Record, attempts: list[dict[str, Any]], rewards: list[dict[str, Any]]) -> RolloutView:
     """A rollout view from a `rollouts` row and its attempts' and rewards' rows (as dicts)."""
     fields = msgspec.json.decode(row["state"])
     for name in BULKY_FIELDS:
-        fields[name] = _loads(row[name])
+        fields[name] = json_column(row[name])
     fields["attempts"], fields["rewards"] = attempts, rewards
     return msgspec.convert(fields, RolloutView)
 

@@ -30,7 +30,7 @@ from services.common.eventstore import StoredEvent
 from services.common.readside import RolloutQuery, RunView
 from services.projector.calls import CallResolver
 from services.projector.migrate import migrate
-from services.projector.packing import unpack_float64, unpack_int32
+from services.projector.packing import json_column, unpack_float64, unpack_int32
 from services.projector.pgstore import NOTIFY_CHANNEL, load_lists, view_from_row
 
 log = logging.getLogger("rollwire.projector.reader")
@@ -127,10 +127,6 @@ def _summary(row: asyncpg.Record, by_status: dict[str, int]) -> RunSummary:
     )  # fmt: skip
 
 
-def _loads(text: str | None) -> Any:
-    return None if text is None else msgspec.json.decode(text)
-
-
 def call_event(row: asyncpg.Record, calls: CallResolver) -> ModelRequestRecorded:
     """A model call event rebuilt from its `events` + `model_calls` row, its full prompt and request resolved.
 
@@ -144,8 +140,8 @@ def call_event(row: asyncpg.Record, calls: CallResolver) -> ModelRequestRecorded
         status=row["status"], choice_index=row["choice_index"], model=row["model"],
         weights_version=row["weights_version"], prompt_ids=unpack_int32(calls.prompt_ids(seq)),
         response_ids=unpack_int32(row["response_ids"]), logprobs=unpack_float64(row["logprobs"]),
-        finish_reason=row["finish_reason"], request=calls.request(seq), response=_loads(row["response"]),
-        usage=_loads(row["usage"]), latency_s=row["latency_s"], error=row["error"], agent=row["agent"],
+        finish_reason=row["finish_reason"], request=calls.request(seq), response=json_column(row["response"]),
+        usage=json_column(row["usage"]), latency_s=row["latency_s"], error=row["error"], agent=row["agent"],
         endpoint=row["endpoint"], started_at=row["started_at"], temperature=row["temperature"], top_p=row["top_p"],
         top_k=None if top_k is None else int(top_k), api=row["api"],
         continuity=UNSET if continuity is None else continuity,
@@ -161,7 +157,7 @@ def _event_from_row(row: asyncpg.Record, calls: CallResolver) -> StoredEvent:
         if kind == "reward":
             body.update(value=row["value"], name=row["reward_name"], step=row["step"], source=row["source"])
         elif kind == "custom":
-            body.update(name=row["custom_name"], payload=_loads(row["payload"]))
+            body.update(name=row["custom_name"], payload=json_column(row["payload"]))
         if row["body"] is None:
             body.update(
                 type=kind, run_id=row["run_id"], rollout_id=row["rollout_id"], attempt_id=row["attempt_id"],
@@ -349,8 +345,8 @@ class PostgresRolloutReader:
                 return None
             counts = await self._status_counts(conn, [run_id])
         return RunView(
-            run_id=run_id, name=row["name"] or "", config=_loads(row["config"]) or {}, started_at=row["started_at"],
-            seq=row["started_seq"] or 0, rollouts=counts.get(run_id, {}),
+            run_id=run_id, name=row["name"] or "", config=json_column(row["config"]) or {},
+            started_at=row["started_at"], seq=row["started_seq"] or 0, rollouts=counts.get(run_id, {}),
         )  # fmt: skip
 
     # ---- summaries --------------------------------------------------------------------------

@@ -31,7 +31,6 @@ from typing import Any
 
 import msgspec
 
-from schemas.ids import MODEL_REQUEST, check_id
 from services.common.eventstore import EventStore
 from services.tools.compare import Comparison, compare
 from services.tools.report import SchemeAccumulator, SchemeReport, UnitRows, unit_rows
@@ -42,10 +41,10 @@ from services.tools.source import (
     RunIndex,
     Unit,
     UnitInput,
+    call_counts,
     index_run,
     plan_units,
     stream_chunks,
-    subject_counts,
     unit_rollouts,
 )
 from trainer.core import AdapterConfig
@@ -176,10 +175,9 @@ class _Pool(msgspec.Struct, frozen=True):
 
 
 @contextlib.asynccontextmanager
-async def _workers(store: EventStore, run_id: str, workers: int | None) -> AsyncIterator[_Pool | None]:
-    """A started pool of replay workers for a large run (None: replay in this process)."""
+async def _workers(store: EventStore, calls: int, workers: int | None) -> AsyncIterator[_Pool | None]:
+    """A started pool of replay workers for a run of `calls` calls (None: replay in this process)."""
     if workers is None:
-        calls = sum((await subject_counts(store, MODEL_REQUEST.format(run=run_id, rollout="*"))).values())
         workers = default_workers() if calls >= MIN_PARALLEL_CALLS else 0
     if workers <= 0 or not store.url:
         yield None
@@ -214,9 +212,9 @@ async def replay_run(
     the worker processes (default: `default_workers()` for a large run, none for a small one).
     Raises `RunNotFound`, `ReplayError` or the adapter's `AdapterConfigError`, each for the user.
     """
-    check_id("run_id", run_id)
-    async with _workers(store, run_id, workers) as pool:
-        index = await index_run(store, run_id, nats_url=nats_url)
+    counts = await call_counts(store, run_id)  # before the index: the workers start while it is read
+    async with _workers(store, sum(counts.values()), workers) as pool:
+        index = await index_run(store, run_id, nats_url=nats_url, counts=counts)
         base = base_config(index.recorded_adapter, options or {})
         selection = {"agents": base.agents, "models": base.models}
         compared = [

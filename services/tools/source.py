@@ -144,6 +144,11 @@ async def subject_counts(store: EventStore, subject_filter: str) -> dict[str, in
             return counts
 
 
+async def call_counts(store: EventStore, run_id: str) -> dict[str, int]:
+    """Recorded calls per `model_request` subject of the run (no message read)."""
+    return await subject_counts(store, MODEL_REQUEST.format(run=check_id("run_id", run_id), rollout="*"))
+
+
 async def run_exists(store: EventStore, run_id: str) -> bool:
     """True when at least one event of the run is on the stream."""
     import nats.js.errors
@@ -233,8 +238,11 @@ def _step_of(record: Mapping[str, Any]) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-async def index_run(store: EventStore, run_id: str, *, nats_url: str = "") -> RunIndex:
-    """Pass 1: the run's rollouts from its small events and per-subject call counts.
+async def index_run(
+    store: EventStore, run_id: str, *, nats_url: str = "", counts: Mapping[str, int] | None = None
+) -> RunIndex:
+    """Pass 1: the run's rollouts from its small events and per-subject call counts (`call_counts`,
+    read here unless given).
 
     Raises `RunNotFound` when the run has no event on the stream at all.
     """
@@ -273,7 +281,8 @@ async def index_run(store: EventStore, run_id: str, *, nats_url: str = "") -> Ru
     await asyncio.gather(
         *(_all_rewards(store, run_id, entry) for entry in rollouts.values() if _other_attempts_reward(entry))
     )
-    counts = await subject_counts(store, MODEL_REQUEST.format(run=run_id, rollout="*"))
+    if counts is None:
+        counts = await call_counts(store, run_id)
     for subject, count in counts.items():
         rollout_id = subject.split(".")[3]
         entry = rollouts.get(rollout_id)

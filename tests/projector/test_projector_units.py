@@ -13,11 +13,11 @@ import pytest
 from fastapi.testclient import TestClient
 from projector_reference import MAX_CHAINS, _opens_sample
 
-from schemas import CustomEvent, ModelRegistered, ModelRequestRecorded, encode
+from schemas import CustomEvent, ModelRegistered, ModelRequestRecorded, RolloutCreated, encode, to_dict
 from services.projector import chains, packing
 from services.projector.api import create_query_app
 from services.projector.flags import call_flags, flag_names
-from services.projector.incoming import RAW_FIELDS, WireCall, position, prepare_one
+from services.projector.incoming import RAW_FIELDS, WireCall, full_body, position, prepare_one
 from services.projector.migrate import MigrationError, migrate
 from services.projector.reader import PostgresRolloutReader
 from services.projector.status import Status
@@ -256,3 +256,13 @@ async def test_the_service_exits_on_a_newer_schema_instead_of_retrying(
     _, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
     assert process.returncode != 0
     assert b"error: the database has read-model schema version 999" in stderr
+
+
+def test_a_stored_body_is_read_with_its_defaults_filled_in() -> None:
+    """`events.body` keeps the stream's JSON (defaults absent); readers get every field back."""
+    event = RolloutCreated(run_id="r1", rollout_id="ro1", input={"task": 1})
+    stored = encode(event).decode()
+    assert '"mode"' not in stored and '"group_id"' not in stored
+    assert full_body(stored) == to_dict(event) and full_body(stored)["mode"] == "train"
+    assert full_body('{"type": "from-a-newer-writer", "x": 1}') == {"type": "from-a-newer-writer", "x": 1}
+    assert full_body(None) == {}

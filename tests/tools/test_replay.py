@@ -24,8 +24,9 @@ from schemas import (
     RunStarted,
 )
 from services.common.eventstore import EventStore
-from services.tools.replay import ReplayReport, replay_run
+from services.tools.replay import ReplayReport, replay_run, split_units
 from services.tools.schemes import parse_spec
+from services.tools.source import Unit
 from trainer.core import AdapterConfig, AdapterConfigError, StepBatch, build_step, collect_rollouts, drop_stale_calls
 
 Rollwire = Callable[..., CliResult]
@@ -324,3 +325,13 @@ async def test_the_index_reads_the_final_attempts_reward_under_a_late_reward_of_
     rewards = {r.rollout_id: r.reward for r in scheme.rollouts}
     assert rewards == {"late-a1": 0.25, "on-time": 0.25, "other": 0.0}
     _assert_same(scheme, build_step(collect_rollouts(events).rollouts, scheme.config))
+
+
+def test_workers_shares_are_runs_of_consecutive_groups_of_about_equal_calls() -> None:
+    units = [
+        Unit(step=None, group_id=f"g{i}", rollout_ids=[f"r{i}"], calls=c) for i, c in enumerate([5, 1, 4, 4, 2, 4])
+    ]
+    shares = split_units(units, 2)
+    assert [u for share in shares for u in share] == units  # every group once, in run order
+    assert [sum(u.calls for u in share) for share in shares] == [10, 10]
+    assert len(split_units(units, 4)) == 4 and split_units(units[:1], 3) == [units[:1]] and split_units([], 2) == []

@@ -46,7 +46,7 @@ from schemas.events import (
 )
 from schemas.refs import CallRef, PackedTokens, unpack_arrays
 from trainer.core.failures import FailureKind, failure_kind
-from trainer.core.tokens import FloatArray, IdArray, Logprobs, TokenIds, as_floats, as_ids
+from trainer.core.tokens import FloatArray, IdArray, Logprobs, TokenIds
 
 
 class MalformedCall(ValueError):
@@ -233,18 +233,10 @@ def call_arrays(event: RecordedCall) -> tuple[IdArray, IdArray, FloatArray]:
     Packed arrays are read straight into numpy arrays (no Python int per token); raises
     `MalformedCall` when they cannot be read.
     """
-    packed = event.packed
-    if not packed:
-        return as_ids(event.prompt_ids), as_ids(event.response_ids), as_floats(event.logprobs)
     try:
-        prompt, response, logprobs = unpack_arrays(packed)
+        return unpack_arrays(event)
     except (ValueError, TypeError) as exc:  # bad base64, or a length that is not whole values
         raise MalformedCall(f"call {event.call_id}: packed arrays unreadable: {exc}") from None
-    return (
-        prompt if packed.prompt else as_ids(event.prompt_ids),
-        response if packed.response else as_ids(event.response_ids),
-        logprobs if packed.logprobs else as_floats(event.logprobs),
-    )
 
 
 def _call(event: RecordedCall, prompt: IdArray, response: IdArray, logprobs: FloatArray, ref: CallRef | None) -> Call:

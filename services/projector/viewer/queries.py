@@ -18,7 +18,8 @@ import msgspec
 
 from services.projector.calls import CallResolver
 from services.projector.flags import MEANINGS
-from services.projector.packing import unpack_float64, unpack_int32
+from services.projector.incoming import full_body
+from services.projector.packing import json_column, unpack_float64, unpack_int32
 from services.projector.reader import PostgresRolloutReader
 
 SORTS = {
@@ -43,10 +44,6 @@ MAX_TOKENS_SHOWN = 4096
 
 class ViewerQueryError(ValueError):
     """A viewer request with a parameter it cannot use; the message lists the allowed values."""
-
-
-def _loads(text: str | None) -> Any:
-    return None if text is None else msgspec.json.decode(text)
 
 
 def _finite(value: float | None) -> float | None:
@@ -202,7 +199,7 @@ def _call_item(row: asyncpg.Record, seen_messages: int, calls: CallResolver) -> 
         for m in messages[seen_messages if seen_messages <= len(messages) else 0 :]
         if isinstance(m, dict)
     ]
-    text, tools = _reply(_loads(row["response"]) or {})
+    text, tools = _reply(json_column(row["response"]) or {})
     ids = unpack_int32(row["response_ids"])[:MAX_TOKENS_SHOWN]
     logprobs = [_finite(v) for v in unpack_float64(row["logprobs"])[:MAX_TOKENS_SHOWN]]
     pieces = row["response_pieces"]
@@ -266,9 +263,9 @@ async def timeline(
         elif row["type"] == "reward":
             item.update(value=_finite(row["value"]), name=row["reward_name"], source=row["source"], step=row["step"])
         elif row["type"] == "custom":
-            item.update(name=row["custom_name"], payload=_loads(row["payload"]))
+            item.update(name=row["custom_name"], payload=json_column(row["payload"]))
         else:
-            body = _loads(row["body"]) or {}
+            body = full_body(row["body"])
             for name in ("status", "previous", "reason", "sequence", "executor", "input", "group_id", "mode"):
                 if name in body:
                     item[name] = body[name]
@@ -289,8 +286,8 @@ async def call(reader: PostgresRolloutReader, seq: int) -> dict[str, Any] | None
         "rollout_id": row["rollout_id"],
         "continuity": row["continuity"],
         "request": calls.request(seq),
-        "response": _loads(row["response"]),
-        "usage": _loads(row["usage"]),
+        "response": json_column(row["response"]),
+        "usage": json_column(row["usage"]),
         "prompt_text": calls.prompt_text(seq),
         "prompt_ids": unpack_int32(calls.prompt_ids(seq)),
         "response_ids": unpack_int32(row["response_ids"]),
