@@ -16,7 +16,8 @@ only point at `ok` calls of the same rollout attempt, recorded earlier on the sa
 
 Id and logprob arrays may be `packed`: base64 of little-endian unsigned 24-bit ids (`id_width` 3,
 when every id fits) or int32 ids (4), and of little-endian float32 (`logprob_width` 4, used only
-when exact) or float64 logprobs. A packed event's `prompt_ids` / `response_ids` / `logprobs`
+when exact) or float64 logprobs. In Python, `PackedTokens` holds the decoded bytes (msgspec reads
+and writes the base64). A packed event's `prompt_ids` / `response_ids` / `logprobs`
 are empty (absent from its JSON since version 4, empty lists before).
 
 `upcast` turns any `model_request` as decoded (version 1, or version 2 packed) into the in-memory
@@ -27,8 +28,6 @@ are a few lines in any language.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import sys
 from array import array
 from collections import OrderedDict
@@ -60,15 +59,17 @@ class CallRef(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=
 
 
 class PackedTokens(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
-    """Id and logprob arrays as base64 of little-endian binary.
+    """Id and logprob arrays as little-endian binary; base64 strings on the wire.
 
     Ids: unsigned 24-bit (`id_width` 3, when every id fits) or int32 (4). Logprobs: float32
-    (`logprob_width` 4, when every value survives it exactly) or float64 (8).
+    (`logprob_width` 4, when every value survives it exactly) or float64 (8). The fields hold the
+    binary: the JSON decoder reads the base64 straight into bytes (no string is made to be decoded
+    again), and the encoder writes it back as base64.
     """
 
-    prompt: str = ""
-    response: str = ""
-    logprobs: str = ""
+    prompt: bytes = b""
+    response: bytes = b""
+    logprobs: bytes = b""
     logprob_width: int = 8
     id_width: int = 4
 
@@ -84,8 +85,8 @@ class UnresolvedReference(LookupError):
 # ---- packing ------------------------------------------------------------------------------------
 
 
-def pack_ids(values: Sequence[int], width: int = 4) -> str:
-    """Ids as base64 of little-endian int32 (`width` 4), or of unsigned 24-bit integers (`width` 3).
+def pack_ids(values: Sequence[int], width: int = 4) -> bytes:
+    """Ids as little-endian int32 (`width` 4), or as unsigned 24-bit integers (`width` 3).
 
     Raises OverflowError for an id outside the width's range.
     """
@@ -93,37 +94,37 @@ def pack_ids(values: Sequence[int], width: int = 4) -> str:
     if width == 3:
         if len(packed) and (int(packed.min()) < 0 or int(packed.max()) >= 1 << 24):
             raise OverflowError("an id does not fit in 24 bits")
-        data = packed.view(np.uint8).reshape(-1, 4)[:, :3].tobytes()
-    else:
-        data = packed.tobytes()
-    return base64.b64encode(data).decode("ascii")
+        return packed.view(np.uint8).reshape(-1, 4)[:, :3].tobytes()
+    return packed.tobytes()
 
 
-def unpack_ids(text: str, width: int = 4) -> list[int]:
+def unpack_ids(data: bytes, width: int = 4) -> list[int]:
     """The ids packed by `pack_ids`."""
-    return _int32_view(binascii.a2b_base64(text), width).tolist()  # type: ignore[no-any-return]
+    return _int32_view(data, width).tolist()  # type: ignore[no-any-return]
 
 
-def ids_int32(text: str, width: int = 4) -> bytes:
+def ids_int32(data: bytes, width: int = 4) -> bytes:
     """Packed ids as little-endian int32 bytes, whatever their width on the wire."""
-    data = binascii.a2b_base64(text)
-    return data if width != 3 else _int32_view(data, 3).astype("<i4").tobytes()
+    return data if width != 3 else _int32_view(data, 3).tobytes()
 
 
-def _int32_view(data: bytes, width: int) -> np.ndarray[Any, Any]:
-    """Ids of `width` bytes each as an integer array (a view of `data` for int32, one copy for 24-bit).
+def _int32_view(data: bytes, width: int, more: bytes = b"") -> np.ndarray[Any, Any]:
+    """Ids of `width` bytes each (`data` then `more`) as an int32 array (a view for int32, one copy for 24-bit).
 
     A 24-bit id is read as the 4 bytes at its 3-byte offset (one padding byte closes the buffer)
     with its top byte masked off: two numpy operations, however many ids.
     """
+    size = len(data) + len(more)
     if width != 3:
-        return np.frombuffer(data, dtype="<i4")
-    count, rest = divmod(len(data), 3)
+        if size % 4:
+            raise ValueError(f"{size} bytes are not whole 32-bit ids")
+        return np.frombuffer(data + more if more else data, dtype="<i4")
+    count, rest = divmod(size, 3)
     if rest:
-        raise ValueError(f"{len(data)} bytes are not whole 24-bit ids")
+        raise ValueError(f"{size} bytes are not whole 24-bit ids")
     if not count:
         return np.zeros(0, dtype="<i4")
-    ids = np.ndarray((count,), dtype="<u4", buffer=data + b"\0", strides=(3,)).astype("<i4")
+    ids = np.ndarray((count,), dtype="<u4", buffer=data + more + b"\0", strides=(3,)).astype("<i4")
     ids &= 0xFFFFFF
     return ids
 
@@ -136,28 +137,19 @@ def id_width(*arrays: Sequence[int]) -> int:
     return 3
 
 
-def pack_floats(values: Sequence[float]) -> tuple[str, int]:
-    """Logprobs as base64 little-endian float32 when every value survives it exactly, else float64."""
+def pack_floats(values: Sequence[float]) -> tuple[bytes, int]:
+    """Logprobs as little-endian float32 when every value survives it exactly, else float64."""
     narrow = array("f", values)
     width = 4 if narrow.tolist() == list(values) else 8
     packed = narrow if width == 4 else array("d", values)
     if _SWAP:
         packed.byteswap()
-    return base64.b64encode(packed.tobytes()).decode("ascii"), width
+    return packed.tobytes(), width
 
 
-def unpack_floats(text: str, width: int) -> list[float]:
+def unpack_floats(data: bytes, width: int) -> list[float]:
     """The floats packed by `pack_floats` (`width` 4 or 8)."""
-    data = binascii.a2b_base64(text)
-    if _SWAP:
-        packed = array("f" if width == 4 else "d")
-        packed.frombytes(data)
-        packed.byteswap()
-        return packed.tolist()
-    if len(data) % (4 if width == 4 else 8):
-        raise ValueError(f"{len(data)} bytes are not whole {width}-byte floats")
-    view = memoryview(data)
-    return (view.cast("f") if width == 4 else view.cast("d")).tolist()  # type: ignore[return-value]
+    return _float_array(data, width).tolist()  # type: ignore[no-any-return]
 
 
 def pack(ids: Sequence[int], response: Sequence[int], logprobs: Sequence[float]) -> PackedTokens:
@@ -231,23 +223,23 @@ def unpack_arrays(event: _Packable) -> tuple[_IdArray, _IdArray, _FloatArray]:
 
     What a bulk reader (the trainer, the replay) takes instead of `upcast`: no Python int or float
     is made per token. Packed id arrays may be read-only views of the decoded bytes; an array the
-    event does not pack is its list, converted. A 24-bit prompt and response decode as one (base64
-    of 3-byte ids never pads). Raises ValueError (or binascii.Error) for unreadable packed arrays.
+    event does not pack is its list, converted. The prompt and response ids are read as one array
+    and cut in two. Raises ValueError for packed arrays of a width or length that is not whole values.
     """
     packed = event.packed
     if not packed:
         return _ids(event.prompt_ids), _ids(event.response_ids), _floats(event.logprobs)
     width, prompt, response = packed.id_width, packed.prompt, packed.response
+    if width not in (3, 4) or packed.logprob_width not in (4, 8):
+        raise ValueError(f"id_width {width}, logprob_width {packed.logprob_width}: ids take 3 or 4, logprobs 4 or 8")
     logprobs = _float_array(packed.logprobs, packed.logprob_width) if packed.logprobs else _floats(event.logprobs)
-    if width == 3 and prompt and response and not len(prompt) % 4:
-        data = binascii.a2b_base64(prompt + response)
-        if len(data) * 4 == (len(prompt) + len(response)) * 3:
-            ids = _int32_view(data, 3)
-            cut = len(prompt) // 4
-            return ids[:cut], ids[cut:], logprobs
+    if prompt and response and not len(prompt) % width:
+        ids = _int32_view(prompt, width, response)
+        cut = len(prompt) // width
+        return ids[:cut], ids[cut:], logprobs
     return (
-        _int32_view(binascii.a2b_base64(prompt), width) if prompt else _ids(event.prompt_ids),
-        _int32_view(binascii.a2b_base64(response), width) if response else _ids(event.response_ids),
+        _int32_view(prompt, width) if prompt else _ids(event.prompt_ids),
+        _int32_view(response, width) if response else _ids(event.response_ids),
         logprobs,
     )
 
@@ -260,8 +252,7 @@ def _floats(values: Sequence[float]) -> _FloatArray:
     return np.asarray(values, dtype=np.float64)
 
 
-def _float_array(text: str, width: int) -> _FloatArray:
-    data = binascii.a2b_base64(text)
+def _float_array(data: bytes, width: int) -> _FloatArray:
     if len(data) % width:
         raise ValueError(f"{len(data)} bytes are not whole {width}-byte floats")
     values = np.frombuffer(data, dtype="<f4" if width == 4 else "<f8")

@@ -13,7 +13,6 @@ go to `jsonb` as they are, without a round trip through Python objects. The fold
 
 from __future__ import annotations
 
-import base64
 import re
 from collections.abc import Sequence
 from typing import Any, Union
@@ -192,7 +191,7 @@ def _arrays(
         if packed.logprob_width == 4:
             logprobs = pack_float64(unpack_floats(packed.logprobs, 4))
         else:
-            logprobs = base64.b64decode(packed.logprobs)
+            logprobs = packed.logprobs
     else:
         prompt_text = bytes(wire.prompt_ids)
         if cache is not None and wire.prompt_ref is None:

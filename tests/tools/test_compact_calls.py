@@ -8,10 +8,12 @@ from collections import Counter
 from typing import Any
 
 import msgspec
+import pytest
 from agentrun import agent_run
 
 from schemas import SCHEMA_VERSION, Event, ModelRequestRecorded, Resolver, decode, encode
-from schemas.refs import id_width, ids_int32, pack_floats, pack_ids, unpack_floats, unpack_ids
+from schemas.codec import MalformedEvent
+from schemas.refs import id_width, ids_int32, pack, pack_floats, pack_ids, unpack_floats, unpack_ids
 from services.common.eventstore import Appended, EventStore
 from services.gateway.recording import CallChains, compact_request
 from services.tools.replay import ReplayReport, replay_run
@@ -128,19 +130,37 @@ def test_request_copy_keeps_only_what_is_new_and_resolves_back() -> None:
 
 def test_logprobs_pack_as_float32_only_when_exact() -> None:
     exact = [-0.5, -1.25, 0.0]
-    text, width = pack_floats(exact)
-    assert width == 4 and len(base64.b64decode(text)) == 12 and unpack_floats(text, width) == exact
-    text, width = pack_floats([-0.1])
-    assert width == 8 and unpack_floats(text, width) == [-0.1]
+    data, width = pack_floats(exact)
+    assert width == 4 and len(data) == 12 and unpack_floats(data, width) == exact
+    data, width = pack_floats([-0.1])
+    assert width == 8 and unpack_floats(data, width) == [-0.1]
 
 
 def test_ids_pack_in_24_bits_when_they_fit_else_32() -> None:
     small = [0, 5, (1 << 24) - 1]
     assert id_width(small) == 3 and unpack_ids(pack_ids(small, 3), 3) == small
-    assert len(base64.b64decode(pack_ids(small, 3))) == 9
+    assert len(pack_ids(small, 3)) == 9
     assert ids_int32(pack_ids(small, 3), 3) == ids_int32(pack_ids(small, 4), 4)
     large = [1 << 24, -1]
     assert id_width(small, large) == 4 and unpack_ids(pack_ids(large, 4), 4) == large
+
+
+def test_packed_arrays_are_base64_on_the_wire_and_checked_when_read() -> None:
+    """`PackedTokens` holds bytes; the JSON holds their base64; a bad one is a `MalformedEvent` naming the field."""
+    packed = pack([1, 2, 3], [4], [-0.5])
+    event = ModelRequestRecorded(run_id="r", rollout_id="a", call_id="c", packed=packed)
+    wire = json.loads(encode(event))["packed"]
+    assert base64.b64decode(wire["prompt"]) == pack_ids([1, 2, 3], 3) and wire["id_width"] == 3
+    assert base64.b64decode(wire["logprobs"]) == pack_floats([-0.5])[0]
+    decoded = decode(encode(event))
+    assert isinstance(decoded, ModelRequestRecorded)
+    assert (decoded.prompt_ids, decoded.response_ids, decoded.logprobs) == ([1, 2, 3], [4], [-0.5])
+    for bad, named in (({"prompt": "AAA*"}, "packed.prompt"), ({"id_width": 5}, "id_width 5"),
+                       ({"prompt": base64.b64encode(b"\0" * 4).decode()}, "not whole 24-bit ids")):  # fmt: skip
+        body = json.loads(encode(event))
+        body["packed"].update(bad)
+        with pytest.raises(MalformedEvent, match=named):
+            decode(json.dumps(body).encode())
 
 
 async def test_the_trainers_history_gives_the_samples_of_resolved_reads(store: EventStore, run_id: str) -> None:
