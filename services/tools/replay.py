@@ -13,7 +13,10 @@ doing all of it for its share: the planned units are cut into as many runs of co
 as there are workers, of about equal calls, and each worker reads the stream from its share's
 first rollout on (its own connection) until its share's last call, replaying units as they
 complete. The shares' reads overlap only where rollouts of two shares interleave on the stream.
-Workers are started (and import) while this process builds the index. Memory per worker stays
+Workers are started (and import) while this process builds the index; each gets its share (its
+rollouts' index entries, its units) as one MessagePack message and sends back its rows the same
+way, since pickling the index's Structs one object at a time cost about a second of CPU at 100k
+calls. Memory per worker stays
 bounded by the units in flight (`budget` calls per batch), not by the run. A small run (or
 `workers=0`, or a store without a URL to reconnect to) is replayed in this process.
 """
@@ -98,24 +101,34 @@ def replay_chunk(chunk: list[UnitInput], configs: list[AdapterConfig]) -> list[l
     return results
 
 
-def replay_share(
-    url: str, stream: str, run_id: str, rollouts: dict[str, RolloutEntry], units: list[Unit],
-    configs: list[AdapterConfig], budget: int,
-) -> list[list[UnitRows]]:  # fmt: skip
-    """Read and replay one share of a run's units (worker side): per unit, one `UnitRows` per config."""
-    return asyncio.run(_replay_share(url, stream, run_id, rollouts, units, configs, budget))
+class Share(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker needs to read and replay its share: sent as MessagePack (pickling the index's
+    Structs one object at a time cost more CPU than the share's reading)."""
+
+    run_id: str
+    rollouts: list[RolloutEntry]
+    units: list[Unit]
+    configs: list[AdapterConfig]
+    budget: int
 
 
-async def _replay_share(
-    url: str, stream: str, run_id: str, rollouts: dict[str, RolloutEntry], units: list[Unit],
-    configs: list[AdapterConfig], budget: int,
-) -> list[list[UnitRows]]:  # fmt: skip
+_share_decoder = msgspec.msgpack.Decoder(Share)
+_results_decoder = msgspec.msgpack.Decoder(list[list[UnitRows]])
+
+
+def replay_share(url: str, stream: str, share: bytes) -> bytes:
+    """Read and replay one share (worker side): per unit, one `UnitRows` per config, as MessagePack."""
+    return msgspec.msgpack.encode(asyncio.run(_replay_share(url, stream, _share_decoder.decode(share))))
+
+
+async def _replay_share(url: str, stream: str, share: Share) -> list[list[UnitRows]]:
     store = await EventStore.connect(url, stream=stream, ensure=False, name="rollwire-replay")
     try:
-        index = RunIndex(run_id=run_id, rollouts=rollouts, recorded_adapter=None, has_steps=False)
+        rollouts = {entry.rollout_id: entry for entry in share.rollouts}
+        index = RunIndex(run_id=share.run_id, rollouts=rollouts, recorded_adapter=None, has_steps=False)
         results: list[list[UnitRows]] = []
-        async for chunk in stream_chunks(store, index, units, budget=budget):
-            results.extend(replay_chunk(chunk, configs))
+        async for chunk in stream_chunks(store, index, share.units, budget=share.budget):
+            results.extend(replay_chunk(chunk, share.configs))
         return results
     finally:
         await store.close()
@@ -157,16 +170,15 @@ async def _replay_units(
         return
     loop = asyncio.get_running_loop()
     futures = []
-    for share in split_units(units, pool.size):
-        rollouts = {rid: index.rollouts[rid] for unit in share for rid in unit.rollout_ids}
-        futures.append(
-            loop.run_in_executor(
-                pool.executor, replay_share, store.url, store.stream, index.run_id, rollouts, share, configs,
-                budget or CALL_BUDGET,
-            )
+    for units_share in split_units(units, pool.size):
+        share = Share(
+            run_id=index.run_id, rollouts=[index.rollouts[rid] for unit in units_share for rid in unit.rollout_ids],
+            units=units_share, configs=configs, budget=budget or CALL_BUDGET,
         )  # fmt: skip
+        encoded = msgspec.msgpack.encode(share)
+        futures.append(loop.run_in_executor(pool.executor, replay_share, store.url, store.stream, encoded))
     for done in asyncio.as_completed(futures):
-        collect(await done)
+        collect(_results_decoder.decode(await done))
 
 
 class _Pool(msgspec.Struct, frozen=True):
