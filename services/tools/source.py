@@ -3,16 +3,16 @@
 The advantages of a rollout only need its group; the loss weights need step totals, which are
 small numbers. So a run is read in two passes over the stream, never all at once:
 
-1. **Index** (small events only): the newest `created`, `status`, `attempt`, `reward` and
-   trainer step record (`event.train_step`) of every rollout, plus the run's `RunStarted` (one
-   read per subject filter, concurrently, merged in stream order) and the number of recorded
-   calls per rollout (from the stream's per-subject counts, no message read). The newest of each
-   is all the adapter reads (the final status, the last attempt, the last reward of the final
-   attempt: a rollout whose newest reward is of another attempt gets all its rewards read), and
-   the server finds them from its subject index instead of testing every message of the stream
-   against a wildcard. From this the index knows each rollout's group, step and order, and which
-   rollouts the trainer would skip (the adapter's own `rollout_calls` decides, on the small
-   events alone).
+1. **Index** (small events only): the newest `created`, `status`, `reward` and trainer step
+   record (`event.train_step`) of every rollout, plus the run's `RunStarted` (one read per
+   subject filter, concurrently, merged in stream order) and the number of recorded calls per
+   rollout (from the stream's per-subject counts, no message read). The newest of each is all the
+   adapter reads (the final status, the last reward of the final attempt: a rollout whose newest
+   reward is of another attempt gets all its rewards read; a rollout whose final status names no
+   attempt gets its newest `attempt`), and the server finds them from its subject index instead of
+   testing every message of the stream against a wildcard. From this the index knows each
+   rollout's group, step and order, and which rollouts the trainer would skip (the adapter's own
+   `rollout_calls` decides, on the small events alone).
 2. **Calls**: one sequential read of the run's `model_request` events from the first planned
    rollout on; a unit's calls are held only until the last of them arrives (the index knows each
    rollout's count), then decoded (as `CallRecord`s: the request and response bodies are
@@ -47,7 +47,7 @@ from schemas.events import (
     RolloutStatusChanged,
     RunStarted,
 )
-from schemas.ids import MODEL_REQUEST, REWARD, RUN_ALL, check_id
+from schemas.ids import MODEL_REQUEST, REWARD, ROLLOUT_ATTEMPT, RUN_ALL, check_id
 from services.common.eventstore import EventStore, StoredEvent, _stream_sequence
 from trainer.core import (
     TRAIN_STEP_EVENT,
@@ -167,7 +167,6 @@ def _small_subjects(run_id: str) -> list[tuple[str, bool]]:
         (f"{prefix}.run", False),
         (f"{prefix}.rollout.*.created", True),
         (f"{prefix}.rollout.*.status", True),
-        (f"{prefix}.rollout.*.attempt", True),
         (f"{prefix}.rollout.*.reward", True),
         (f"{prefix}.rollout.*.event.{TRAIN_STEP_EVENT}", True),
     ]
@@ -193,6 +192,39 @@ async def _small_events(store: EventStore, run_id: str) -> list[StoredEvent]:
     reads = (_read_compacted(store, subject, last) for subject, last in _small_subjects(run_id))
     per_subject = await asyncio.gather(*reads)
     return list(heapq.merge(*per_subject, key=lambda stored: stored.seq))
+
+
+ATTEMPTS_ONE_BY_ONE = 64
+"""Up to this many rollouts needing their attempt are read one by one; more, with one wildcard read."""
+
+
+def _needs_attempt(entry: RolloutEntry) -> bool:
+    """True when the rollout's final status names no attempt: the adapter then takes its newest `AttemptStarted`."""
+    status = next((e for _, e in reversed(entry.events) if isinstance(e, RolloutStatusChanged)), None)
+    return status is not None and status.attempt_id is None
+
+
+async def _add_attempts(store: EventStore, run_id: str, rollouts: Mapping[str, RolloutEntry]) -> None:
+    """Give the rollouts whose final status names no attempt their newest `AttemptStarted` (in stream order).
+
+    Statuses name their attempt (the controller's and the trainer's do), so usually none is read.
+    """
+    needing = [entry for entry in rollouts.values() if _needs_attempt(entry)]
+    if not needing:
+        return
+    if len(needing) <= ATTEMPTS_ONE_BY_ONE:
+        found = await asyncio.gather(
+            *(store.last(ROLLOUT_ATTEMPT.format(run=run_id, rollout=entry.rollout_id)) for entry in needing)
+        )
+        attempts = [stored for stored in found if stored is not None]
+    else:
+        attempts = await _read_compacted(store, ROLLOUT_ATTEMPT.format(run=run_id, rollout="*"), True)
+    wanted = {entry.rollout_id for entry in needing}
+    for stored in attempts:
+        rollout_id = stored.event.rollout_id
+        if rollout_id in wanted:
+            entry = rollouts[rollout_id]
+            entry.events = list(heapq.merge(entry.events, [(stored.seq, stored.event)], key=lambda pair: pair[0]))
 
 
 def _other_attempts_reward(entry: RolloutEntry) -> bool:
@@ -278,6 +310,7 @@ async def index_run(
             entry.group_id = event.group_id
             entry.declared_step = _step_of(event.metadata)
         entry.events.append((stored.seq, event))
+    await _add_attempts(store, run_id, rollouts)
     await asyncio.gather(
         *(_all_rewards(store, run_id, entry) for entry in rollouts.values() if _other_attempts_reward(entry))
     )

@@ -24,6 +24,7 @@ from schemas import (
     RunStarted,
 )
 from services.common.eventstore import EventStore
+from services.tools import source
 from services.tools.replay import ReplayReport, replay_run, split_units
 from services.tools.schemes import parse_spec
 from services.tools.source import Unit
@@ -324,6 +325,41 @@ async def test_the_index_reads_the_final_attempts_reward_under_a_late_reward_of_
     (scheme,) = report.schemes
     rewards = {r.rollout_id: r.reward for r in scheme.rollouts}
     assert rewards == {"late-a1": 0.25, "on-time": 0.25, "other": 0.0}
+    _assert_same(scheme, build_step(collect_rollouts(events).rollouts, scheme.config))
+
+
+@pytest.mark.parametrize("one_by_one", [64, 0])
+async def test_statuses_without_an_attempt_take_the_newest_attempt_as_the_trainer_does(
+    store: EventStore, nats_url: str, run_id: str, one_by_one: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index reads attempts only for rollouts whose final status names none (one by one, or all at
+    once when many do); their calls and rewards are then the newest attempt's, as `build_step` takes them."""
+    monkeypatch.setattr(source, "ATTEMPTS_ONE_BY_ONE", one_by_one)
+
+    def anonymous(rollout_id: str) -> list[Event]:
+        def call(attempt: str, ids: list[int]) -> ModelRequestRecorded:
+            return ModelRequestRecorded(
+                run_id=run_id, rollout_id=rollout_id, attempt_id=attempt, call_id=f"{rollout_id}-{attempt}",
+                prompt_ids=ids, response_ids=[5, 5], logprobs=[-0.1, -0.2],
+            )  # fmt: skip
+
+        return [
+            RolloutCreated(run_id=run_id, rollout_id=rollout_id, group_id="g"),
+            AttemptStarted(run_id=run_id, rollout_id=rollout_id, attempt_id="a1", sequence=1),
+            call("a1", [7, 1]),
+            RewardReported(run_id=run_id, rollout_id=rollout_id, attempt_id="a1", value=1.0),
+            AttemptStarted(run_id=run_id, rollout_id=rollout_id, attempt_id="a2", sequence=2),
+            call("a2", [7, 1, 2, 3]),
+            RewardReported(run_id=run_id, rollout_id=rollout_id, attempt_id="a2", value=0.25),
+            RolloutStatusChanged(run_id=run_id, rollout_id=rollout_id, status="succeeded"),
+        ]
+
+    events = anonymous("x") + anonymous("y") + _scripted(run_id, "named", "g", 0.0, [2])
+    await store.append_many(events)
+    report = await _replay(nats_url, run_id)
+    (scheme,) = report.schemes
+    assert {r.rollout_id: r.reward for r in scheme.rollouts} == {"x": 0.25, "y": 0.25, "named": 0.0}
+    assert {s.rollout_id: s.prompt_tokens for s in scheme.samples if s.rollout_id != "named"} == {"x": 4, "y": 4}
     _assert_same(scheme, build_step(collect_rollouts(events).rollouts, scheme.config))
 
 
