@@ -183,10 +183,15 @@ def _tree_rss_mb(root: int) -> float:
 
 
 class PeakRss:
-    """Samples the RSS of this process and its descendants every 20 ms in a thread: the peak above the start."""
+    """Samples the RSS of a process and its descendants every 20 ms, from a thread of this process.
 
-    def __init__(self) -> None:
-        self.start = _tree_rss_mb(os.getpid())
+    The measured process is another one (`measure` samples its child), so the sampling costs the
+    measurement nothing: walking /proc from a thread of the measured process would take its GIL.
+    """
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.start = _tree_rss_mb(root)
         self.peak = self.start
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -194,12 +199,12 @@ class PeakRss:
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            self.peak = max(self.peak, _tree_rss_mb(os.getpid()))
+            self.peak = max(self.peak, _tree_rss_mb(self.root))
 
     def stop(self) -> float:
         self._stop.set()
         self._thread.join()
-        return max(self.peak, _tree_rss_mb(os.getpid())) - self.start
+        return self.peak - self.start
 
 
 async def child(mode: str, url: str, run_id: str, workers: int | None) -> dict[str, float]:
@@ -208,7 +213,7 @@ async def child(mode: str, url: str, run_id: str, workers: int | None) -> dict[s
     from trainer.core import AdapterConfig, build_step, collect_rollouts
 
     store = await EventStore.connect(url, ensure=False)
-    rss = PeakRss()
+    print("started", flush=True)  # the parent samples memory from here on
     started, cpu = time.perf_counter(), _machine_cpu_seconds()
     result: dict[str, float] = {}
     if mode == "raw":
@@ -235,18 +240,27 @@ async def child(mode: str, url: str, run_id: str, workers: int | None) -> dict[s
         result.update(samples=step.stats.samples)
     result["seconds"] = time.perf_counter() - started
     result["cpu_seconds"] = _machine_cpu_seconds() - cpu
-    result["rss_growth_mb"] = rss.stop()
     await store.close()
     return result
 
 
 def measure(mode: str, url: str, run_id: str, workers: int | None = None) -> dict[str, float]:
+    """One measurement in a child process; its memory (with its workers') is sampled from here."""
     extra = [] if workers is None else ["--workers", str(workers)]
-    out = subprocess.run(
+    with subprocess.Popen(
         [sys.executable, __file__, "--child", mode, "--url", url, "--run", run_id, *extra],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+        stdout=subprocess.PIPE, text=True,
+    ) as proc:  # fmt: skip
+        assert proc.stdout is not None
+        proc.stdout.readline()  # "started": connected, imports done
+        rss = PeakRss(proc.pid)
+        out = proc.stdout.read()
+        growth = rss.stop()
+    if proc.returncode:
+        raise SystemExit(f"the {mode} measurement failed (exit {proc.returncode})")
+    result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
+    result["rss_growth_mb"] = growth
+    return result
 
 
 def idle_rss() -> float:
