@@ -44,7 +44,7 @@ from schemas.events import (
     RolloutCreated,
     RolloutStatusChanged,
 )
-from schemas.refs import CallRef, PackedTokens, unpack_arrays
+from schemas.refs import CallRef, PackedTokens, unpack_arrays, unpack_many
 from trainer.core.failures import FailureKind, failure_kind
 from trainer.core.tokens import FloatArray, IdArray, Logprobs, TokenIds
 
@@ -239,6 +239,14 @@ def call_arrays(event: RecordedCall) -> tuple[IdArray, IdArray, FloatArray]:
         raise MalformedCall(f"call {event.call_id}: packed arrays unreadable: {exc}") from None
 
 
+def calls_arrays(events: Sequence[RecordedCall]) -> list[tuple[IdArray, IdArray, FloatArray]]:
+    """`call_arrays` of an attempt's calls, all unpacked together (`schemas.refs.unpack_many`)."""
+    try:
+        return unpack_many(events)
+    except (ValueError, TypeError):
+        return [call_arrays(event) for event in events]  # raises MalformedCall naming the call
+
+
 def _call(event: RecordedCall, prompt: IdArray, response: IdArray, logprobs: FloatArray, ref: CallRef | None) -> Call:
     started = event.started_at if event.started_at is not None else event.time - event.latency_s
     return Call(
@@ -275,10 +283,10 @@ class _Prompts:
         self.seen: dict[str, tuple[IdArray, IdArray]] = {}
         self.repeated: set[str] = set()
 
-    def call(self, event: RecordedCall) -> Call:
-        """The adapter's view of an `ok` call of the attempt, with its full prompt."""
+    def call(self, event: RecordedCall, arrays: tuple[IdArray, IdArray, FloatArray]) -> Call:
+        """The adapter's view of an `ok` call of the attempt (its `call_arrays` given), with its full prompt."""
         ref = event.prompt_ref
-        prompt, response, logprobs = call_arrays(event)
+        prompt, response, logprobs = arrays
         if ref:
             earlier = self.seen.get(ref.event_id)
             if earlier is None:
@@ -349,15 +357,22 @@ def rollout_calls(events: Iterable[Event | CallRecord], select: Selection | None
     context: list[Call] = []
     reward: float | None = None
     prompts = _Prompts()
+    used = [
+        event
+        for event in ordered
+        if isinstance(event, ModelRequestRecorded | CallRecord)
+        and event.attempt_id == attempt
+        and event.status == "ok"
+        and event.mode == "train"
+    ]
+    for event, arrays in zip(used, calls_arrays(used), strict=True):
+        call = prompts.call(event, arrays)
+        if select.trains(call):
+            calls.append(call.check_trainable())
+        else:
+            context.append(call)
     for event in ordered:
-        if isinstance(event, ModelRequestRecorded | CallRecord):
-            if event.attempt_id == attempt and event.status == "ok" and event.mode == "train":
-                call = prompts.call(event)
-                if select.trains(call):
-                    calls.append(call.check_trainable())
-                else:
-                    context.append(call)
-        elif isinstance(event, RewardReported) and event.attempt_id in (attempt, None):
+        if isinstance(event, RewardReported) and event.attempt_id in (attempt, None):
             reward = event.value
     failure: FailureKind | None = None
     if final.status != "succeeded":
