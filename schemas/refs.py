@@ -41,6 +41,8 @@ from msgspec import UNSET, UnsetType
 _SWAP = sys.byteorder != "little"
 _IdArray = np.ndarray[Any, np.dtype[np.int32]]
 _FloatArray = np.ndarray[Any, np.dtype[np.float64]]
+# dtype objects made once: numpy parses a dtype string on every call that names one.
+_I4, _U4, _F4, _F8 = np.dtype("<i4"), np.dtype("<u4"), np.dtype("<f4"), np.dtype("<f8")
 
 
 class CallRef(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
@@ -118,13 +120,13 @@ def _int32_view(data: bytes, width: int, more: bytes = b"") -> np.ndarray[Any, A
     if width != 3:
         if size % 4:
             raise ValueError(f"{size} bytes are not whole 32-bit ids")
-        return np.frombuffer(data + more if more else data, dtype="<i4")
+        return np.frombuffer(data + more if more else data, dtype=_I4)
     count, rest = divmod(size, 3)
     if rest:
         raise ValueError(f"{size} bytes are not whole 24-bit ids")
     if not count:
-        return np.zeros(0, dtype="<i4")
-    ids = np.ndarray((count,), dtype="<u4", buffer=data + more + b"\0", strides=(3,)).astype("<i4")
+        return np.zeros(0, dtype=_I4)
+    ids = np.ndarray((count,), dtype=_U4, buffer=data + more + b"\0", strides=(3,)).astype(_I4)
     ids &= 0xFFFFFF
     return ids
 
@@ -299,8 +301,9 @@ def _floats(values: Sequence[float]) -> _FloatArray:
 def _float_array(data: bytes, width: int) -> _FloatArray:
     if len(data) % width:
         raise ValueError(f"{len(data)} bytes are not whole {width}-byte floats")
-    values = np.frombuffer(data, dtype="<f4" if width == 4 else "<f8")
-    return values.astype(np.float64) if width == 4 else values
+    if width == 4:
+        return np.frombuffer(data, dtype=_F4).astype(np.float64)
+    return np.frombuffer(data, dtype=_F8)
 
 
 def prompt_length(event: Any) -> int:

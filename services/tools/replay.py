@@ -13,7 +13,8 @@ doing all of it for its share: the planned units are cut into as many runs of co
 as there are workers, of about equal calls, and each worker reads the stream from its share's
 first rollout on (its own connection) until its share's last call, replaying units as they
 complete. The shares' reads overlap only where rollouts of two shares interleave on the stream.
-Workers are started (and import) while this process builds the index; each gets its share (its
+Workers are started (the forkserver imports this module, off the event loop) while this process
+builds the index; each gets its share (its
 rollouts' index entries, its units) as one MessagePack message and sends back its rows the same
 way, since pickling the index's Structs one object at a time cost about a second of CPU at 100k
 calls. Memory per worker stays
@@ -27,7 +28,7 @@ import asyncio
 import contextlib
 import gc
 import os
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Any
@@ -176,19 +177,31 @@ async def _replay_units(
             units=units_share, configs=configs, budget=budget or CALL_BUDGET,
         )  # fmt: skip
         encoded = msgspec.msgpack.encode(share)
-        futures.append(loop.run_in_executor(pool.executor, replay_share, store.url, store.stream, encoded))
+        futures.append(loop.create_task(pool.run(replay_share, store.url, store.stream, encoded)))
     for done in asyncio.as_completed(futures):
         collect(_results_decoder.decode(await done))
 
 
-class _Pool(msgspec.Struct, frozen=True):
-    executor: ProcessPoolExecutor
-    size: int
+class _Pool:
+    """Replay worker processes, started off the event loop (the forkserver imports this module first)."""
+
+    def __init__(self, executor: ProcessPoolExecutor, size: int) -> None:
+        self.executor, self.size = executor, size
+        self.started = asyncio.get_running_loop().run_in_executor(None, self._start)
+
+    def _start(self) -> None:
+        for _ in range(self.size):
+            self.executor.submit(_warm)
+
+    async def run(self, fn: Callable[..., bytes], *args: Any) -> bytes:
+        """`fn(*args)` in a worker, once the workers are up."""
+        await self.started
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
 
 @contextlib.asynccontextmanager
 async def _workers(store: EventStore, calls: int, workers: int | None) -> AsyncIterator[_Pool | None]:
-    """A started pool of replay workers for a run of `calls` calls (None: replay in this process)."""
+    """A pool of replay workers (starting) for a run of `calls` calls (None: replay in this process)."""
     if workers is None:
         workers = default_workers() if calls >= MIN_PARALLEL_CALLS else 0
     if workers <= 0 or not store.url:
@@ -198,10 +211,14 @@ async def _workers(store: EventStore, calls: int, workers: int | None) -> AsyncI
     # from a server that imported this module once, workers start in milliseconds, not seconds.
     context = get_context("forkserver")
     context.set_forkserver_preload([__name__])
-    with ProcessPoolExecutor(workers, mp_context=context) as pool:
-        for _ in range(workers):
-            pool.submit(_warm)
-        yield _Pool(pool, workers)
+    executor = ProcessPoolExecutor(workers, mp_context=context)
+    pool = _Pool(executor, workers)
+    try:
+        yield pool
+    finally:
+        with contextlib.suppress(Exception):
+            await pool.started
+        executor.shutdown(wait=True, cancel_futures=True)
 
 
 async def replay_run(
