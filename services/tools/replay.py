@@ -169,17 +169,20 @@ async def _replay_units(
         async for chunk in stream_chunks(store, index, units, budget=budget or CALL_BUDGET):
             collect(replay_chunk(chunk, configs))
         return
-    loop = asyncio.get_running_loop()
-    futures = []
+    tasks = []
     for units_share in split_units(units, pool.size):
         share = Share(
             run_id=index.run_id, rollouts=[index.rollouts[rid] for unit in units_share for rid in unit.rollout_ids],
             units=units_share, configs=configs, budget=budget or CALL_BUDGET,
         )  # fmt: skip
         encoded = msgspec.msgpack.encode(share)
-        futures.append(loop.create_task(pool.run(replay_share, store.url, store.stream, encoded)))
-    for done in asyncio.as_completed(futures):
-        collect(_results_decoder.decode(await done))
+        tasks.append(asyncio.ensure_future(pool.run(replay_share, store.url, store.stream, encoded)))
+    try:
+        for done in asyncio.as_completed(tasks):
+            collect(_results_decoder.decode(await done))
+    finally:  # a failed or cancelled replay leaves no task behind (the pool's shutdown ends the work)
+        for task in tasks:
+            task.cancel()
 
 
 class _Pool:
