@@ -255,39 +255,42 @@ def unpack_many(events: Sequence[_Packable]) -> list[tuple[_IdArray, _IdArray, _
     long rollout holds a few hundred new tokens. Otherwise (or when a length is not whole values)
     each call is unpacked alone, so an error names its call's arrays.
     """
-    packed = [event.packed for event in events]
-    first = packed[0] if packed else None
-    if not first or not _alike(events, packed, first.id_width, first.logprob_width):
+    packed = _packed_alike(events)
+    if packed is None:
         return [unpack_arrays(event) for event in events]
-    width, lp_width = first.id_width, first.logprob_width
-    try:
-        ids = _int32_view(b"".join([part for p in packed for part in (p.prompt, p.response)]), width)  # type: ignore[union-attr]
-        logprobs = _float_array(b"".join([p.logprobs for p in packed]), lp_width)  # type: ignore[union-attr]
-    except ValueError:
-        return [unpack_arrays(event) for event in events]
+    width, lp_width = packed[0].id_width, packed[0].logprob_width
+    ids = _int32_view(b"".join([part for p in packed for part in (p.prompt, p.response)]), width)
+    logprobs = _float_array(b"".join([p.logprobs for p in packed]), lp_width)
     out = []
     at = lp_at = 0
     for p in packed:
-        cut = at + len(p.prompt) // width  # type: ignore[union-attr]
-        end = cut + len(p.response) // width  # type: ignore[union-attr]
-        lp_end = lp_at + len(p.logprobs) // lp_width  # type: ignore[union-attr]
+        cut = at + len(p.prompt) // width
+        end = cut + len(p.response) // width
+        lp_end = lp_at + len(p.logprobs) // lp_width
         out.append((ids[at:cut], ids[cut:end], logprobs[lp_at:lp_end]))
         at, lp_at = end, lp_end
     return out
 
 
-def _alike(events: Sequence[_Packable], packed: list[Any], width: int, lp_width: int) -> bool:
-    """True when every call is packed with these widths, in whole values, with no plain list beside."""
+def _packed_alike(events: Sequence[_Packable]) -> list[PackedTokens] | None:
+    """The calls' packed arrays when all are packed with one id width and one logprob width, in
+    whole values, with no plain list beside them; else None."""
+    packed: list[PackedTokens] = []
+    for event in events:
+        if not event.packed or event.prompt_ids or event.response_ids or event.logprobs:
+            return None
+        packed.append(event.packed)
+    if not packed:
+        return None
+    width, lp_width = packed[0].id_width, packed[0].logprob_width
     if width not in (3, 4) or lp_width not in (4, 8):
-        return False
-    for event, p in zip(events, packed, strict=True):
-        if not p or p.id_width != width or p.logprob_width != lp_width:
-            return False
+        return None
+    for p in packed:
+        if p.id_width != width or p.logprob_width != lp_width:
+            return None
         if len(p.prompt) % width or len(p.response) % width or len(p.logprobs) % lp_width:
-            return False
-        if event.prompt_ids or event.response_ids or event.logprobs:
-            return False
-    return True
+            return None
+    return packed
 
 
 def _ids(values: Sequence[int]) -> _IdArray:

@@ -11,9 +11,20 @@ import msgspec
 import pytest
 from agentrun import agent_run
 
-from schemas import SCHEMA_VERSION, Event, ModelRequestRecorded, Resolver, decode, encode
+from schemas import SCHEMA_VERSION, Event, ModelRequestRecorded, PackedTokens, Resolver, decode, encode
 from schemas.codec import MalformedEvent
-from schemas.refs import id_width, ids_int32, pack, pack_floats, pack_ids, unpack_floats, unpack_ids
+from schemas.refs import (
+    _packed_alike,
+    id_width,
+    ids_int32,
+    pack,
+    pack_floats,
+    pack_ids,
+    unpack_arrays,
+    unpack_floats,
+    unpack_ids,
+    unpack_many,
+)
 from services.common.eventstore import Appended, EventStore
 from services.gateway.recording import CallChains, compact_request
 from services.tools.replay import ReplayReport, replay_run
@@ -180,3 +191,25 @@ async def test_the_trainers_history_gives_the_samples_of_resolved_reads(store: E
         assert plain(ours) == plain(theirs) == plain(merge_rollout(rollout, config, 1.0))
         compared += 1
     assert compared >= 6 and referencing >= 3
+
+
+def test_an_attempts_calls_unpack_together_as_each_alone() -> None:
+    """`unpack_many` (one array for all calls' ids) gives each call what `unpack_arrays` gives it alone."""
+
+    def call(n: int, packed: PackedTokens | None = None, **plain: Any) -> ModelRequestRecorded:
+        return ModelRequestRecorded(
+            run_id="r", rollout_id="a", call_id=f"c{n}", packed=packed or msgspec.UNSET, **plain
+        )
+
+    alike = [
+        call(0, pack([1, 2, 3], [4], [-0.5])),
+        call(1, pack([], [5, 6], [-0.25, -1.0])),
+        call(2, pack([9], [], [])),
+    ]
+    wide = call(3, pack([1 << 24], [7], [-0.5]))  # 32-bit ids
+    listed = call(4, prompt_ids=[8], response_ids=[9], logprobs=[-0.1])
+    for events in (alike, [*alike, wide], [listed, *alike], []):
+        together = [tuple(a.tolist() for a in arrays) for arrays in unpack_many(events)]
+        assert together == [tuple(a.tolist() for a in unpack_arrays(e)) for e in events]
+    assert [a.tolist() for a in unpack_many(alike)[1]] == [[], [5, 6], [-0.25, -1.0]]
+    assert _packed_alike(alike) is not None and _packed_alike([*alike, wide]) is None  # together, then alone
