@@ -28,6 +28,8 @@ import asyncio
 import contextlib
 import gc
 import os
+import sys
+import types
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -202,6 +204,21 @@ class _Pool:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
 
+def _main_imports() -> list[str]:
+    """The modules the main script took names from (`rollwire`'s CLI, a user's script).
+
+    multiprocessing runs the main script again in every worker it starts; preloaded once in the
+    forkserver, its imports are already there when it does (each worker would import them anew).
+    """
+    main = sys.modules.get("__main__")
+    names: set[str] = set()
+    for value in vars(main).values() if main is not None else ():
+        name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        if isinstance(name, str) and name in sys.modules and name not in ("__main__", "__mp_main__"):
+            names.add(name)
+    return sorted(names)
+
+
 @contextlib.asynccontextmanager
 async def _workers(store: EventStore, calls: int, workers: int | None) -> AsyncIterator[_Pool | None]:
     """A pool of replay workers (starting) for a run of `calls` calls (None: replay in this process)."""
@@ -213,7 +230,7 @@ async def _workers(store: EventStore, calls: int, workers: int | None) -> AsyncI
     # forkserver: a worker must not inherit this process's event loop and NATS connection; forked
     # from a server that imported this module once, workers start in milliseconds, not seconds.
     context = get_context("forkserver")
-    context.set_forkserver_preload([__name__])
+    context.set_forkserver_preload([__name__, *_main_imports()])
     executor = ProcessPoolExecutor(workers, mp_context=context)
     pool = _Pool(executor, workers)
     try:
