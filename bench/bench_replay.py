@@ -23,23 +23,28 @@ grew (sampled every 20 ms). A second run of a tenth of the size shows that the r
 does not grow with the run (targets: >= 0.7x the raw read's speed, memory bounded by a group, not
 the run).
 
-Measured on 2 shared cores, 100k calls, compact recording, the tree before (calls' ids as Python
-lists, the index read by wildcard filters, one worker process decoding chunks this process read)
-and after (numpy arrays in the adapter, the index by last-per-subject reads, workers reading
-their own shares), one run each, back to back (wall s, x that run's raw read):
+Measured on 2 shared cores, 100k calls, compact recording (582 MB on the stream), each figure
+the fastest of 3, the tree before and after, back to back (wall s, x that run's raw read; the
+machine's CPU seconds for the same work in brackets):
 
-                             before          after
-    raw read                 2.74 (1.00x)    3.25 (1.00x)
-    typed read               5.59 (0.49x)    6.06 (0.54x)    (before: holding every event)
-    replay, in-process      10.03 (0.27x)    8.55 (0.38x)
-    replay, workers          9.16 (0.30x)    7.20 (0.45x)    (1 worker before, 2 after)
-    replay, 3 schemes       13.48 (0.20x)    9.28 (0.35x)
+                             before                  after
+    raw read                 4.96 (1.00x) [ 6.4]     4.35 (1.00x) [ 5.6]
+    typed read               9.42 (0.53x) [11.1]     7.90 (0.55x) [ 9.5]
+    replay, in-process      14.24 (0.35x) [16.5]     8.83 (0.49x) [10.3]
+    replay, 2 workers        9.51 (0.52x) [16.9]     6.70 (0.65x) [12.9]
+    replay, 3 schemes       11.77 (0.42x) [21.2]     9.58 (0.45x) [17.5]
 
-The raw read itself ranged from 2.7 to 4.1 s over this session's runs, and the ratios with it
-(the replay with workers from 0.45x to 0.55x). Both are short of 0.7x. The typed read makes a
-Python int per token (the event type holds lists); the replay does not, and what is left of it
-is mostly the NATS client's parsing of every message (a raw read's whole cost, paid again by
-the replay's reads) and decoding each call's JSON, on two cores shared with the server.
+Before: packed arrays as strings decoded by binascii call by call, the index's attempts always
+read, the workers' shares pickled, the workers' start holding the event loop. After: msgspec
+decodes the base64 while parsing, an attempt's calls are unpacked with a few numpy operations
+for all of them, attempts read only when a final status names none, shares and rows sent as
+MessagePack, workers started off the loop with the main script's imports preloaded.
+
+Both ratios are short of 0.7x. The typed read makes a Python int per token (the event type
+holds lists): building those objects alone costs about as much per call as the client's parsing.
+The replay makes none; what is left of it is the NATS client's parsing of every message (a raw
+read's whole cost, paid again by the replay's reads, about half of a worker's CPU) and decoding
+and merging each call, on two cores shared with the server.
 """
 
 from __future__ import annotations
