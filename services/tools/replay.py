@@ -14,12 +14,11 @@ as there are workers, of about equal calls, and each worker reads the stream fro
 first rollout on (its own connection) until its share's last call, replaying units as they
 complete. The shares' reads overlap only where rollouts of two shares interleave on the stream.
 Workers are started (the forkserver imports this module, off the event loop) while this process
-builds the index; each gets its share (its
-rollouts' index entries, its units) as one MessagePack message and sends back its rows the same
-way, since pickling the index's Structs one object at a time cost about a second of CPU at 100k
-calls. Memory per worker stays
-bounded by the units in flight (`budget` calls per batch), not by the run. A small run (or
-`workers=0`, or a store without a URL to reconnect to) is replayed in this process.
+builds the index. Each gets its share (its rollouts' index entries, its units) as one MessagePack
+message and sends back its rows the same way: pickling the index's Structs one object at a time
+cost about a second of CPU at 100k calls. Memory per worker stays bounded by the units in flight
+(`budget` calls per batch), not by the run. A small run (or `workers=0`, or a store without a
+URL to reconnect to) is replayed in this process.
 """
 
 from __future__ import annotations
@@ -105,8 +104,7 @@ def replay_chunk(chunk: list[UnitInput], configs: list[AdapterConfig]) -> list[l
 
 
 class Share(msgspec.Struct, frozen=True, kw_only=True):
-    """What a worker needs to read and replay its share: sent as MessagePack (pickling the index's
-    Structs one object at a time cost more CPU than the share's reading)."""
+    """What a worker needs to read and replay its share (sent as one MessagePack message)."""
 
     run_id: str
     rollouts: list[RolloutEntry]

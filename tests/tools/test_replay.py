@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from schemas import (
     RunStarted,
 )
 from services.common.eventstore import EventStore
-from services.tools import source
+from services.tools import replay, source
 from services.tools.replay import ReplayReport, replay_run, split_units
 from services.tools.schemes import parse_spec
 from services.tools.source import Unit
@@ -361,6 +363,15 @@ async def test_statuses_without_an_attempt_take_the_newest_attempt_as_the_traine
     assert {r.rollout_id: r.reward for r in scheme.rollouts} == {"x": 0.25, "y": 0.25, "named": 0.0}
     assert {s.rollout_id: s.prompt_tokens for s in scheme.samples if s.rollout_id != "named"} == {"x": 4, "y": 4}
     _assert_same(scheme, build_step(collect_rollouts(events).rollouts, scheme.config))
+
+
+def test_the_forkserver_preloads_what_the_main_script_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every worker re-runs the main script; the modules it took names from are imported once, before."""
+    main = types.ModuleType("__main__")
+    names = {"json": json, "Path": Path, "Local": type("Local", (), {"__module__": "__main__"})}
+    vars(main).update(names, Gone=type("Gone", (), {"__module__": "not_imported_anywhere"}))
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert replay._main_imports() == ["json", "pathlib"]
 
 
 def test_workers_shares_are_runs_of_consecutive_groups_of_about_equal_calls() -> None:
