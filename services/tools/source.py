@@ -38,15 +38,7 @@ from typing import Any
 
 import msgspec
 
-from schemas.events import (
-    AnyEvent,
-    AttemptStarted,
-    CustomEvent,
-    RewardReported,
-    RolloutCreated,
-    RolloutStatusChanged,
-    RunStarted,
-)
+from schemas.events import AnyEvent, CustomEvent, RewardReported, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, REWARD, ROLLOUT_ATTEMPT, RUN_ALL, check_id
 from services.common.eventstore import EventStore, StoredEvent, _stream_sequence
 from trainer.core import (
@@ -58,7 +50,7 @@ from trainer.core import (
     drop_stale_calls,
     rollout_calls,
 )
-from trainer.core.calls import decode_call
+from trainer.core.calls import decode_call, final_attempt
 
 CALL_BUDGET = 2048
 """Calls per batch of units handed to the adapter (whole units; one larger unit goes alone)."""
@@ -200,8 +192,8 @@ ATTEMPTS_ONE_BY_ONE = 64
 
 def _needs_attempt(entry: RolloutEntry) -> bool:
     """True when the rollout's final status names no attempt: the adapter then takes its newest `AttemptStarted`."""
-    status = next((e for _, e in reversed(entry.events) if isinstance(e, RolloutStatusChanged)), None)
-    return status is not None and status.attempt_id is None
+    _, final = final_attempt(event for _, event in entry.events)
+    return final is not None and final.attempt_id is None
 
 
 async def _add_attempts(store: EventStore, run_id: str, rollouts: Mapping[str, RolloutEntry]) -> None:
@@ -232,11 +224,7 @@ def _other_attempts_reward(entry: RolloutEntry) -> bool:
     reward = next((e for _, e in reversed(entry.events) if isinstance(e, RewardReported)), None)
     if reward is None or reward.attempt_id is None:
         return False
-    status = next((e for _, e in reversed(entry.events) if isinstance(e, RolloutStatusChanged)), None)
-    attempt = status.attempt_id if status is not None else None
-    if attempt is None:
-        started = next((e for _, e in reversed(entry.events) if isinstance(e, AttemptStarted)), None)
-        attempt = started.attempt_id if started is not None else None
+    attempt, _ = final_attempt(event for _, event in entry.events)
     return reward.attempt_id != attempt
 
 

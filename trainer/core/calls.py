@@ -309,13 +309,12 @@ class _Prompts:
         return call
 
 
-def _final_attempt(
-    events: Sequence[Event | CallRecord], rollout_id: str | None
-) -> tuple[str | None, RolloutStatusChanged]:
-    """The attempt id and the event of the final status, which must be terminal.
+def final_attempt(events: Iterable[Event | CallRecord]) -> tuple[str | None, RolloutStatusChanged | None]:
+    """The attempt a rollout's history ends with, and its final status event (None when it has none).
 
-    An end without an attempt id falls back to the last `AttemptStarted`; a rollout that never
-    tracked attempts yields `None`, which then matches calls recorded without one.
+    The attempt is the one the final status names; a status without an attempt id falls back to
+    the last `AttemptStarted`, and a rollout that never tracked attempts yields `None`, which then
+    matches calls recorded without one.
     """
     final: RolloutStatusChanged | None = None
     last_started: str | None = None
@@ -324,9 +323,18 @@ def _final_attempt(
             final = event
         elif isinstance(event, AttemptStarted):
             last_started = event.attempt_id
+    attempt = final.attempt_id if final is not None and final.attempt_id is not None else last_started
+    return attempt, final
+
+
+def _final_attempt(
+    events: Sequence[Event | CallRecord], rollout_id: str | None
+) -> tuple[str | None, RolloutStatusChanged]:
+    """`final_attempt`, whose final status must be terminal (else `NotTrainable`)."""
+    attempt, final = final_attempt(events)
     if final is None or final.status not in TERMINAL_STATUSES:
         raise NotTrainable(rollout_id, "not-succeeded", f"final status {final.status if final else 'none'}")
-    return (final.attempt_id if final.attempt_id is not None else last_started), final
+    return attempt, final
 
 
 def rollout_calls(events: Iterable[Event | CallRecord], select: Selection | None = None) -> RolloutCalls:

@@ -116,10 +116,12 @@ class _Chain:
         self.spans: list[tuple[int, Call]] = []
         self.versions: list[int] = []
         self.temperature = call.temperature
-        self._take(call, touched)
+        self.extend(call, touched)
         self.first = int(self.prompt[0]) if len(self.prompt) else int(self.response[0]) if self.length else -1
 
-    def _take(self, call: Call, touched: int) -> None:
+    def extend(self, call: Call, touched: int) -> None:
+        """Take the call as the chain's new end: its unseen prompt suffix is an observation (mask 0),
+        its response is sampled (mask 1); the arrays are built in `to_sample`."""
         self.prompt, self.response = as_ids(call.prompt_ids), as_ids(call.response_ids)
         self.length = len(self.prompt) + len(self.response)
         self.last = int(self.response[-1]) if len(self.response) else int(self.prompt[-1]) if self.length else -1
@@ -130,10 +132,6 @@ class _Chain:
         self.touched = touched
         self.end = call.event_id
         """The event id of its last call: its tokens are that call's prompt + response."""
-
-    def extend(self, call: Call, touched: int) -> None:
-        """Append the call's unseen prompt suffix (observation, mask 0) and its response (mask 1)."""
-        self._take(call, touched)
 
     def is_prefix_of(self, prompt: IdArray) -> bool:
         """True when the chain's whole token sequence is a prefix of `prompt`."""
