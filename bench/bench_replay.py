@@ -229,9 +229,9 @@ async def child(mode: str, url: str, run_id: str, workers: int | None) -> dict[s
             count += len(batch)
             size += sum(len(m.data) for m in batch)
         result.update(events=count, mb=size / 1e6)
-    elif mode == "typed":
+    elif mode in ("typed", "packed"):
         count = 0
-        async for _ in store.read_run(run_id):  # decoded and dropped, as the raw read drops its bytes
+        async for _ in store.read_run(run_id, unpack=mode == "typed"):  # decoded and dropped, as raw drops bytes
             count += 1
         result["events"] = count
     elif mode == "replay":

@@ -9,7 +9,7 @@ from msgspec import UNSET
 
 from schemas.events import AnyEvent, Event, ModelRequestRecorded
 from schemas.ids import InvalidId
-from schemas.refs import upcast_decoded
+from schemas.refs import check_packed, upcast_decoded
 
 _encoder = msgspec.json.Encoder()
 _decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)  # type: ignore[arg-type]
@@ -27,18 +27,25 @@ def encode(event: Event) -> bytes:
     return _encoder.encode(event)
 
 
-def decode(data: bytes | str) -> AnyEvent:
-    """Decode JSON bytes into the typed event named by its `type` field."""
+def decode(data: bytes | str, *, unpack: bool = True) -> AnyEvent:
+    """Decode JSON bytes into the typed event named by its `type` field.
+
+    A call's `packed` arrays become plain lists (`schemas.refs.upcast`). With `unpack=False` they
+    stay packed, as recorded, checked but not unpacked: a reader that looks at few calls' tokens
+    (a monitor, a bulk reader that wants numpy arrays) skips making a Python int per token, most
+    of a typed read's cost. Such a call's lists are empty; `schemas.refs.unpack_arrays` gives its
+    arrays, `upcast` its lists, `Resolver.resolve` its full call, and the trainer takes it as is.
+    """
     try:
         event = _decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError, InvalidId) as exc:
         raise MalformedEvent(str(exc)) from None
     if type(event) is ModelRequestRecorded and not (event.packed is UNSET and event.prompt_ref is UNSET):
-        return _unpack(event)
+        return _unpack(event, unpack)
     return event
 
 
-def _unpack(event: ModelRequestRecorded) -> ModelRequestRecorded:
+def _unpack(event: ModelRequestRecorded, unpack: bool = True) -> ModelRequestRecorded:
     if event.prompt_ref is None or event.packed is None:  # explicit nulls (a table export): as if absent
         event = msgspec.structs.replace(
             event,
@@ -46,7 +53,11 @@ def _unpack(event: ModelRequestRecorded) -> ModelRequestRecorded:
             packed=UNSET if event.packed is None else event.packed,
         )
     try:
-        return upcast_decoded(event)
+        if unpack:
+            return upcast_decoded(event)
+        if event.packed:
+            check_packed(event.packed)
+        return event
     except (ValueError, TypeError) as exc:  # bad base64 or a length that is not whole values
         raise MalformedEvent(f"model_request {event.event_id}: packed arrays unreadable: {exc}") from None
 

@@ -232,8 +232,7 @@ def unpack_arrays(event: _Packable) -> tuple[_IdArray, _IdArray, _FloatArray]:
     if not packed:
         return _ids(event.prompt_ids), _ids(event.response_ids), _floats(event.logprobs)
     width, prompt, response = packed.id_width, packed.prompt, packed.response
-    if width not in (3, 4) or packed.logprob_width not in (4, 8):
-        raise ValueError(f"id_width {width}, logprob_width {packed.logprob_width}: ids take 3 or 4, logprobs 4 or 8")
+    _check_widths(packed)
     logprobs = _float_array(packed.logprobs, packed.logprob_width) if packed.logprobs else _floats(event.logprobs)
     if prompt and response and not len(prompt) % width:
         ids = _int32_view(prompt, width, response)
@@ -293,6 +292,29 @@ def _packed_alike(events: Sequence[_Packable]) -> list[PackedTokens] | None:
     return packed
 
 
+def _check_widths(packed: PackedTokens) -> None:
+    if packed.id_width not in (3, 4) or packed.logprob_width not in (4, 8):
+        raise ValueError(
+            f"id_width {packed.id_width}, logprob_width {packed.logprob_width}: ids take 3 or 4, logprobs 4 or 8"
+        )
+
+
+def check_packed(packed: PackedTokens) -> None:
+    """Raise ValueError unless the arrays unpack: known widths, whole values (nothing is unpacked).
+
+    What a decode that leaves the arrays packed checks instead of unpacking them (the same errors).
+    """
+    width, lp_width = packed.id_width, packed.logprob_width
+    if width in (3, 4) and lp_width in (4, 8):
+        if not (len(packed.prompt) % width or len(packed.response) % width or len(packed.logprobs) % lp_width):
+            return  # one test on the common path: this runs on every call of a typed read
+    _check_widths(packed)
+    for name, data in (("prompt", packed.prompt), ("response", packed.response)):
+        if len(data) % width:
+            raise ValueError(f"{name}: {len(data)} bytes are not whole {8 * width}-bit ids")
+    raise ValueError(f"{len(packed.logprobs)} bytes are not whole {lp_width}-byte floats")
+
+
 def _ids(values: Sequence[int]) -> _IdArray:
     return np.asarray(values, dtype=np.int32)
 
@@ -310,9 +332,10 @@ def _float_array(data: bytes, width: int) -> _FloatArray:
 
 
 def prompt_length(event: Any) -> int:
-    """How many prompt tokens a call consumed, whether or not its prompt is stored as a reference."""
-    ref = event.prompt_ref
-    return len(event.prompt_ids) + (ref.tokens if ref else 0)
+    """How many prompt tokens a call consumed, whether or not its prompt is a reference or packed."""
+    ref, packed = event.prompt_ref, event.packed
+    stored = len(packed.prompt) // packed.id_width if packed else len(event.prompt_ids)
+    return stored + (ref.tokens if ref else 0)
 
 
 # ---- resolving ----------------------------------------------------------------------------------
@@ -326,9 +349,13 @@ class _Call(Protocol):
     @property
     def prompt_ref(self) -> CallRef | UnsetType | None: ...
     @property
+    def packed(self) -> PackedTokens | UnsetType | None: ...
+    @property
     def prompt_ids(self) -> list[int]: ...
     @property
     def response_ids(self) -> list[int]: ...
+    @property
+    def logprobs(self) -> list[float]: ...
 
 
 def resolve_request(request: dict[str, Any], ref: CallRef, earlier: dict[str, Any]) -> dict[str, Any]:
@@ -361,9 +388,9 @@ class Resolver:
         self.seen: OrderedDict[str, tuple[list[int], dict[str, Any] | None]] = OrderedDict()
 
     def prompt(self, call: _Call) -> list[int]:
-        """The call's full prompt ids; remembers the call when it is `ok`."""
+        """The call's full prompt ids (packed arrays unpacked)."""
         ref = call.prompt_ref
-        prompt = call.prompt_ids
+        prompt = upcast(call).prompt_ids
         if ref:
             prompt = [*self._earlier(ref)[0][: ref.tokens], *prompt]
         return prompt
@@ -387,7 +414,11 @@ class Resolver:
             self.size -= 8 * len(old)
 
     def resolve(self, call: C) -> C:
-        """The call with its full prompt ids (and full request when it has one), remembered for later calls."""
+        """The call with its full prompt ids (and full request when it has one), remembered for later calls.
+
+        Packed arrays come back unpacked (`upcast`): the full call is in the in-memory form.
+        """
+        call = upcast(call)
         ref = call.prompt_ref
         if not ref:
             self.remember(call, call.prompt_ids, getattr(call, "request", None))

@@ -153,8 +153,8 @@ def _stream_sequence(reply: str) -> int:
     return int(tokens[5] if len(tokens) == 9 else tokens[7])
 
 
-def _to_stored(msg: Msg) -> StoredEvent:
-    return StoredEvent(seq=_stream_sequence(msg.reply), subject=msg.subject, event=decode(msg.data))
+def _to_stored(msg: Msg, unpack: bool = True) -> StoredEvent:
+    return StoredEvent(_stream_sequence(msg.reply), msg.subject, decode(msg.data, unpack=unpack))
 
 
 class EventStore:
@@ -316,12 +316,20 @@ class EventStore:
     # ---- reading ---------------------------------------------------------------------------
 
     async def read(
-        self, filter_subject: str | Sequence[str], *, after_seq: int = 0, last_per_subject: bool = False
+        self,
+        filter_subject: str | Sequence[str],
+        *,
+        after_seq: int = 0,
+        last_per_subject: bool = False,
+        unpack: bool = True,
     ) -> AsyncIterator[StoredEvent]:
-        """Yield every stored event matching the filter(s), in stream order, then stop (see `read_raw`)."""
+        """Yield every stored event matching the filter(s), in stream order, then stop (see `read_raw`).
+
+        `unpack=False` leaves calls' packed arrays as recorded (see `schemas.codec.decode`).
+        """
         async for batch in self.read_raw(filter_subject, after_seq=after_seq, last_per_subject=last_per_subject):
             for msg in batch:
-                yield _to_stored(msg)
+                yield _to_stored(msg, unpack)
 
     async def read_raw(
         self, filter_subject: str | Sequence[str], *, after_seq: int = 0, last_per_subject: bool = False
@@ -428,9 +436,12 @@ class EventStore:
             refs.resolve(earlier)
         return refs.resolve(event)
 
-    def read_run(self, run_id: str, *, after_seq: int = 0) -> AsyncIterator[StoredEvent]:
-        """Every event of one run, in order, as an async iterator (a run can be large)."""
-        return self.read(RUN_ALL.format(run=check_id("run_id", run_id)), after_seq=after_seq)
+    def read_run(self, run_id: str, *, after_seq: int = 0, unpack: bool = True) -> AsyncIterator[StoredEvent]:
+        """Every event of one run, in order, as an async iterator (a run can be large).
+
+        `unpack=False` leaves calls' packed arrays as recorded (see `schemas.codec.decode`).
+        """
+        return self.read(RUN_ALL.format(run=check_id("run_id", run_id)), after_seq=after_seq, unpack=unpack)
 
     async def last(self, subject: str) -> StoredEvent | None:
         """The last event on a subject (wildcards allowed: the last of all matching), or None."""
@@ -468,13 +479,15 @@ class EventStore:
         durable: str | None = None,
         since: float | None = None,
         after_seq: int | None = None,
+        unpack: bool = True,
     ) -> AsyncGenerator[StoredEvent, None]:
         """Follow events matching `pattern` (or several patterns, in stream order) forever.
 
         Starts from the start, from now, from a time (`since`) or after a stream sequence
         (`after_seq`). With `durable`, the position is kept by the server: each event is
         acknowledged when the consumer asks for the next one, so a restarted monitor resumes
-        after the last event it finished with.
+        after the last event it finished with. `unpack=False` leaves calls' packed arrays as
+        recorded (see `schemas.codec.decode`).
         """
         if after_seq is not None:
             deliver = DeliverPolicy.BY_START_SEQUENCE
@@ -505,7 +518,7 @@ class EventStore:
                     raise_if_cancelling()
                     continue
                 while unfinished:
-                    yield _to_stored(unfinished[0])
+                    yield _to_stored(unfinished[0], unpack)
                     if durable:
                         await unfinished[0].ack()
                     unfinished.pop(0)

@@ -6,8 +6,10 @@ import asyncio
 import time
 
 import pytest
+from msgspec import UNSET
 
-from schemas import CustomEvent, RewardReported, RolloutCreated, RolloutStatusChanged
+from schemas import CustomEvent, ModelRequestRecorded, RewardReported, RolloutCreated, RolloutStatusChanged
+from schemas.refs import pack, upcast
 from services.common.eventstore import ConcurrencyConflict, EventStore, EventStoreUnavailable, raise_if_cancelling
 
 
@@ -108,6 +110,17 @@ async def test_subscribe_from_start_sees_history(store: EventStore, run_id: str)
     first = await asyncio.wait_for(agen.__anext__(), timeout=5)
     await agen.aclose()
     assert isinstance(first.event, RewardReported) and first.event.value == 2.0
+
+
+async def test_subscribe_can_leave_a_calls_arrays_packed(store: EventStore, run_id: str) -> None:
+    call = ModelRequestRecorded(run_id=run_id, rollout_id="p", call_id="c", packed=pack([1, 2], [3], [-0.5]))
+    await store.append(call)
+    for unpack, arrays in ((True, ([1, 2], [3], [-0.5])), (False, ([], [], []))):
+        agen = store.subscribe(f"rl.{run_id}.rollout.p.model_request", start="start", unpack=unpack)
+        got = (await asyncio.wait_for(agen.__anext__(), timeout=5)).event
+        await agen.aclose()
+        assert isinstance(got, ModelRequestRecorded) and (got.prompt_ids, got.response_ids, got.logprobs) == arrays
+        assert got.packed == (UNSET if unpack else call.packed) and upcast(got) == upcast(call)
 
 
 async def test_durable_subscription_resumes_after_restart(store: EventStore, run_id: str) -> None:

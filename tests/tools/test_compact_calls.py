@@ -20,10 +20,12 @@ from schemas.refs import (
     pack,
     pack_floats,
     pack_ids,
+    prompt_length,
     unpack_arrays,
     unpack_floats,
     unpack_ids,
     unpack_many,
+    upcast,
 )
 from services.common.eventstore import Appended, EventStore
 from services.gateway.recording import CallChains, compact_request
@@ -166,12 +168,20 @@ def test_packed_arrays_are_base64_on_the_wire_and_checked_when_read() -> None:
     decoded = decode(encode(event))
     assert isinstance(decoded, ModelRequestRecorded)
     assert (decoded.prompt_ids, decoded.response_ids, decoded.logprobs) == ([1, 2, 3], [4], [-0.5])
+    as_recorded = decode(encode(event), unpack=False)
+    assert isinstance(as_recorded, ModelRequestRecorded) and as_recorded.packed == packed
+    assert (as_recorded.prompt_ids, as_recorded.response_ids, as_recorded.logprobs) == ([], [], [])
+    assert upcast(as_recorded) == decoded
     for bad, named in (({"prompt": "AAA*"}, "packed.prompt"), ({"id_width": 5}, "id_width 5"),
-                       ({"prompt": base64.b64encode(b"\0" * 4).decode()}, "not whole 24-bit ids")):  # fmt: skip
+                       ({"logprob_width": 2}, "logprob_width 2"),
+                       ({"prompt": base64.b64encode(b"\0" * 4).decode()}, "not whole 24-bit ids"),
+                       ({"response": base64.b64encode(b"\0" * 2).decode()}, "not whole 24-bit ids"),
+                       ({"logprobs": base64.b64encode(b"\0" * 6).decode()}, "not whole 4-byte floats")):  # fmt: skip
         body = json.loads(encode(event))
         body["packed"].update(bad)
-        with pytest.raises(MalformedEvent, match=named):
-            decode(json.dumps(body).encode())
+        for unpack in (True, False):  # left packed, the arrays are checked as unpacking checks them
+            with pytest.raises(MalformedEvent, match=named):
+                decode(json.dumps(body).encode(), unpack=unpack)
 
 
 async def test_the_trainers_history_gives_the_samples_of_resolved_reads(store: EventStore, run_id: str) -> None:
@@ -213,3 +223,37 @@ def test_an_attempts_calls_unpack_together_as_each_alone() -> None:
         assert together == [tuple(a.tolist() for a in unpack_arrays(e)) for e in events]
     assert [a.tolist() for a in unpack_many(alike)[1]] == [[], [5, 6], [-0.25, -1.0]]
     assert _packed_alike(alike) is not None and _packed_alike([*alike, wide]) is None  # together, then alone
+
+
+async def test_a_read_that_leaves_arrays_packed_feeds_the_trainer_and_the_resolver_alike(
+    store: EventStore, run_id: str
+) -> None:
+    """`read_run(unpack=False)`: calls as recorded; `upcast`, `Resolver`, `prompt_length` and the trainer take them."""
+    events = agent_run(run_id, groups=3, per_group=3, seed=4)
+    await record(store, events, CallChains())
+    lists = [stored async for stored in store.read_run(run_id)]
+    packed = [stored async for stored in store.read_run(run_id, unpack=False)]
+    assert [(s.seq, s.subject) for s in packed] == [(s.seq, s.subject) for s in lists]
+    calls = [s.event for s in packed if isinstance(s.event, ModelRequestRecorded)]
+    assert not any(c.prompt_ids or c.response_ids or c.logprobs for c in calls)
+    with_tokens = {e.event_id for e in events if isinstance(e, ModelRequestRecorded) and e.response_ids}
+    assert len(with_tokens) > 10 and {c.event_id for c in calls if c.packed} == with_tokens
+    assert sum(bool(c.prompt_ref) for c in calls) >= 3
+    for as_recorded, unpacked in zip(packed, lists, strict=True):
+        event = upcast(as_recorded.event) if isinstance(as_recorded.event, ModelRequestRecorded) else as_recorded.event
+        assert event == unpacked.event
+    assert [prompt_length(c) for c in calls] == [
+        prompt_length(s.event) for s in lists if isinstance(s.event, ModelRequestRecorded)
+    ]
+    config = AdapterConfig()
+    ours = build_step(collect_rollouts([s.event for s in packed]).rollouts, config)
+    theirs = build_step(collect_rollouts(events).rollouts, config)
+    assert plain(ours.samples) == plain(theirs.samples) and ours.samples
+    originals = {e.event_id: e for e in events if isinstance(e, ModelRequestRecorded)}
+    resolver = Resolver()
+    for call in calls:
+        full, original = resolver.resolve(call), originals[call.event_id]
+        assert (full.prompt_ids, full.response_ids, full.logprobs) == (
+            original.prompt_ids, original.response_ids, original.logprobs,
+        )  # fmt: skip
+        assert full.request == original.request and not full.packed and not full.prompt_ref
