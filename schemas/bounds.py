@@ -33,6 +33,8 @@ def check_int(field: str, value: object, low: int = INT32_MIN, high: int = INT32
     The message ends with msgspec's `- at `$.field`` so API errors name the field the same way a
     decode error does.
     """
+    if type(value) is int and low <= value <= high:  # the common case first: every decoded event checks
+        return
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int):

@@ -33,6 +33,7 @@ from schemas.ids import (
     ROLLOUT_STATUS,
     RUN_SUBJECT,
     check_id,
+    check_recurring_id,
 )
 from schemas.refs import CallRef, PackedTokens
 
@@ -86,11 +87,11 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", omit_de
     time: float = msgspec.field(default_factory=time.time)
 
     def __post_init__(self) -> None:
-        check_id("run_id", self.run_id)
+        check_recurring_id("run_id", self.run_id)
         if self.rollout_id is not None:
-            check_id("rollout_id", self.rollout_id)
+            check_recurring_id("rollout_id", self.rollout_id)
         if self.attempt_id is not None:
-            check_id("attempt_id", self.attempt_id)
+            check_recurring_id("attempt_id", self.attempt_id)
         check_id("event_id", self.event_id)
         for name, default in _BY_IDENTITY.get(type(self), ()):
             value = getattr(self, name)

@@ -31,7 +31,9 @@ from schemas import (
     from_dict,
     to_dict,
 )
+from schemas.bounds import check_int
 from schemas.export import JSON_DIR, stale_files
+from schemas.ids import check_recurring_id
 from schemas.refs import CallRef, pack
 from schemas.transitions import IllegalTransition, check_transition
 
@@ -119,6 +121,34 @@ def test_unsafe_ids_are_rejected(bad: str) -> None:
         check_id("rollout_id", bad)
     with pytest.raises((InvalidId, MalformedEvent)):
         from_dict({"type": "reward", "run_id": "r1", "rollout_id": bad, "value": 1.0})
+
+
+def test_recurring_ids_are_remembered_only_when_valid_and_within_a_bound() -> None:
+    """Event envelopes check run, rollout and attempt ids through a memo: a bad id is never let in."""
+    from schemas import ids
+
+    for _ in range(2):  # the second time, after the good ids of the first are remembered
+        assert check_recurring_id("rollout_id", "ro-1") == "ro-1"
+        with pytest.raises(InvalidId, match="rollout_id"):
+            check_recurring_id("rollout_id", "ro.1")
+        with pytest.raises(InvalidId):
+            check_recurring_id("rollout_id", ["ro-1"])
+        with pytest.raises(InvalidId, match="run_id"):
+            RewardReported(run_id="bad.run", rollout_id="ro-1", value=1.0)
+    assert "ro.1" not in ids._RECURRING
+    for n in range(ids._RECURRING_MAX + 10):
+        check_recurring_id("rollout_id", f"ro-{n}")
+    assert 0 < len(ids._RECURRING) <= ids._RECURRING_MAX
+
+
+def test_integer_bounds_refuse_bools_and_out_of_range_values() -> None:
+    check_int("step", 7)
+    check_int("step", None)
+    for bad, message in ((True, "got `bool`"), (1.0, "got `float`"), (-1, ">= 0"), (2**31, "<= 2147483647")):
+        with pytest.raises(msgspec.ValidationError, match=message):
+            check_int("choice_index", bad, 0, optional=False)
+    with pytest.raises(msgspec.ValidationError, match="got `NoneType`"):
+        check_int("choice_index", None, 0, optional=False)
 
 
 def test_ids_at_the_limit_are_accepted() -> None:
