@@ -11,6 +11,7 @@ conversation's text in each call's request (as harnesses send it). Then, each in
 
 - raw read: `EventStore.read_raw` of `rl.<run>.>` (every message's bytes, no decoding);
 - typed read: `EventStore.read_run` (every event decoded; the floor of a naive replay);
+- typed read, as recorded: `read_run(unpack=False)` (calls keep their packed arrays);
 - replay: `replay_run` (index pass + calls read group by group + the trainer's adapter);
 - replay of three schemes side by side (`--compare`);
 - for the small run only, the naive way: read the whole run, `collect_rollouts`, `build_step`.
@@ -74,7 +75,6 @@ from schemas import (
 )
 from services.common.eventstore import EventStore
 from services.devstack.embedded import NatsServer
-from services.gateway.recording import CallChains
 from services.tools.replay import default_workers
 
 GROUP = 8
@@ -137,6 +137,10 @@ async def write_run(
     url: str, run_id: str, rollouts: int, calls: int, context: int, fmt: str = "full"
 ) -> tuple[int, float]:
     """Append the run; `compact` records calls as the gateway does (references to the previous call, packed)."""
+    # Imported here, not at the top: the replay's workers preload the main script's imports, and
+    # `rollwire replay` (the main script users run) does not import the gateway and its web stack.
+    from services.gateway.recording import CallChains
+
     store = await EventStore.connect(url)
     chains = CallChains(compact=fmt == "compact")
     size = 2000 if fmt == "full" else 200  # a compact call can reference only an acknowledged one
@@ -231,7 +235,8 @@ async def child(mode: str, url: str, run_id: str, workers: int | None) -> dict[s
         result.update(events=count, mb=size / 1e6)
     elif mode in ("typed", "packed"):
         count = 0
-        async for _ in store.read_run(run_id, unpack=mode == "typed"):  # decoded and dropped, as raw drops bytes
+        events = store.read_run(run_id, unpack=False) if mode == "packed" else store.read_run(run_id)
+        async for _ in events:  # decoded and dropped, as the raw read drops its bytes
             count += 1
         result["events"] = count
     elif mode == "replay":
@@ -312,6 +317,7 @@ def main() -> None:
                 raw = best("raw")
                 print(f"\nrun {run_id}: {raw['events']:.0f} events, {raw['mb']:.0f} MB on the stream")
                 rows = [("raw read (bytes)", raw), ("typed read (decode all)", best("typed")),
+                        ("typed read, as recorded", best("packed")),
                         ("replay, in-process", best("replay", workers=0))]  # fmt: skip
                 if workers:
                     rows.append((f"replay, {workers} workers", best("replay", workers=workers)))
