@@ -334,8 +334,14 @@ def _float_array(data: bytes, width: int) -> _FloatArray:
 def prompt_length(event: Any) -> int:
     """How many prompt tokens a call consumed, whether or not its prompt is a reference or packed."""
     ref, packed = event.prompt_ref, event.packed
-    stored = len(packed.prompt) // packed.id_width if packed else len(event.prompt_ids)
+    stored = len(packed.prompt) // packed.id_width if packed and packed.prompt else len(event.prompt_ids)
     return stored + (ref.tokens if ref else 0)
+
+
+def response_length(event: Any) -> int:
+    """How many tokens a call sampled, its arrays packed or not."""
+    packed = event.packed
+    return len(packed.response) // packed.id_width if packed and packed.response else len(event.response_ids)
 
 
 # ---- resolving ----------------------------------------------------------------------------------

@@ -153,7 +153,10 @@ def tail(
             raise UsageError(f"pattern {pattern!r} is outside the stream's subjects; they start with 'rl.'")
 
     async def follow(store: EventStore) -> None:
-        async for stored in store.subscribe(pattern, start="start" if from_start else "new", since=start_time):
+        # Calls as recorded: `json` prints them as stored (packed arrays stay packed) and `pretty`
+        # counts their tokens without making a Python int of each.
+        events = store.subscribe(pattern, start="start" if from_start else "new", since=start_time, unpack=False)
+        async for stored in events:
             sys.stdout.write(line(stored, fmt) + "\n")
             sys.stdout.flush()
 

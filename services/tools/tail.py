@@ -26,7 +26,7 @@ from schemas import (
     RunStarted,
     encode,
 )
-from schemas.refs import prompt_length
+from schemas.refs import prompt_length, response_length
 from services.common.eventstore import StoredEvent
 
 TAIL_FORMATS = ("pretty", "json")
@@ -100,7 +100,7 @@ def _fields(event: AnyEvent) -> str:
                 event.status,
                 f"model={event.model or '-'}",
                 f"v={_version(event.weights_version)}",
-                f"tokens={prompt_length(event)}+{len(event.response_ids)}",
+                f"tokens={prompt_length(event)}+{response_length(event)}",
             ]
             if event.finish_reason:
                 parts.append(f"finish={event.finish_reason}")

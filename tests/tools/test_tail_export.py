@@ -24,7 +24,9 @@ from schemas import (
     RewardReported,
     RolloutStatusChanged,
     decode,
+    encode,
 )
+from schemas.refs import CallRef, pack
 from services.common.eventstore import StoredEvent
 from services.tools.export import read_export
 from services.tools.tail import BadTime, parse_since, pretty
@@ -107,6 +109,25 @@ def test_tail_since_a_time_and_the_pretty_format(tail: Callable[..., Tail], nats
     assert "finish=tool_calls 'I will look at the tests first I will look at the tests fir…'" in line
     assert 'tools: bash({"command": "pytest -q"})' in line
     assert "old" not in line
+
+
+def test_tail_prints_a_packed_call_as_stored_and_counts_its_tokens(
+    tail: Callable[..., Tail], nats_url: str, run_id: str
+) -> None:
+    first = ModelRequestRecorded(run_id=run_id, rollout_id="p", attempt_id="a1", call_id="c1",
+                                 packed=pack([5] * 30, [6] * 4, [-0.5] * 4))  # fmt: skip
+    second = ModelRequestRecorded(
+        run_id=run_id, rollout_id="p", attempt_id="a1", call_id="c2", packed=pack([7] * 3, [8] * 2, [-0.25] * 2),
+        prompt_ref=CallRef(event_id=first.event_id, tokens=34),
+    )  # fmt: skip
+    publish(nats_url, [first, second])
+    as_json = tail(f"rl.{run_id}.>", "--from-start", "--format", "json").lines(2)
+    assert [json.loads(line)["packed"] for line in as_json] == [
+        json.loads(encode(e))["packed"] for e in (first, second)
+    ]
+    assert [decode(line, unpack=False) for line in as_json] == [first, second]
+    pretty_lines = tail(f"rl.{run_id}.>", "--from-start").lines(2)
+    assert "tokens=30+4" in pretty_lines[0] and "tokens=37+2" in pretty_lines[1]
 
 
 def test_pretty_lines_have_the_key_fields() -> None:
