@@ -237,8 +237,8 @@ async def child(mode: str, url: str, run_id: str, workers: int | None) -> dict[s
         result.update(events=count, mb=size / 1e6)
     elif mode in ("typed", "packed"):
         count = 0
-        events = store.read_run(run_id, unpack=False) if mode == "packed" else store.read_run(run_id)
-        async for _ in events:  # decoded and dropped, as the raw read drops its bytes
+        stream = store.read_run(run_id, unpack=False) if mode == "packed" else store.read_run(run_id)
+        async for _ in stream:  # decoded and dropped, as the raw read drops its bytes
             count += 1
         result["events"] = count
     elif mode == "replay":
