@@ -248,20 +248,23 @@ async def test_async_client_streams_tokens_as_they_are_generated(aclient: openai
 async def test_concurrent_requests_interleave(aclient: openai.AsyncOpenAI, engine_server: EngineHandle) -> None:
     long = asyncio.create_task(
         aclient.chat.completions.create(
-            model=SERVED_NAME, messages=HELLO, max_tokens=300, extra_body={"ignore_eos": True}
+            model=SERVED_NAME, messages=HELLO, max_tokens=900, extra_body={"ignore_eos": True}
         )
     )
-    await asyncio.sleep(0.2)
     async with httpx.AsyncClient() as http:
-        started = time.perf_counter()
-        health = await http.get(engine_server.url + "/health")
-        assert time.perf_counter() - started < 1.0
-    assert health.json()["running"] >= 1
+        while True:  # until the engine reports the long request running (a fast machine starts it at once)
+            started = time.perf_counter()
+            health = await http.get(engine_server.url + "/health")
+            assert time.perf_counter() - started < 1.0  # answered while it generates
+            if health.json()["running"] >= 1:
+                break
+            assert not long.done(), "the long request ended before the engine reported it running"
+            await asyncio.sleep(0.01)
     short = await aclient.chat.completions.create(model=SERVED_NAME, messages=HELLO, max_tokens=3)
     assert short.choices[0].message is not None
     assert not long.done()  # the short request did not wait for the long one
     result = await long
-    assert result.usage is not None and result.usage.completion_tokens == 300
+    assert result.usage is not None and result.usage.completion_tokens == 900
 
 
 async def test_concurrent_requests_batched_together_match_running_alone(aclient: openai.AsyncOpenAI) -> None:
