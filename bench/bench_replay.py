@@ -37,7 +37,7 @@ script just before the after column:
     replay, 2 workers        2.18 (0.68x) [3.99]     2.06 (0.70x) [3.87]
     replay, 3 schemes        2.77 (0.53x) [5.08]     2.71 (0.54x) [4.98]
 
-Other runs of the after tree gave 0.69x-0.70x for the typed read as recorded and 0.63x-0.72x for
+Other runs of the after tree gave 0.68x-0.70x for the typed read as recorded and 0.63x-0.70x for
 the replay with 2 workers: both sit at the 0.7x target, not above it with margin. (On a slower
 shared machine, in an earlier measurement, the raw read took 4.35 s and the same replay 0.65x.)
 

@@ -110,6 +110,11 @@ def ids_int32(data: bytes, width: int = 4) -> bytes:
     return data if width != 3 else _int32_view(data, 3).tobytes()
 
 
+def floats_float64(data: bytes, width: int) -> bytes:
+    """Packed logprobs as little-endian float64 bytes, whatever their width on the wire (4 or 8)."""
+    return data if width == 8 else np.frombuffer(data, dtype=_F4).astype(_F8).tobytes()
+
+
 def _int32_view(data: bytes, width: int, more: bytes = b"") -> np.ndarray[Any, Any]:
     """Ids of `width` bytes each (`data` then `more`) as an int32 array (a view for int32, one copy for 24-bit).
 
@@ -282,14 +287,20 @@ def _packed_alike(events: Sequence[_Packable]) -> list[PackedTokens] | None:
     if not packed:
         return None
     width, lp_width = packed[0].id_width, packed[0].logprob_width
-    if width not in (3, 4) or lp_width not in (4, 8):
-        return None
     for p in packed:
-        if p.id_width != width or p.logprob_width != lp_width:
-            return None
-        if len(p.prompt) % width or len(p.response) % width or len(p.logprobs) % lp_width:
+        if p.id_width != width or p.logprob_width != lp_width or not _readable(p):
             return None
     return packed
+
+
+def _readable(packed: PackedTokens) -> bool:
+    """Known widths and whole values: the arrays unpack."""
+    width, lp_width = packed.id_width, packed.logprob_width
+    return (
+        width in (3, 4)
+        and lp_width in (4, 8)
+        and not (len(packed.prompt) % width or len(packed.response) % width or len(packed.logprobs) % lp_width)
+    )
 
 
 def _check_widths(packed: PackedTokens) -> None:
@@ -304,15 +315,14 @@ def check_packed(packed: PackedTokens) -> None:
 
     What a decode that leaves the arrays packed checks instead of unpacking them (the same errors).
     """
-    width, lp_width = packed.id_width, packed.logprob_width
-    if width in (3, 4) and lp_width in (4, 8):
-        if not (len(packed.prompt) % width or len(packed.response) % width or len(packed.logprobs) % lp_width):
-            return  # one test on the common path: this runs on every call of a typed read
+    if _readable(packed):  # the common path, one test: this runs on every call of a typed read
+        return
     _check_widths(packed)
+    width = packed.id_width
     for name, data in (("prompt", packed.prompt), ("response", packed.response)):
         if len(data) % width:
             raise ValueError(f"{name}: {len(data)} bytes are not whole {8 * width}-bit ids")
-    raise ValueError(f"{len(packed.logprobs)} bytes are not whole {lp_width}-byte floats")
+    raise ValueError(f"{len(packed.logprobs)} bytes are not whole {packed.logprob_width}-byte floats")
 
 
 def _ids(values: Sequence[int]) -> _IdArray:

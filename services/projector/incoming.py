@@ -32,9 +32,9 @@ from schemas import (
     to_dict,
 )
 from schemas.events import CallApi, CallStatus, Mode
-from schemas.refs import CallRef, PackedTokens, ids_int32, unpack_floats
+from schemas.refs import CallRef, PackedTokens, check_packed, floats_float64, ids_int32
 from services.projector.flags import call_flags
-from services.projector.packing import PromptCache, pack_float64, pack_float64_json, pack_int32_json, unpack_int32
+from services.projector.packing import PromptCache, pack_float64_json, pack_int32_json, unpack_int32
 from services.projector.refs import Known, RefCache, RefError
 from services.projector.tokens import Detokenizer
 
@@ -186,12 +186,10 @@ def _arrays(
     """The call's full prompt ids, response ids (int32) and logprobs (float64), packed."""
     packed = wire.packed
     if packed is not None:
+        check_packed(packed)  # widths and lengths: a bad one is refused, not stored as other ids
         prompt = ids_int32(packed.prompt, packed.id_width)
         response = ids_int32(packed.response, packed.id_width)
-        if packed.logprob_width == 4:
-            logprobs = pack_float64(unpack_floats(packed.logprobs, 4))
-        else:
-            logprobs = packed.logprobs
+        logprobs = floats_float64(packed.logprobs, packed.logprob_width)
     else:
         prompt_text = bytes(wire.prompt_ids)
         if cache is not None and wire.prompt_ref is None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import random
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from fastapi.testclient import TestClient
 from projector_reference import MAX_CHAINS, _opens_sample
 
 from schemas import CustomEvent, ModelRegistered, ModelRequestRecorded, RolloutCreated, encode, to_dict
+from schemas.refs import pack
 from services.projector import chains, packing
 from services.projector.api import create_query_app
 from services.projector.flags import call_flags, flag_names
@@ -131,6 +134,22 @@ def test_prepare_packs_calls_and_turns_bad_messages_into_errors() -> None:
                  encode(call).replace(b'"request":{"m":1}', b'"request":[1]')):  # fmt: skip
         bad = prepare_one(6, "rl.r.x", data, 1.0, None)
         assert bad.event is None and bad.error, data
+
+
+def test_prepare_stores_packed_arrays_as_int32_and_float64_and_refuses_unreadable_ones() -> None:
+    """Packed ids of either width become int32, float32 logprobs float64; a bad width or length is an error."""
+    for prompt, logprobs in (([5, 6], [-0.25, -1.5]), ([1 << 24, 6], [-0.1, -1.5])):  # 24/32-bit ids, f32/f64
+        call = ModelRequestRecorded(run_id="r", rollout_id="x", call_id="c", packed=pack(prompt, [7, 8], logprobs))
+        item = prepare_one(3, call.subject, encode(call), 1.0, None)
+        assert item.error is None and item.call is not None
+        assert packing.unpack_int32(item.call.prompt_ids) == prompt
+        assert packing.unpack_int32(item.call.response_ids) == [7, 8]
+        assert packing.unpack_float64(item.call.logprobs) == logprobs
+    good = json.loads(encode(call))
+    for bad in ({"id_width": 5}, {"logprob_width": 2}, {"response": base64.b64encode(b"\0" * 6).decode()}):
+        body = {**good, "packed": {**good["packed"], **bad}}
+        item = prepare_one(4, call.subject, json.dumps(body).encode(), 1.0, None)
+        assert item.event is None and item.error and item.error.startswith("cannot store the event"), bad
 
 
 def _word_tokenizer(path: Path) -> Path:
