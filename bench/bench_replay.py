@@ -2,7 +2,7 @@
 
     python bench/bench_replay.py                      # 10,000 rollouts x 10 calls (100k calls)
     python bench/bench_replay.py --rollouts 1000      # a quick look
-    python bench/bench_replay.py --repeat 1           # one measurement of each (default: best of 3)
+    python bench/bench_replay.py --repeat 1           # one round (default: 3 rounds)
 
 The run is written to a fresh nats-server the way a live run writes it: groups of 8 rollouts of
 one task, 256 rollouts in flight at once (their events interleaved on the stream), each a linear
@@ -54,11 +54,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import os
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -277,9 +277,37 @@ def measure(mode: str, url: str, run_id: str, workers: int | None = None) -> dic
     return result
 
 
-def best_of(repeat: int, mode: str, url: str, run_id: str, workers: int | None = None) -> dict[str, float]:
-    """The fastest of `repeat` measurements (a shared machine only ever adds time)."""
-    return min((measure(mode, url, run_id, workers) for _ in range(repeat)), key=lambda r: r["seconds"])
+Mode = tuple[str, str, int | None]
+"""A row of the table: its label, the child's mode and the replay's worker processes."""
+
+
+def rounds(repeat: int, modes: list[Mode], url: str, run_id: str) -> dict[str, list[dict[str, float]]]:
+    """`repeat` rounds, each measuring every mode once in turn: each label's measurements, by round.
+
+    A shared machine's speed drifts from minute to minute (it took from 1.3 s to 3.9 s for the same
+    loop within one session): measured in rounds, a mode and the raw read it is compared with are
+    measured close together, so the ratio of each round is steadier than one of two bests taken
+    minutes apart.
+    """
+    results: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in modes}
+    for n in range(repeat):
+        for label, mode, workers in modes:
+            print(f"  round {n + 1}/{repeat}: {label}", end="\r", file=sys.stderr, flush=True)
+            results[label].append(measure(mode, url, run_id, workers))
+    print(" " * 60, end="\r", file=sys.stderr)
+    return results
+
+
+def report_row(label: str, runs: list[dict[str, float]], raw: list[dict[str, float]]) -> str:
+    """The fastest measurement of a mode, with the ratio to the raw read of each round (median, range)."""
+    best = min(runs, key=lambda r: r["seconds"])
+    ratios = sorted(r0["seconds"] / r["seconds"] for r0, r in zip(raw, runs, strict=True))
+    spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if len(ratios) > 1 else ""
+    return (
+        f"  {label:24s} {best['seconds']:7.2f} s {min(r['seconds'] for r in raw) / best['seconds']:5.2f}x raw  "
+        f"rounds {statistics.median(ratios):4.2f}x ({spread:9s})  machine cpu {best['cpu_seconds']:6.2f} s  "
+        f"memory +{best['rss_growth_mb']:5.0f} MB"
+    )
 
 
 def idle_rss() -> float:
@@ -295,7 +323,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048, help="tokens of a rollout's last call")
     parser.add_argument("--workers", type=int, default=None, help="replay worker processes (default: auto)")
     parser.add_argument("--format", choices=["full", "compact"], default="compact", help="how calls are recorded")
-    parser.add_argument("--repeat", type=int, default=3, help="measurements of each; the fastest is reported")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of measurements (each mode once a round)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--run", help=argparse.SUPPRESS)
@@ -313,23 +341,24 @@ def main() -> None:
                       f"{n} events in {secs:.0f}s")  # fmt: skip
             workers = default_workers() if args.workers is None else args.workers
             print(f"{os.cpu_count()} CPU cores; replay workers: {workers}")
-            print(f"each measurement the fastest of {args.repeat}")
+            print(f"{args.repeat} rounds: each mode's fastest, then the median and range of its rounds' ratios")
             for run_id in ("big", "small"):
-                best = functools.partial(best_of, args.repeat, url=server.url, run_id=run_id)
-                raw = best("raw")
-                print(f"\nrun {run_id}: {raw['events']:.0f} events, {raw['mb']:.0f} MB on the stream")
-                rows = [("raw read (bytes)", raw), ("typed read (decode all)", best("typed")),
-                        ("typed read, as recorded", best("packed")),
-                        ("replay, in-process", best("replay", workers=0))]  # fmt: skip
+                modes: list[Mode] = [
+                    ("raw read (bytes)", "raw", None),
+                    ("typed read (decode all)", "typed", None),
+                    ("typed read, as recorded", "packed", None),
+                    ("replay, in-process", "replay", 0),
+                ]
                 if workers:
-                    rows.append((f"replay, {workers} workers", best("replay", workers=workers)))
-                rows.append(("replay, 3 schemes", best("compare", workers=args.workers)))
+                    modes.append((f"replay, {workers} workers", "replay", workers))
+                modes.append(("replay, 3 schemes", "compare", args.workers))
                 if run_id == "small":
-                    rows.append(("load all + build_step", best("naive")))
-                for label, r in rows:
-                    rate, ratio = raw["events"] / r["seconds"], raw["seconds"] / r["seconds"]
-                    print(f"  {label:24s} {r['seconds']:7.2f} s {rate:7.0f} events/s {ratio:5.2f}x raw  "
-                          f"machine cpu {r['cpu_seconds']:6.2f} s  memory +{r['rss_growth_mb']:5.0f} MB")  # fmt: skip
+                    modes.append(("load all + build_step", "naive", None))
+                measured = rounds(args.repeat, modes, server.url, run_id)
+                raw = measured["raw read (bytes)"]
+                print(f"\nrun {run_id}: {raw[0]['events']:.0f} events, {raw[0]['mb']:.0f} MB on the stream")
+                for label, runs in measured.items():
+                    print(report_row(label, runs, raw))
         finally:
             server.stop()
 
