@@ -17,29 +17,31 @@ conversation's text in each call's request (as harnesses send it). Then, each in
 - for the small run only, the naive way: read the whole run, `collect_rollouts`, `build_step`.
 
 The replay runs in this process, and with worker processes (one per core, at most 8, each
-reading and replaying its share of the run). Each prints its wall time, the CPU time the whole
-machine spent meanwhile (this process, its workers and nats-server: the cost of the work, steadier
-than wall time on a shared machine) and how much the memory of this process and its descendants
-grew (sampled every 20 ms). A second run of a tenth of the size shows that the replay's memory
-does not grow with the run (targets: >= 0.7x the raw read's speed, memory bounded by a group, not
-the run).
+reading and replaying its share of the run). Every mode is measured once a round, `--repeat`
+rounds (3 by default), each measurement in a fresh process. A row gives the mode's fastest wall
+time (and its slowest), its ratio to the raw read's fastest, and the median and range of its
+ratio to the raw read of the same round: a shared machine's speed drifts from minute to minute,
+and a round keeps a mode and its baseline close together. It also gives the CPU time the whole
+machine spent during the fastest measurement (this process, its workers and nats-server) and how
+much the memory of this process and its descendants grew (sampled every 20 ms). A second run of a
+tenth of the size shows that the replay's memory does not grow with the run (targets: >= 0.7x the
+raw read's speed, memory bounded by a group, not the run).
 
-Measured on 2 cores, 100k calls, compact recording (582 MB on the stream), each figure the fastest
-of 3 (wall s, x that run's raw read; the machine's CPU seconds for the same work in brackets).
-Before: the tree without `unpack=False` and the cheaper envelope checks, measured with this
-script just before the after column:
+Measured on a shared machine with 2 vCPUs, 100k calls, compact recording (582 MB on the stream),
+5 rounds: fastest wall s (slowest), x the raw read's fastest, median x of the rounds (range):
 
-                             before                  after
-    raw read                 1.47 (1.00x) [1.89]     1.45 (1.00x) [1.83]
-    typed read, lists        2.87 (0.51x) [3.30]     2.77 (0.53x) [3.24]
-    typed read, as recorded       -                  2.03 (0.72x) [2.49]
-    replay, in-process       3.07 (0.48x) [3.59]     3.01 (0.48x) [3.35]
-    replay, 2 workers        2.18 (0.68x) [3.99]     2.06 (0.70x) [3.87]
-    replay, 3 schemes        2.77 (0.53x) [5.08]     2.71 (0.54x) [4.98]
+    raw read                 3.57 s (6.10)  1.00x
+    typed read, lists        6.13 s (9.93)  0.58x   rounds 0.59x (0.50-0.61)
+    typed read, as recorded  5.33 s (6.61)  0.67x   rounds 0.66x (0.58-0.92)
+    replay, in-process       7.93 s (11.62) 0.45x   rounds 0.45x (0.41-0.53)
+    replay, 2 workers        5.31 s (6.57)  0.67x   rounds 0.62x (0.57-0.93)
+    replay, 3 schemes        6.96 s (8.27)  0.51x   rounds 0.50x (0.45-0.85)
 
-Other runs of the after tree gave 0.68x-0.70x for the typed read as recorded and 0.63x-0.70x for
-the replay with 2 workers: both sit at the 0.7x target, not above it with margin. (On a slower
-shared machine, in an earlier measurement, the raw read took 4.35 s and the same replay 0.65x.)
+That machine's two vCPUs did not give two cores' work: one Python loop took 1.28 s alone and
+3.0 s and 3.2 s with a second one beside it, and the same loop alone took from 1.3 s to 3.9 s
+within the session (the raw read itself from 3.57 s to 6.10 s). An earlier machine with two
+full cores (a raw read 1.45 s), fastest of 3 of each mode: typed read as recorded 0.72x (0.68x-0.70x
+in three other runs), replay with 2 workers 0.70x (0.65x-0.70x), in-process replay 0.48x.
 
 A typed read with lists makes a Python int or float per token (`upcast`): that alone costs about
 as much per call as decoding the rest. As recorded, a call keeps its packed arrays, and what is
@@ -299,14 +301,15 @@ def rounds(repeat: int, modes: list[Mode], url: str, run_id: str) -> dict[str, l
 
 
 def report_row(label: str, runs: list[dict[str, float]], raw: list[dict[str, float]]) -> str:
-    """The fastest measurement of a mode, with the ratio to the raw read of each round (median, range)."""
+    """A mode's fastest and slowest time; its ratio to the raw read, of the bests and per round (median, range)."""
     best = min(runs, key=lambda r: r["seconds"])
+    slowest = max(r["seconds"] for r in runs)
     ratios = sorted(r0["seconds"] / r["seconds"] for r0, r in zip(raw, runs, strict=True))
-    spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if len(ratios) > 1 else ""
     return (
-        f"  {label:24s} {best['seconds']:7.2f} s {min(r['seconds'] for r in raw) / best['seconds']:5.2f}x raw  "
-        f"rounds {statistics.median(ratios):4.2f}x ({spread:9s})  machine cpu {best['cpu_seconds']:6.2f} s  "
-        f"memory +{best['rss_growth_mb']:5.0f} MB"
+        f"  {label:24s} {best['seconds']:6.2f} s (to {slowest:5.2f}) "
+        f"{min(r['seconds'] for r in raw) / best['seconds']:5.2f}x raw  "
+        f"rounds {statistics.median(ratios):4.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})  "
+        f"machine cpu {best['cpu_seconds']:6.2f} s  memory +{best['rss_growth_mb']:5.0f} MB"
     )
 
 
