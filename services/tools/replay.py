@@ -99,7 +99,7 @@ def replay_chunk(chunk: list[UnitInput], configs: list[AdapterConfig]) -> list[l
     with _collector_paused():
         for item in chunk:
             rollouts, skipped = unit_rollouts(item, configs[0].selection() if configs else None)
-            results.append([unit_rows(item.unit.step, rollouts, config, skipped) for config in configs])
+            results.append(unit_rows(item.unit.step, rollouts, configs, skipped))
     return results
 
 

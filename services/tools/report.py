@@ -15,18 +15,21 @@ they are equal to the stats the trainer logged.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import msgspec
 
 from services.tools.schemes import Scheme
 from trainer.core import (
     AdapterConfig,
+    Drops,
+    MergedRollout,
     RolloutCalls,
     Sample,
     SampleRow,
     loss_weights,
     merge_rollouts,
+    merge_settings,
     rollout_advantages,
     sample_row,
 )
@@ -130,11 +133,32 @@ class UnitRows(msgspec.Struct, kw_only=True):
 def unit_rows(
     step: int | None,
     rollouts: Sequence[RolloutCalls],
-    config: AdapterConfig,
+    configs: Sequence[AdapterConfig],
     skipped: Mapping[str, str] | None = None,
+) -> list[UnitRows]:
+    """Merge one unit's rollouts and give them their advantages under each config: the adapter's
+    functions, then rows (one `UnitRows` per config).
+
+    The rollouts are merged once per distinct `merge_settings`: schemes compared on advantages or
+    loss normalization share the merge, most of a unit's cost.
+    """
+    merges: dict[Hashable, tuple[list[MergedRollout], Drops]] = {}
+    out = []
+    for config in configs:
+        key = merge_settings(config)
+        if key not in merges:
+            merges[key] = merge_rollouts(rollouts, config)
+        out.append(_rows(step, *merges[key], config, skipped))
+    return out
+
+
+def _rows(
+    step: int | None,
+    merged: list[MergedRollout],
+    drops: Drops,
+    config: AdapterConfig,
+    skipped: Mapping[str, str] | None,
 ) -> UnitRows:
-    """Merge one unit's rollouts and give them their advantages: the adapter's functions, then rows."""
-    merged, drops = merge_rollouts(rollouts, config)
     advantages, baselines = rollout_advantages(merged, config)
     rollout_rows: list[RolloutRow] = []
     sample_rows: list[list[SampleRow]] = []

@@ -19,8 +19,11 @@ from trainer.core import (
     build_step,
     build_steps,
     group_advantages,
+    merge_rollouts,
+    merge_settings,
     pack_bins,
     partition_balanced,
+    plain,
     plan_micro_batches,
     plan_steps,
 )
@@ -209,3 +212,34 @@ def test_micro_batches_cover_every_sample_once_within_budget(sizes: list[int], w
     assert sorted(i for w in plan for mb in w for i in mb) == list(range(len(sizes)))
     assert all(sum(sizes[i] for i in mb) <= budget or len(mb) == 1 for w in plan for mb in w)
     assert pack_bins([300, 10], 100) == [[0], [1]]
+
+
+def test_configs_equal_in_merge_settings_merge_alike_and_the_settings_name_every_merge_input() -> None:
+    """`merge_settings` is what lets compared schemes share one merge: every config change that changes
+    `merge_rollouts`' result changes it, and the advantage and loss settings leave it as it is."""
+    first = Call(call_id="c1", prompt_ids=[1, 2], response_ids=[3, 4], logprobs=[-0.1, -0.2])
+    second = Call(call_id="c2", prompt_ids=[1, 2, 3, 4, 9], response_ids=[5] * 6, logprobs=[-0.3] * 6)
+    batch = [
+        RolloutCalls(run_id="r", rollout_id="chained", group_id="g", attempt_id="a", reward=1.0, calls=[first, second]),
+        rollout("no-reward", [2], None),
+        msgspec.structs.replace(rollout("failed", [2], None), failure="timeout"),
+        rollout("other", [3], 0.0),
+    ]
+    base = AdapterConfig()
+    variants = {
+        "merge": AdapterConfig(merge="per-call"),
+        "max_length": AdapterConfig(max_length=8),
+        "missing_reward": AdapterConfig(missing_reward=0.5),
+        "failed_reward": AdapterConfig(failed_reward="drop"),
+        "advantage_level": AdapterConfig(advantage_level="sample"),
+        "estimator": AdapterConfig(estimator="rloo"),
+        "scale_std": AdapterConfig(scale_std=True),
+        "std_eps": AdapterConfig(std_eps=0.1),
+        "norm": AdapterConfig(norm="token-mean"),
+    }
+    assert set(variants) | {"agents", "models"} == set(AdapterConfig.__struct_fields__)  # a new field is listed here
+    merged = plain(merge_rollouts(batch, base))
+    for name, config in variants.items():
+        differs = plain(merge_rollouts(batch, config)) != merged
+        assert differs == (merge_settings(config) != merge_settings(base)), name
+        assert differs == (name in ("merge", "max_length", "missing_reward", "failed_reward")), name

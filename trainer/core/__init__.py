@@ -39,6 +39,7 @@ from trainer.core.step import (
     build_steps,
     merge_rollout,
     merge_rollouts,
+    merge_settings,
     rollout_advantages,
     rollout_reward,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "merge_calls",
     "merge_rollout",
     "merge_rollouts",
+    "merge_settings",
     "pack_bins",
     "partition_balanced",
     "plain",

@@ -140,6 +140,15 @@ class Drops(msgspec.Struct, frozen=True, kw_only=True):
         return self.no_reward + self.failed + self.in_skipped_groups
 
 
+def merge_settings(config: AdapterConfig) -> Hashable:
+    """What of `config` `merge_rollouts` reads: configs equal in it merge a batch into equal results.
+
+    Schemes that differ only in advantages or loss normalization can then share one merge, most of
+    a batch's cost (the replay's `--compare`).
+    """
+    return (config.merge, config.max_length, config.failure_reward(), config.fill_reward())
+
+
 def merge_rollouts(rollouts: Sequence[RolloutCalls], config: AdapterConfig) -> tuple[list[MergedRollout], Drops]:
     """Every rollout deduplicated and merged; rollouts without a reward dropped or filled.
 
