@@ -37,6 +37,10 @@ Measured on a shared machine with 2 vCPUs, 100k calls, compact recording (582 MB
     replay, 2 workers        5.31 s (6.57)  0.67x   rounds 0.62x (0.57-0.93)
     replay, 3 schemes        6.96 s (8.27)  0.51x   rounds 0.50x (0.45-0.85)
 
+Since compared schemes share one merge (`trainer.core.merge_settings`), 3 rounds on the same
+machine gave 5.82 s (6.73), 0.67x, rounds 0.69x (0.58-0.71) for the 3 schemes; in that run the
+typed read as recorded 0.76x (0.75-0.76) and the replay with 2 workers 0.64x, rounds 0.67x (0.64-0.75).
+
 That machine's two vCPUs did not give two cores' work: one Python loop took 1.28 s alone and
 3.0 s and 3.2 s with a second one beside it, and the same loop alone took from 1.3 s to 3.9 s
 within the session (the raw read itself from 3.57 s to 6.10 s). An earlier machine with two
