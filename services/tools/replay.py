@@ -4,8 +4,8 @@
     report = await replay_run(store, "r42", compare=["rollout-mean", "seq-mean-token-mean"])
 
 The run is read group by group (`services.tools.source`), every unit goes through the adapter
-under each scheme (`services.tools.report`), and with two or more schemes the rollouts' loss
-weights are compared (`services.tools.compare`).
+under each scheme (`services.tools.report`; schemes that merge alike share one merge), and with
+two or more schemes the rollouts' loss weights are compared (`services.tools.compare`).
 
 Reading the stream (the NATS client parses every message), decoding calls and merging them are
 all CPU work in this process's one thread. So a large run is replayed by worker processes, each
