@@ -290,10 +290,8 @@ Mode = tuple[str, str, int | None]
 def rounds(repeat: int, modes: list[Mode], url: str, run_id: str) -> dict[str, list[dict[str, float]]]:
     """`repeat` rounds, each measuring every mode once in turn: each label's measurements, by round.
 
-    A shared machine's speed drifts from minute to minute (it took from 1.3 s to 3.9 s for the same
-    loop within one session): measured in rounds, a mode and the raw read it is compared with are
-    measured close together, so the ratio of each round is steadier than one of two bests taken
-    minutes apart.
+    A mode and the raw read it is compared with are then measured close together (see the module
+    docstring for why).
     """
     results: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in modes}
     for n in range(repeat):
