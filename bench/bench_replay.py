@@ -151,9 +151,12 @@ async def write_run(
 
     store = await EventStore.connect(url)
     chains = CallChains(compact=fmt == "compact")
-    size = 2000 if fmt == "full" else 200  # a compact call can reference only an acknowledged one
+    size = 2000
     batch: list[Event] = []
     originals: list[Event] = []
+    calling: set[str | None] = set()
+    """Rollouts with a call in the batch: the gateway answers a call only once its event is acknowledged,
+    so a rollout's next call (compacted here) always finds the one before it acknowledged."""
     n = 0
     started = time.perf_counter()
 
@@ -164,10 +167,18 @@ async def write_run(
                 chains.remember([event], [ack])
         batch.clear()
         originals.clear()
+        calling.clear()
 
     for event in live_order(run_id, rollouts, calls, context):
+        if isinstance(event, ModelRequestRecorded):
+            if event.rollout_id in calling:
+                n += len(batch)
+                await flush()
+            calling.add(event.rollout_id)
+            batch.append(chains.compact([event])[0])
+        else:
+            batch.append(event)
         originals.append(event)
-        batch.append(chains.compact([event])[0] if isinstance(event, ModelRequestRecorded) else event)
         if len(batch) == size:
             n += len(batch)
             await flush()
