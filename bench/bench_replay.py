@@ -154,9 +154,9 @@ async def write_run(
     size = 2000
     batch: list[Event] = []
     originals: list[Event] = []
+    # Rollouts with a call in the batch: the gateway answers a call only once its event is
+    # acknowledged, so a rollout's next call (compacted here) always finds the one before it acknowledged.
     calling: set[str | None] = set()
-    """Rollouts with a call in the batch: the gateway answers a call only once its event is acknowledged,
-    so a rollout's next call (compacted here) always finds the one before it acknowledged."""
     n = 0
     started = time.perf_counter()
 
