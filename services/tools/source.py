@@ -34,6 +34,7 @@ import asyncio
 import heapq
 import json
 from collections.abc import AsyncIterator, Mapping
+from operator import itemgetter
 from typing import Any
 
 import msgspec
@@ -51,6 +52,9 @@ from trainer.core import (
     rollout_calls,
 )
 from trainer.core.calls import decode_call, final_attempt
+
+_by_sequence = itemgetter(0)
+"""The stream sequence of a `(sequence, event)` pair."""
 
 CALL_BUDGET = 2048
 """Calls per batch of units handed to the adapter (whole units; one larger unit goes alone)."""
@@ -389,10 +393,10 @@ def unit_rollouts(item: UnitInput, select: Selection | None = None) -> tuple[lis
     rollouts = []
     skipped: dict[str, str] = {}
     for rollout_id, (small, raw) in zip(item.unit.rollout_ids, item.histories, strict=True):
-        calls = [(seq, decode_call(data)) for seq, data in raw]
-        merged = heapq.merge(small, calls, key=lambda pair: pair[0])
+        # Both lists are in stream order: sorting their concatenation merges two runs, in C.
+        merged = sorted([*small, *[(seq, decode_call(data)) for seq, data in raw]], key=_by_sequence)
         try:
-            rollout = rollout_calls((event for _, event in merged), select)
+            rollout = rollout_calls([event for _, event in merged], select)
         except MalformedCall:
             skipped[rollout_id] = "malformed-call"
             continue
