@@ -259,9 +259,21 @@ def unpack_many(events: Sequence[_Packable]) -> list[tuple[_IdArray, _IdArray, _
     long rollout holds a few hundred new tokens. Otherwise (or when a length is not whole values)
     each call is unpacked alone, so an error names its call's arrays.
     """
+    return unpack_together(events)[0]
+
+
+def unpack_together(
+    events: Sequence[_Packable],
+) -> tuple[list[tuple[_IdArray, _IdArray, _FloatArray]], _IdArray | None]:
+    """`unpack_many`, and the one array all the calls' ids were read from (None when each call was
+    unpacked alone): each call's recorded prompt ids, then its response ids, call after call.
+
+    A call whose reference takes the whole of the call before it then has its full prompt as a
+    slice of that array, with no copy.
+    """
     packed = _packed_alike(events)
     if packed is None:
-        return [unpack_arrays(event) for event in events]
+        return [unpack_arrays(event) for event in events], None
     width, lp_width = packed[0].id_width, packed[0].logprob_width
     ids = _int32_view(b"".join([part for p in packed for part in (p.prompt, p.response)]), width)
     logprobs = _float_array(b"".join([p.logprobs for p in packed]), lp_width)
@@ -273,7 +285,7 @@ def unpack_many(events: Sequence[_Packable]) -> list[tuple[_IdArray, _IdArray, _
         lp_end = lp_at + len(p.logprobs) // lp_width
         out.append((ids[at:cut], ids[cut:end], logprobs[lp_at:lp_end]))
         at, lp_at = end, lp_end
-    return out
+    return out, ids
 
 
 def _packed_alike(events: Sequence[_Packable]) -> list[PackedTokens] | None:

@@ -25,6 +25,7 @@ from schemas.refs import (
     unpack_floats,
     unpack_ids,
     unpack_many,
+    unpack_together,
     upcast,
 )
 from services.common.eventstore import Appended, EventStore
@@ -204,7 +205,9 @@ async def test_the_trainers_history_gives_the_samples_of_resolved_reads(store: E
 
 
 def test_an_attempts_calls_unpack_together_as_each_alone() -> None:
-    """`unpack_many` (one array for all calls' ids) gives each call what `unpack_arrays` gives it alone."""
+    """`unpack_many` (one array for all calls' ids) gives each call what `unpack_arrays` gives it alone.
+
+    `unpack_together` gives that array too, when there is one."""
 
     def call(n: int, packed: PackedTokens | None = None, **plain: Any) -> ModelRequestRecorded:
         return ModelRequestRecorded(
@@ -222,6 +225,10 @@ def test_an_attempts_calls_unpack_together_as_each_alone() -> None:
         together = [tuple(a.tolist() for a in arrays) for arrays in unpack_many(events)]
         assert together == [tuple(a.tolist() for a in unpack_arrays(e)) for e in events]
     assert [a.tolist() for a in unpack_many(alike)[1]] == [[], [5, 6], [-0.25, -1.0]]
+    arrays, joined = unpack_together(alike)  # every call's prompt, then its response, in one array
+    assert joined is not None and joined.tolist() == [1, 2, 3, 4, 5, 6, 9]
+    assert [a.tolist() for a in arrays[1]] == [[], [5, 6], [-0.25, -1.0]]
+    assert unpack_together([listed, *alike])[1] is None
     assert _packed_alike(alike) is not None and _packed_alike([*alike, wide]) is None  # together, then alone
 
 

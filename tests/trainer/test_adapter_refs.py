@@ -14,6 +14,7 @@ from collections.abc import Callable
 from itertools import count, pairwise
 
 import msgspec
+import numpy as np
 import pytest
 from msgspec import UNSET
 
@@ -86,8 +87,9 @@ class History:
         """The stream recorded in full (version 1): every call as it was, the missing ones absent."""
         return [e for e in self.events if e.event_id not in self.missing]
 
-    def compact(self) -> list[Event]:
-        """The stream as a writer records it, through the wire: references and packed arrays.
+    def compact(self, unpack: bool = True) -> list[Event]:
+        """The stream as a writer records it, through the wire: references and packed arrays
+        (read back as lists, or with `unpack=False` as recorded).
 
         Each call references the earlier call with the longest shared prefix (the earliest among
         equals); a missing call is one the writer never remembered either, and the writer forgets
@@ -118,7 +120,7 @@ class History:
             )  # fmt: skip
             out.append(recorded[event.event_id])
             remembered.append((event.event_id, [*event.prompt_ids, *event.response_ids]))
-        return [decode(encode(e)) for e in out]
+        return [decode(encode(e), unpack=unpack) for e in out]
 
 
 def _shared(a: list[int], b: list[int]) -> int:
@@ -195,10 +197,11 @@ def _without_refs(rollout: RolloutCalls) -> RolloutCalls:
     return msgspec.structs.replace(rollout, calls=calls)
 
 
+@pytest.mark.parametrize("unpack", [True, False], ids=["lists", "packed"])
 @pytest.mark.parametrize("history", [linear, branching, retries, missing_base])
-def test_merging_through_references_equals_comparing(history: Callable[[], History]) -> None:
+def test_merging_through_references_equals_comparing(history: Callable[[], History], unpack: bool) -> None:
     h = history()
-    compact, full = rollout_calls(h.compact()), rollout_calls(h.full())
+    compact, full = rollout_calls(h.compact(unpack)), rollout_calls(h.full())
     assert plain([c.prompt_ids for c in compact.calls]) == plain([c.prompt_ids for c in full.calls])
     assert plain([c.logprobs for c in compact.calls]) == plain([c.logprobs for c in full.calls])
     assert any(c.prompt_ref for c in compact.calls), "the compact history carries references"
@@ -221,6 +224,16 @@ def test_a_linear_conversation_is_one_sample_chained_by_references() -> None:
     (sample,) = merge_calls(calls, rollout_id="linear", group_id="g").samples
     assert sample.call_ids == [c.call_id for c in calls]
     assert plain(sample.tokens) == [*plain(calls[-1].prompt_ids), *plain(calls[-1].response_ids)]
+
+
+def test_a_conversations_prompts_are_slices_of_the_attempts_one_id_array() -> None:
+    """Each turn's full prompt is the turn before it plus its new ids: read as one array, nothing is copied."""
+    calls = rollout_calls(linear().compact(unpack=False)).calls
+    assert len(calls) == 5
+    assert all(np.shares_memory(call.prompt_ids, calls[-1].prompt_ids) for call in calls)
+    assert all(np.shares_memory(call.response_ids, calls[-1].prompt_ids) for call in calls[:-1])
+    forked = rollout_calls(branching().compact(unpack=False)).calls  # a fork or a partial reference builds its prompt
+    assert not all(np.shares_memory(call.prompt_ids, forked[0].prompt_ids) for call in forked)
 
 
 def test_an_event_recorded_twice_is_not_a_reference_target() -> None:

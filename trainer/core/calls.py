@@ -44,7 +44,7 @@ from schemas.events import (
     RolloutCreated,
     RolloutStatusChanged,
 )
-from schemas.refs import CallRef, PackedTokens, unpack_arrays, unpack_many
+from schemas.refs import CallRef, PackedTokens, unpack_arrays, unpack_together
 from trainer.core.failures import FailureKind, failure_kind
 from trainer.core.tokens import FloatArray, IdArray, Logprobs, TokenIds
 
@@ -239,12 +239,15 @@ def call_arrays(event: RecordedCall) -> tuple[IdArray, IdArray, FloatArray]:
         raise MalformedCall(f"call {event.call_id}: packed arrays unreadable: {exc}") from None
 
 
-def calls_arrays(events: Sequence[RecordedCall]) -> list[tuple[IdArray, IdArray, FloatArray]]:
-    """`call_arrays` of an attempt's calls, all unpacked together (`schemas.refs.unpack_many`)."""
+def calls_arrays(
+    events: Sequence[RecordedCall],
+) -> tuple[list[tuple[IdArray, IdArray, FloatArray]], IdArray | None]:
+    """`call_arrays` of an attempt's calls, all unpacked together, and the one array their ids
+    were read from, if any (`schemas.refs.unpack_together`)."""
     try:
-        return unpack_many(events)
+        return unpack_together(events)
     except (ValueError, TypeError):
-        return [call_arrays(event) for event in events]  # raises MalformedCall naming the call
+        return [call_arrays(event) for event in events], None  # raises MalformedCall naming the call
 
 
 def _call(event: RecordedCall, prompt: IdArray, response: IdArray, logprobs: FloatArray, ref: CallRef | None) -> Call:
@@ -275,18 +278,28 @@ class _Prompts:
     referenced prompt + response cut at `prompt_ref.tokens`, then its own ids (one array built, the
     earlier arrays shared). The Call keeps the reference for `merge_calls`, except into an event id
     the attempt recorded twice (ambiguous: the later one is the one resolved).
+
+    When the calls' ids were read as one array (`joined`: each call's recorded ids in turn), a call
+    that takes the whole of the call before it, as a conversation's next turn does, finds its full
+    prompt already there: it is a slice, with no array built.
     """
 
-    __slots__ = ("repeated", "seen")
+    __slots__ = ("at", "joined", "last", "origin", "repeated", "seen")
 
-    def __init__(self) -> None:
+    def __init__(self, joined: IdArray | None = None) -> None:
         self.seen: dict[str, tuple[IdArray, IdArray]] = {}
         self.repeated: set[str] = set()
+        self.joined = joined
+        self.at = 0  # where the next call's recorded ids start in `joined`
+        self.origin: int | None = None  # where the last call's full prompt starts in `joined` (None: not in it)
+        self.last = ""  # the last call's event id
 
     def call(self, event: RecordedCall, arrays: tuple[IdArray, IdArray, FloatArray]) -> Call:
         """The adapter's view of an `ok` call of the attempt (its `call_arrays` given), with its full prompt."""
         ref = event.prompt_ref
         prompt, response, logprobs = arrays
+        start = self.at
+        self.at += len(prompt) + len(response)
         if ref:
             earlier = self.seen.get(ref.event_id)
             if earlier is None:
@@ -295,12 +308,20 @@ class _Prompts:
                 )
             before, said = earlier
             shared = ref.tokens
-            if shared <= len(before):
-                prompt = np.concatenate((before[:shared], prompt))
+            joined, origin = self.joined, self.origin
+            if joined is not None and origin is not None and ref.event_id == self.last and shared == start - origin:
+                prompt = joined[origin : start + len(prompt)]
             else:
-                prompt = np.concatenate((before, said[: shared - len(before)], prompt))
+                self.origin = None
+                if shared <= len(before):
+                    prompt = np.concatenate((before[:shared], prompt))
+                else:
+                    prompt = np.concatenate((before, said[: shared - len(before)], prompt))
             if ref.event_id in self.repeated:
                 ref = None
+        elif self.joined is not None:
+            self.origin = start
+        self.last = event.event_id
         call = _call(event, prompt, response, logprobs, ref or None)
         if event.event_id in self.seen:
             self.repeated.add(event.event_id)
@@ -364,7 +385,6 @@ def rollout_calls(events: Iterable[Event | CallRecord], select: Selection | None
     calls: list[Call] = []
     context: list[Call] = []
     reward: float | None = None
-    prompts = _Prompts()
     used = [
         event
         for event in ordered
@@ -373,7 +393,9 @@ def rollout_calls(events: Iterable[Event | CallRecord], select: Selection | None
         and event.status == "ok"
         and event.mode == "train"
     ]
-    for event, arrays in zip(used, calls_arrays(used), strict=True):
+    arrays_of, joined = calls_arrays(used)
+    prompts = _Prompts(joined)
+    for event, arrays in zip(used, arrays_of, strict=True):
         call = prompts.call(event, arrays)
         if select.trains(call):
             calls.append(call.check_trainable())
