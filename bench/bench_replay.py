@@ -27,25 +27,30 @@ much the memory of this process and its descendants grew (sampled every 20 ms). 
 tenth of the size shows that the replay's memory does not grow with the run (targets: >= 0.7x the
 raw read's speed, memory bounded by a group, not the run).
 
-Measured on a shared machine with 2 vCPUs, 100k calls, compact recording (582 MB on the stream),
-5 rounds: fastest wall s (slowest), x the raw read's fastest, median x of the rounds (range):
+Measured on a machine with 2 vCPUs that gave two cores' work (one Python loop 1.21 s alone,
+1.24 s and 1.27 s with a second beside it), 100k calls, compact recording (each call
+referencing the one before it, 554 MB on the stream), 5 rounds: fastest wall s (slowest), x the
+raw read's fastest, median x of the rounds (range):
 
-    raw read                 3.57 s (6.10)  1.00x
-    typed read, lists        6.13 s (9.93)  0.58x   rounds 0.59x (0.50-0.61)
-    typed read, as recorded  5.33 s (6.61)  0.67x   rounds 0.66x (0.58-0.92)
-    replay, in-process       7.93 s (11.62) 0.45x   rounds 0.45x (0.41-0.53)
-    replay, 2 workers        5.31 s (6.57)  0.67x   rounds 0.62x (0.57-0.93)
-    replay, 3 schemes        6.96 s (8.27)  0.51x   rounds 0.50x (0.45-0.85)
+    raw read                 2.67 s (2.79)  1.00x
+    typed read, lists        4.29 s (4.48)  0.62x   rounds 0.62x (0.62-0.62)
+    typed read, as recorded  3.48 s (3.61)  0.77x   rounds 0.77x (0.74-0.80)
+    replay, in-process       4.83 s (5.06)  0.55x   rounds 0.55x (0.53-0.58)
+    replay, 2 workers        3.44 s (3.90)  0.78x   rounds 0.75x (0.70-0.81)
+    replay, 3 schemes        3.91 s (4.13)  0.68x   rounds 0.68x (0.65-0.70)
 
-Since compared schemes share one merge (`trainer.core.merge_settings`), 3 rounds on the same
-machine gave 5.82 s (6.73), 0.67x, rounds 0.69x (0.58-0.71) for the 3 schemes; in that run the
-typed read as recorded 0.76x (0.75-0.76) and the replay with 2 workers 0.64x, rounds 0.67x (0.64-0.75).
+A second run of 5 rounds: as recorded 0.74x (0.73-0.76), replay with 2 workers 0.76x, rounds
+0.76x (0.72-0.78). On the same machine, the replay with 2 workers gave 0.72x, rounds 0.71x
+(0.64-0.76) before two cuts in its per-call work, and 0.74x, rounds 0.73x (0.69-0.76) after the
+first (a rollout's small events and calls merged by a sort) but before the second (a call's
+full prompt a slice of its attempt's ids array, `schemas.refs.unpack_together`). Machines
+differ: on a shared machine whose two vCPUs did not give two cores' work (its raw read 3.57 s
+to 6.10 s), an earlier tree gave 0.62x (0.57-0.93) for the replay with 2 workers and 0.66x
+(0.58-0.92) for the typed read as recorded.
 
-That machine's two vCPUs did not give two cores' work: one Python loop took 1.28 s alone and
-3.0 s and 3.2 s with a second one beside it, and the same loop alone took from 1.3 s to 3.9 s
-within the session (the raw read itself from 3.57 s to 6.10 s). An earlier machine with two
-full cores (a raw read 1.45 s), fastest of 3 of each mode: typed read as recorded 0.72x (0.68x-0.70x
-in three other runs), replay with 2 workers 0.70x (0.65x-0.70x), in-process replay 0.48x.
+Where the replay's time goes (2 workers, 100k calls): the index 0.6-0.8 s (this process alone,
+30k small messages), then each worker about 2.0 s of CPU (reading its half of the calls about
+0.9 s, decoding and merging them 0.9 s) beside the server's 1.4 s: the two cores are busy.
 
 A typed read with lists makes a Python int or float per token (`upcast`): that alone costs about
 as much per call as decoding the rest. As recorded, a call keeps its packed arrays, and what is
