@@ -50,7 +50,8 @@ to 6.10 s), an earlier tree gave 0.62x (0.57-0.93) for the replay with 2 workers
 
 Where the replay's time goes (2 workers, 100k calls): the index 0.6-0.8 s (this process alone,
 30k small messages), then each worker about 2.0 s of CPU (reading its half of the calls about
-0.9 s, decoding and merging them 0.9 s) beside the server's 1.4 s: the two cores are busy.
+0.9 s, decoding and merging them 0.9 s); the server spends 1.55-1.63 s over the whole replay
+(about 0.2 s of it on the index): the two cores are busy.
 
 A typed read with lists makes a Python int or float per token (`upcast`): that alone costs about
 as much per call as decoding the rest. As recorded, a call keeps its packed arrays, and what is

@@ -250,26 +250,19 @@ def unpack_arrays(event: _Packable) -> tuple[_IdArray, _IdArray, _FloatArray]:
     )
 
 
-def unpack_many(events: Sequence[_Packable]) -> list[tuple[_IdArray, _IdArray, _FloatArray]]:
-    """`unpack_arrays` of many calls (a rollout's), with a few numpy operations for all of them.
-
-    When every call is packed alike (ids of one width, logprobs of one width, no plain lists),
-    all their ids are read as one array and all their logprobs as another, and each call gets
-    its slices: a numpy operation costs about a microsecond whatever its size, and a call of a
-    long rollout holds a few hundred new tokens. Otherwise (or when a length is not whole values)
-    each call is unpacked alone, so an error names its call's arrays.
-    """
-    return unpack_together(events)[0]
-
-
 def unpack_together(
     events: Sequence[_Packable],
 ) -> tuple[list[tuple[_IdArray, _IdArray, _FloatArray]], _IdArray | None]:
-    """`unpack_many`, and the one array all the calls' ids were read from (None when each call was
-    unpacked alone): each call's recorded prompt ids, then its response ids, call after call.
+    """`unpack_arrays` of many calls (a rollout's), with a few numpy operations for all of them,
+    and the one array all their ids were read from (None when each call was unpacked alone).
 
-    A call whose reference takes the whole of the call before it then has its full prompt as a
-    slice of that array, with no copy.
+    When every call is packed alike (ids of one width, logprobs of one width, no plain lists),
+    all their ids are read as one array (each call's recorded prompt ids, then its response ids,
+    call after call) and all their logprobs as another, and each call gets its slices: a numpy
+    operation costs about a microsecond whatever its size, and a call of a long rollout holds a
+    few hundred new tokens. A call whose reference takes the whole of the call before it then has
+    its full prompt as a slice of the ids array too, with no copy. Otherwise (or when a length is
+    not whole values) each call is unpacked alone, so an error names its call's arrays.
     """
     packed = _packed_alike(events)
     if packed is None:

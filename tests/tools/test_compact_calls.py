@@ -24,7 +24,6 @@ from schemas.refs import (
     unpack_arrays,
     unpack_floats,
     unpack_ids,
-    unpack_many,
     unpack_together,
     upcast,
 )
@@ -205,9 +204,8 @@ async def test_the_trainers_history_gives_the_samples_of_resolved_reads(store: E
 
 
 def test_an_attempts_calls_unpack_together_as_each_alone() -> None:
-    """`unpack_many` (one array for all calls' ids) gives each call what `unpack_arrays` gives it alone.
-
-    `unpack_together` gives that array too, when there is one."""
+    """`unpack_together` (one array for all calls' ids) gives each call what `unpack_arrays` gives it
+    alone, and that array when there is one."""
 
     def call(n: int, packed: PackedTokens | None = None, **plain: Any) -> ModelRequestRecorded:
         return ModelRequestRecorded(
@@ -222,9 +220,8 @@ def test_an_attempts_calls_unpack_together_as_each_alone() -> None:
     wide = call(3, pack([1 << 24], [7], [-0.5]))  # 32-bit ids
     listed = call(4, prompt_ids=[8], response_ids=[9], logprobs=[-0.1])
     for events in (alike, [*alike, wide], [listed, *alike], []):
-        together = [tuple(a.tolist() for a in arrays) for arrays in unpack_many(events)]
+        together = [tuple(a.tolist() for a in arrays) for arrays in unpack_together(events)[0]]
         assert together == [tuple(a.tolist() for a in unpack_arrays(e)) for e in events]
-    assert [a.tolist() for a in unpack_many(alike)[1]] == [[], [5, 6], [-0.25, -1.0]]
     arrays, joined = unpack_together(alike)  # every call's prompt, then its response, in one array
     assert joined is not None and joined.tolist() == [1, 2, 3, 4, 5, 6, 9]
     assert [a.tolist() for a in arrays[1]] == [[], [5, 6], [-0.25, -1.0]]

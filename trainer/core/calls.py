@@ -284,22 +284,23 @@ class _Prompts:
     prompt already there: it is a slice, with no array built.
     """
 
-    __slots__ = ("at", "joined", "last", "origin", "repeated", "seen")
+    __slots__ = ("at", "joined", "repeated", "seen", "tail")
 
     def __init__(self, joined: IdArray | None = None) -> None:
         self.seen: dict[str, tuple[IdArray, IdArray]] = {}
         self.repeated: set[str] = set()
         self.joined = joined
         self.at = 0  # where the next call's recorded ids start in `joined`
-        self.origin: int | None = None  # where the last call's full prompt starts in `joined` (None: not in it)
-        self.last = ""  # the last call's event id
+        # (event id, start) of the last call when its full prompt and response are joined[start:at]
+        self.tail: tuple[str, int] | None = None
 
     def call(self, event: RecordedCall, arrays: tuple[IdArray, IdArray, FloatArray]) -> Call:
         """The adapter's view of an `ok` call of the attempt (its `call_arrays` given), with its full prompt."""
         ref = event.prompt_ref
         prompt, response, logprobs = arrays
-        start = self.at
+        start, tail = self.at, self.tail
         self.at += len(prompt) + len(response)
+        self.tail = None
         if ref:
             earlier = self.seen.get(ref.event_id)
             if earlier is None:
@@ -308,20 +309,17 @@ class _Prompts:
                 )
             before, said = earlier
             shared = ref.tokens
-            joined, origin = self.joined, self.origin
-            if joined is not None and origin is not None and ref.event_id == self.last and shared == start - origin:
-                prompt = joined[origin : start + len(prompt)]
+            if self.joined is not None and tail == (ref.event_id, start - shared):
+                prompt = self.joined[start - shared : start + len(prompt)]
+                self.tail = (event.event_id, start - shared)
+            elif shared <= len(before):
+                prompt = np.concatenate((before[:shared], prompt))
             else:
-                self.origin = None
-                if shared <= len(before):
-                    prompt = np.concatenate((before[:shared], prompt))
-                else:
-                    prompt = np.concatenate((before, said[: shared - len(before)], prompt))
+                prompt = np.concatenate((before, said[: shared - len(before)], prompt))
             if ref.event_id in self.repeated:
                 ref = None
         elif self.joined is not None:
-            self.origin = start
-        self.last = event.event_id
+            self.tail = (event.event_id, start)
         call = _call(event, prompt, response, logprobs, ref or None)
         if event.event_id in self.seen:
             self.repeated.add(event.event_id)
