@@ -112,6 +112,8 @@ class ObservedApp:
         try:
             if path == METRICS_PATH and method in ("GET", "HEAD"):
                 await _send_metrics(observed_send, method)
+            elif path == METRICS_PATH:
+                await _refuse_method(observed_send)
             else:
                 await self.app(scope, receive, observed_send)
         finally:
@@ -132,6 +134,13 @@ class ObservedApp:
 
 
 _METHODS = frozenset(("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"))
+
+
+async def _refuse_method(send: Send) -> None:
+    body = b'{"error": "/metrics answers GET and HEAD only"}'
+    headers = [(b"content-type", b"application/json"), (b"allow", b"GET, HEAD")]
+    await send({"type": "http.response.start", "status": 405, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _send_metrics(send: Send, method: str) -> None:

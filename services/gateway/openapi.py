@@ -1,10 +1,13 @@
-"""The gateway's OpenAPI document, built from its routes and the msgspec Structs of their bodies.
+"""The gateway's OpenAPI document, built from everything it serves and the msgspec Structs of the bodies.
 
 The routes decode their bodies with msgspec (a wrong type is a 422 naming the field), so FastAPI
 cannot see the bodies and its generated document would be empty. This module builds the document
-from the app's own route table instead: every `/api/...` and `/healthz` route appears with its
-summary (the handler's docstring) and path parameters, and the routes in `BODIES` with the JSON
-Schema of their body. The proxy, which is not a route, is added by hand.
+from what the gateway serves instead (`served_routes`): every FastAPI route (the rollout API, the
+reads forwarded to the projector, the viewer under `/ui`, this document), every proxy route of
+`proxy.ROUTES` (Chat Completions, Responses, models; Messages, `count_tokens`, Anthropic's models,
+`HEAD`), each with and without an agent name in the path, and `/metrics`. Each error is declared
+as the object it is: `{"error": "..."}` on the API, the OpenAI error object on `.../openai/v1/...`
+and the Anthropic one on `.../anthropic/...`.
 
     GET /openapi.json
 """
@@ -22,23 +25,21 @@ from fastapi.routing import APIRoute
 
 from schemas.bounds import JSON_INT_MAX, PAGE_MAX
 from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
+from services.common.metrics import METRICS_PATH
+from services.gateway.proxy import ROUTES as PROXY_ROUTES
 
 REF = "#/components/schemas/{name}"
-PROXY_PATHS: dict[str, dict[str, Any]] = {
-    "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1/chat/completions": {
-        "post": {
-            "summary": "OpenAI chat completions for one attempt (attempt token); every call is recorded",
-            "description": "Forwarded to the run's registered model with token ids and logprobs requested; "
-            "the response is the upstream's, streamed or not. `mode` is `train` or `val`.",
-            "requestBody": {"content": {"application/json": {"schema": {"type": "object"}}}},
-        }
-    },
-    "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1/models": {
-        "get": {"summary": "The models the attempt may call (attempt token)"},
-    },
+PROXY_BASE = "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}"
+AGENT_BASE = PROXY_BASE + "/agent/{agent}"
+PROXY_SUMMARIES = {
+    "chat/completions": "OpenAI Chat Completions for one attempt (its agent token); every call is recorded",
+    "responses": "OpenAI Responses API for one attempt (its agent token); every call is recorded",
+    "models": "The models the attempt may call (OpenAI's list)",
+    "v1/messages": "Anthropic Messages API for one attempt (its agent token); every call is recorded",
+    "v1/messages/count_tokens": "Anthropic count_tokens: the exact prompt length the engine would consume",
+    "v1/models": "The models the attempt may call (Anthropic's list)",
+    "": "Anthropic base URL: 200 for a harness's connectivity check (no token needed, nothing served)",
 }
-
-
 STATUSES = ["queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled"]
 ERROR = {
     "type": "object",
@@ -166,6 +167,66 @@ MIN_SEQ = _int(
 )
 
 
+OPENAI_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "code": {"type": ["integer", "string", "null"]},
+                "param": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+"""The error of every `.../openai/v1/...` answer (Chat Completions and Responses alike), as the SDK reads it."""
+ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+"""The error of every `.../anthropic/...` answer, as the anthropic SDK reads it."""
+NO_RETRY = {
+    "x-should-retry": {
+        "description": "`false` on every permanent refusal (401, 403, 404, 409, 413, 422): SDKs do not retry it",
+        "schema": {"enum": ["false"]},
+    }
+}
+OPEN = {"/healthz", "/openapi.json", METRICS_PATH}
+"""Paths served without a token."""
+
+
+def served_routes(app: FastAPI) -> list[tuple[str, str]]:
+    """Every (method, path template) the gateway answers: its FastAPI routes, the proxy's routes (each
+    also under `agent/{agent}`) and `/metrics`. The OpenAPI document and the auth tests both start here."""
+    served = [
+        (method, re.sub(r"{(\w+):\w+}", r"{\1}", route.path))  # `{path:path}` is `{path}` to OpenAPI
+        for route in app.routes
+        if isinstance(route, APIRoute)
+        for method in route.methods or ()
+    ]
+    for (api, method, rest), _ in PROXY_ROUTES.items():
+        for base in (PROXY_BASE, AGENT_BASE):
+            served.append((method, _proxy_path(base, api, rest)))
+    served.append(("GET", METRICS_PATH))
+    return sorted(set(served))
+
+
+def _proxy_path(base: str, api: str, rest: str) -> str:
+    return f"{base}/openai/v1/{rest}" if api == "openai" else f"{base}/anthropic/{rest}".rstrip("/")
+
+
 def _summary(handler: Callable[..., Any]) -> tuple[str, str]:
     doc = inspect.getdoc(handler) or ""
     first, _, rest = doc.partition("\n")
@@ -176,6 +237,14 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
+def _path_parameters(path: str) -> list[dict[str, Any]]:
+    parameters = []
+    for name in re.findall(r"{(\w+)}", path):
+        schema = {"enum": ["train", "val"]} if name == "mode" else ({"type": "string"} if name == "path" else ID_SCHEMA)
+        parameters.append({"name": name, "in": "path", "required": True, "schema": schema})
+    return parameters
+
+
 def _operation(method: str, path: str, summary: str, description: str, read_side: bool) -> dict[str, Any]:
     status, schema = RESPONSES.get((method, path), ("200", OBJECT))
     ok: dict[str, Any] = {"description": "done"}
@@ -184,7 +253,11 @@ def _operation(method: str, path: str, summary: str, description: str, read_side
     responses: dict[str, Any] = {status: ok}
     if (method, path) in EXTRA_SUCCESS:
         responses[EXTRA_SUCCESS[(method, path)]] = {"description": "already so", "content": _json(schema or OBJECT)}
-    responses["4XX"] = {"description": 'the request\'s mistake: `{"error": ...}` naming it', "content": _json(ERROR)}
+    responses["4XX"] = {
+        "description": 'the request\'s mistake: `{"error": ...}` naming it',
+        "content": _json(ERROR),
+        "headers": NO_RETRY,
+    }
     unavailable = HEALTH if path == "/healthz" else ERROR
     responses["503"] = {"description": "NATS or Postgres unavailable: retry later", "content": _json(unavailable)}
     if path == "/api/phase":
@@ -192,30 +265,106 @@ def _operation(method: str, path: str, summary: str, description: str, read_side
     operation: dict[str, Any] = {"summary": summary, "responses": responses}
     if description:
         operation["description"] = description
-    parameters = [
-        {"name": name, "in": "path", "required": True, "schema": ID_SCHEMA} for name in re.findall(r"{(\w+)}", path)
-    ]
-    parameters += QUERY.get((method, path), [])
+    parameters = _path_parameters(path) + QUERY.get((method, path), [])
     if read_side and method == "get" and path.startswith("/api/"):
         parameters.append(MIN_SEQ)
     if parameters:
         operation["parameters"] = parameters
-    if path != "/healthz":
+    if path not in OPEN:
         operation["security"] = [{"bearer": []}]
     return operation
 
 
+def _proxy_operation(method: str, path: str) -> dict[str, Any]:
+    """A proxy route: the request is the API's own (any JSON object), errors in that API's shape."""
+    rest = path.split("/openai/v1/", 1)[1] if "/openai/v1/" in path else path.split("/anthropic", 1)[1].lstrip("/")
+    error = _json(OPENAI_ERROR if "/openai/v1/" in path else ANTHROPIC_ERROR)
+    ok: dict[str, Any] = {"description": "the API's answer (`text/event-stream` when the request streams)"}
+    if method != "head":
+        ok["content"] = {**_json(OBJECT), "text/event-stream": {"schema": {"type": "string"}}}
+    operation: dict[str, Any] = {
+        "summary": PROXY_SUMMARIES[rest],
+        "parameters": _path_parameters(path),
+        "responses": {
+            "200": ok,
+            "4XX": {"description": "refused (nothing generated), in the API's error shape", "content": error,
+                    "headers": NO_RETRY},
+            "5XX": {"description": "the engine or the event store failed; the call may be retried", "content": error},
+        },
+    }  # fmt: skip
+    if method == "post":
+        operation["requestBody"] = {"required": True, "content": _json(OBJECT)}
+    if method != "head":
+        operation["security"] = [{"bearer": []}, {"api_key": []}]
+    return operation
+
+
+def _other_operation(method: str, path: str) -> dict[str, Any]:
+    """`/metrics`, `/openapi.json` and the viewer (forwarded to the projector)."""
+    if path == METRICS_PATH:
+        text = {"text/plain": {"schema": {"type": "string"}}}
+        return {"summary": "Prometheus metrics (no run, rollout or attempt ids in them)",
+                "responses": {"200": {"description": "the exposition", "content": text}}}  # fmt: skip
+    if path == "/openapi.json":
+        return {
+            "summary": "This document",
+            "responses": {"200": {"description": "OpenAPI 3.1", "content": _json(OBJECT)}},
+        }
+    refused = {"description": "not found, or a path that is not canonical", "content": _json(ERROR),
+               "headers": NO_RETRY}  # fmt: skip
+    return {
+        "summary": "The trajectory viewer, served by the projector: its page is open, its data (`/ui/api/...`) "
+        "needs the admin token",
+        "parameters": _path_parameters(path),
+        "responses": {"200": {"description": "a file of the page, or the viewer's data"},
+                      "307": {"description": "to `/ui/`"}, "4XX": refused,
+                      "503": {"description": "the projector cannot be reached", "content": _json(ERROR)}},
+        "security": [{}, {"bearer": []}],
+    }  # fmt: skip
+
+
 def openapi_document(app: FastAPI, bodies: Mapping[Callable[..., Any], Any]) -> dict[str, Any]:
-    """OpenAPI 3.1 for `app`'s API routes; `bodies` maps a handler to the type its JSON body decodes to."""
-    documented = [
-        route
-        for route in app.routes
-        if isinstance(route, APIRoute) and (route.path.startswith("/api/") or route.path == "/healthz")
-    ]
+    """OpenAPI 3.1 for everything `app` serves (`served_routes`); `bodies` maps a handler to the type its
+    JSON body decodes to."""
+    handlers = {(m, r.path): r.endpoint for r in app.routes if isinstance(r, APIRoute) for m in r.methods or ()}
     read_side = bool(getattr(app.state, "read_side", False))
-    types = [bodies[route.endpoint] for route in documented if route.endpoint in bodies]
+    types = list(dict.fromkeys(bodies[h] for h in handlers.values() if h in bodies))
     body_schemas, components = msgspec.json.schema_components(types, ref_template=REF)
     schema_of = dict(zip(types, body_schemas, strict=True))
+    _refine(components)
+    components |= {"ApiError": ERROR, "OpenAIError": OPENAI_ERROR, "AnthropicError": ANTHROPIC_ERROR}
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path in served_routes(app):
+        handler = handlers.get((method, path))
+        if path.startswith("/proxy/"):
+            operation = _proxy_operation(method.lower(), path)
+        elif path.startswith("/api/") or path == "/healthz":
+            summary, description = _summary(handler) if handler else ("", "")
+            operation = _operation(method.lower(), path, summary, description, read_side)
+            if handler is not None and handler in bodies:
+                operation["requestBody"] = {
+                    "required": path not in OPTIONAL_BODY,
+                    "content": {"application/json": {"schema": schema_of[bodies[handler]]}},
+                }
+        else:
+            operation = _other_operation(method.lower(), path)
+        paths.setdefault(path, {})[method.lower()] = operation
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": app.title, "version": app.version},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "api_key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
+        },
+    }
+
+
+def _refine(components: dict[str, Any]) -> None:
+    """What the handlers check beyond the Structs' own schemas."""
     if "NewRollout" in components:  # required, and never null (a task needs an input)
         components["NewRollout"]["properties"]["input"] = {"not": {"type": "null"}}
     if "RunSpec" in components:  # what RunSpec.__post_init__ checks
@@ -227,26 +376,3 @@ def openapi_document(app: FastAPI, bodies: Mapping[Callable[..., Any], Any]) -> 
         }
     if "EventBody" in components:  # the shapes the handler accepts, which msgspec cannot say
         components["EventBody"] = EVENT_BODY
-    paths: dict[str, dict[str, Any]] = {}
-    for route in documented:
-        summary, description = _summary(route.endpoint)
-        for method in sorted(route.methods or ()):
-            operation = _operation(method.lower(), route.path, summary, description, read_side)
-            if route.endpoint in bodies:
-                operation["requestBody"] = {
-                    "required": route.path not in OPTIONAL_BODY,
-                    "content": {"application/json": {"schema": schema_of[bodies[route.endpoint]]}},
-                }
-            paths.setdefault(route.path, {})[method.lower()] = operation
-    for path, operations in PROXY_PATHS.items():
-        paths[path] = {method: _operation(method, path, op["summary"], op.get("description", ""), False) | op
-                       for method, op in operations.items()}  # fmt: skip
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": app.title, "version": app.version},
-        "paths": paths,
-        "components": {
-            "schemas": components,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
-    }

@@ -26,12 +26,14 @@ from urllib.parse import parse_qs
 
 import msgspec
 from fastapi import FastAPI, Request, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas import InvalidId
 from schemas.bounds import JSON_INT_MAX
 from services.common.metrics import CONTENT_TYPE, ObservedApp, exposition
 from services.common.readside import RolloutQuery
 from services.projector import metrics
+from services.projector.openapi import openapi_document
 from services.projector.reader import PostgresRolloutReader, ProjectionBehind, ReadModelUnavailable
 from services.projector.status import Status
 from services.projector.viewer import bearer_check, mount_viewer
@@ -180,6 +182,13 @@ def create_query_app(
     async def invalid(request: Request, exc: Exception) -> Response:
         return _error(422, str(exc))
 
+    async def http_error(request: Request, exc: Exception) -> Response:  # a 404 of the static page too
+        assert isinstance(exc, StarletteHTTPException)
+        response = _error(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        return response
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(ViewerAuthError, unauthorized)
     app.add_exception_handler(ReadModelUnavailable, unavailable)
     app.add_exception_handler(ProjectionBehind, behind)
@@ -196,6 +205,15 @@ def create_query_app(
         _add_status(app, status)
     if viewer:
         mount_viewer(app, reader, authorize=authorize)
+    document: list[bytes] = []  # built on first request (every route is added by then)
+
+    async def openapi_json(request: Request) -> Response:
+        """`GET /openapi.json`: the projector's routes (no token: the document holds no data)."""
+        if not document:
+            document.append(_json.encode(openapi_document(request.app)))
+        return Response(document[0], media_type="application/json")
+
+    app.add_api_route("/openapi.json", openapi_json, methods=["GET"], include_in_schema=False)
     return app
 
 
