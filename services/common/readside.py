@@ -176,17 +176,20 @@ class ProjectorReader:
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 30.0) -> None:
         self.base_url = base_url.rstrip("/")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s)
+        self._token = token
+        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
 
     async def close(self) -> None:
         """Close the connection pool."""
         await self.client.aclose()
 
-    async def forward(self, path: str, query: bytes = b"") -> httpx.Response:
-        """GET `path?query` from the projector as it answers it (`ReadSideError` 503 when it cannot be reached)."""
+    async def forward(self, path: str, query: bytes = b"", *, token: str | None = None) -> httpx.Response:
+        """GET `path?query` from the projector as it answers it, with `token` as the bearer (none: no
+        credential; a caller's read is relayed with the caller's own token, never this reader's).
+        `ReadSideError` 503 when the projector cannot be reached."""
+        headers = {"Authorization": f"Bearer {token}"} if token else None
         try:
-            return await self.client.get(f"{path}?{query.decode('latin-1')}" if query else path)
+            return await self.client.get(f"{path}?{query.decode('latin-1')}" if query else path, headers=headers)
         except httpx.HTTPError as exc:
             raise ReadSideError(
                 503,
@@ -194,9 +197,10 @@ class ProjectorReader:
             ) from None
 
     async def request(self, path: str, params: dict[str, Any] | None = None) -> httpx.Response | None:
-        """GET `path` from the projector: the response when 2xx, None on 404, else `ReadSideError`."""
+        """GET `path` (a query of the reader's own, with its token) from the projector: the response
+        when 2xx, None on 404, else `ReadSideError`."""
         query = httpx.QueryParams(params or {})
-        response = await self.forward(path, str(query).encode("latin-1"))
+        response = await self.forward(path, str(query).encode("latin-1"), token=self._token)
         if response.status_code == 404:
             return None
         if response.status_code >= 400:
