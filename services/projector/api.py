@@ -54,19 +54,37 @@ def _error(status: int, message: str, **extra: Any) -> Response:
 
 
 class MinSeqMiddleware:
-    """ASGI middleware: a GET with `?min_seq=N` waits until the projection has applied seq N."""
+    """ASGI middleware: a GET with `?min_seq=N` waits until the projection has applied seq N.
 
-    def __init__(self, app: Any, reader: PostgresRolloutReader, timeout_s: float, prefixes: tuple[str, ...]) -> None:
+    The caller is authorised first (every path it waits on needs the admin token when there is
+    one): a caller without it is answered 401 at once, not after the wait.
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        reader: PostgresRolloutReader,
+        timeout_s: float,
+        prefixes: tuple[str, ...],
+        authorize: Authorize | None = None,
+    ) -> None:
         self.app = app
         self.reader = reader
         self.timeout_s = timeout_s
         self.prefixes = prefixes
+        self.authorize = authorize
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "GET" and scope["path"].startswith(self.prefixes):
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
             raw = query.get("min_seq")  # `min_seq=` (blank) is a mistake to name, not an absent parameter
             if raw:
+                try:
+                    if self.authorize is not None:
+                        self.authorize(Request(scope))
+                except ViewerAuthError as exc:
+                    await _error(401, str(exc))(scope, receive, send)
+                    return
                 response = await self._wait(raw[-1])
                 if response is not None:
                     await response(scope, receive, send)
@@ -195,7 +213,11 @@ def create_query_app(
     app.add_exception_handler(InvalidId, invalid)
     app.add_exception_handler(ValueError, invalid)
     app.add_middleware(
-        MinSeqMiddleware, reader=reader, timeout_s=min_seq_timeout_s, prefixes=("/query/", "/api/", "/ui/api/")
+        MinSeqMiddleware,
+        reader=reader,
+        timeout_s=min_seq_timeout_s,
+        prefixes=("/query/", "/api/", "/ui/api/"),
+        authorize=authorize,
     )
     # Outermost: every request is counted and logged, min_seq waits included.
     app.add_middleware(ObservedApp, service="projector")  # type: ignore[arg-type]

@@ -3,7 +3,7 @@
 Regressions for: a 422 on `GET /api/runs/{id}/summary` that also logged an ASGI traceback; 503
 bodies during a Postgres outage that exposed `ConnectionRefusedError: [Errno 111]`; the
 projector's `/healthz` saying NATS is up ~6 s after it died; the gateway's `/healthz` staying 200
-while reads failed.
+while reads failed; a `min_seq` wait before the caller was authorised.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from projector_support import ServerThread, gateway_with_projector, running_proj
 from schemas import RewardReported
 from services.common.eventstore import EventStore
 from services.devstack.embedded import NatsServer, free_port
+from services.projector.api import create_query_app
+from services.projector.reader import PostgresRolloutReader
 
 ADMIN = "errors-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -85,3 +87,20 @@ async def test_projector_health_sees_nats_die_within_two_seconds(
         while projector.status.health().status != "ok":  # and recovers unattended
             assert time.monotonic() - killed < 30.0
             await asyncio.sleep(0.2)
+
+
+async def test_min_seq_is_refused_at_once_without_the_admin_token(database: str) -> None:
+    """A `min_seq` the projection has not reached makes an admin wait (then 503); anyone else is answered
+    401 at once, not after the wait (which once came first: 10 s of a server's time for any caller)."""
+    app = create_query_app(PostgresRolloutReader(database), admin_token=ADMIN, min_seq_timeout_s=3.0)
+    with ServerThread(app) as projector:
+        async with httpx.AsyncClient(base_url=projector.url, timeout=30) as client:
+            for path in ("/query/rollouts", "/api/runs", "/ui/api/runs"):
+                for headers in ({}, {"Authorization": "Bearer wrong"}):
+                    began = time.monotonic()
+                    refused = await client.get(path, params={"min_seq": 10**9}, headers=headers)
+                    assert refused.status_code == 401, refused.text
+                    assert time.monotonic() - began < 1.0, f"{path} waited before refusing"
+            began = time.monotonic()
+            waited = await client.get("/query/rollouts", params={"min_seq": 10**9}, headers=AUTH)
+            assert waited.status_code == 503 and time.monotonic() - began >= 2.5, waited.text
