@@ -26,14 +26,15 @@ from services.gateway.auth import Authenticator, TokenSigner
 from services.gateway.budgets import Budgets
 from services.gateway.commands import checked_id, event_id_for, keyed
 from services.gateway.context import Gateway
-from services.gateway.errors import CLIENT_ERRORS, ApiError, internal, translate, unavailable
+from services.gateway.errors import CLIENT_ERRORS, ApiError, internal, retry_headers, translate, unavailable
+from services.gateway.frontends.base import error_body
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import IdempotencyCache
 from services.gateway.openapi import openapi_document
 from services.gateway.payload import announce
 from services.gateway.phase import PhaseGate
 from services.gateway.phasesync import PhaseSync
-from services.gateway.proxy import PREFIX, Proxy
+from services.gateway.proxy import PREFIX, Proxy, misdirected
 from services.gateway.reaper import CallReaper
 from services.gateway.recording import CallChains
 from services.gateway.settings import GatewaySettings
@@ -139,7 +140,11 @@ async def _errors(request: Request, exc: Exception) -> Response:
 
 async def _http_errors(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
-    headers = dict(getattr(exc, "headers", None) or {})
+    headers = retry_headers(exc.status_code) | dict(getattr(exc, "headers", None) or {})
+    meant = misdirected(request.url.path, request.headers.get("anthropic-version"), _base_url(request))
+    if exc.status_code == 404 and meant is not None:  # an SDK given the gateway's URL as its base URL
+        api, message = meant
+        return Response(error_body(api, 404, message), status_code=404, media_type="application/json", headers=headers)
     if exc.status_code == 405:  # every method this path serves, not only the first route's
         headers["Allow"] = ", ".join(_allowed(request.app, request.scope))
     return Response(
@@ -150,6 +155,11 @@ async def _http_errors(request: Request, exc: Exception) -> Response:
     )
 
 
+def _base_url(request: Request) -> str:
+    gateway = getattr(request.app.state, "gateway", None)
+    return gateway.settings.base_url if gateway is not None else str(request.base_url).rstrip("/")
+
+
 async def _validation(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0] if exc.errors() else {}
@@ -158,6 +168,7 @@ async def _validation(request: Request, exc: Exception) -> Response:
         encode({"error": f"{field}: {first.get('msg', 'invalid')}", "field": field}),
         status_code=422,
         media_type="application/json",
+        headers=retry_headers(422),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.gateway.errors import ApiError, invalid, too_large
+from services.gateway.errors import ApiError, invalid, retry_headers, too_large
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -16,8 +16,8 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-
 
 
 async def send_json(send: Send, status: int, payload: bytes, headers: dict[str, str] | None = None) -> None:
-    """A complete JSON response."""
-    extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    """A complete JSON response (a permanent refusal says `x-should-retry: false`)."""
+    extra = [(k.lower().encode(), v.encode()) for k, v in (retry_headers(status) | (headers or {})).items()]
     await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS + extra})
     await send({"type": "http.response.body", "body": payload})
 

@@ -16,6 +16,9 @@ from services.common.eventstore import ConcurrencyConflict, EventStoreUnavailabl
 from services.common.readside import ReadSideError
 
 RETRY_AFTER_S = 2
+PERMANENT = frozenset({400, 401, 403, 404, 405, 409, 413, 422})
+"""Refusals that a retry of the same request cannot change: answered with `x-should-retry: false`,
+the header the OpenAI and Anthropic SDKs (and Claude Code) obey instead of retrying on their own."""
 log = logging.getLogger("rollwire.gateway")
 _encoder = msgspec.json.Encoder()
 _FIELD = re.compile(r"at `\$\.?([^`]*)`")
@@ -28,12 +31,17 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.headers = headers or {}
+        self.headers = retry_headers(status) | (headers or {})
         self.extra = extra
 
     def body(self) -> bytes:
         """The JSON body of the error response."""
         return _encoder.encode({"error": self.message, **self.extra})
+
+
+def retry_headers(status: int) -> dict[str, str]:
+    """`x-should-retry: false` for a permanent refusal (`PERMANENT`); nothing otherwise."""
+    return {"x-should-retry": "false"} if status in PERMANENT else {}
 
 
 def unauthorized(message: str = "missing or invalid token: send `Authorization: Bearer <token>`") -> ApiError:

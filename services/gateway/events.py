@@ -18,12 +18,12 @@ from services.gateway import bodies
 from services.gateway.auth import AttemptScope
 from services.gateway.commands import (
     checked_id,
-    current_state,
+    ended_attempt,
     event_id_for,
     gateway_of,
     keyed,
 )
-from services.gateway.errors import ApiError, forbidden, from_validation, invalid
+from services.gateway.errors import forbidden, from_validation, invalid
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import Result
 from services.gateway.views import event_json
@@ -41,9 +41,7 @@ async def post_event(request: Request, rollout_id: str, attempt_id: str) -> Resp
     parsed = decode(body, bodies.EventBody)
     view, attempt = await gw.attempt_for(principal, rollout_id, attempt_id)
     if isinstance(principal, AttemptScope) and principal.role == "agent" and attempt.ended:
-        raise ApiError(
-            409, f"attempt {attempt_id} has ended; its token no longer writes events", current=current_state(view)
-        )
+        raise ended_attempt(view, attempt, "its token no longer writes events")
     source = principal.role if isinstance(principal, AttemptScope) else "admin"
     kind, name, value, payload, step = _event_fields(parsed)
     if kind == "reward" and source == "agent" and gw.state.reward_from(view.run_id) == "evaluator":

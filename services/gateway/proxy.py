@@ -21,6 +21,7 @@ records and answers. Every refusal is written in the API's own error shape.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ from schemas.rollout import RolloutView
 from services.gateway.agents import AGENT_HEADER, agent_name, routed_model, split_agent
 from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_json
 from services.gateway.auth import AttemptScope, Principal
+from services.gateway.commands import ended_attempt
 from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, forbidden, internal, not_found, translate, unauthorized, unavailable
 from services.gateway.frontends import chat, messages, responses
@@ -49,6 +51,11 @@ SERVED = (
     "and Anthropic's Messages API under .../anthropic/ (POST v1/messages, POST v1/messages/count_tokens, "
     "GET v1/models, HEAD)"
 )
+_MODEL_API = re.compile(
+    r"(?:/(?:v1|openai|anthropic))*/(?:chat/completions|completions|responses(?:/.*)?|models(?:/.*)?"
+    r"|messages(?:/count_tokens)?|embeddings)/?"
+)
+"""A model API's path under a base URL: what an SDK requests when given the gateway's own URL as its base."""
 _encode = msgspec.json.Encoder().encode
 _decode_obj = msgspec.json.Decoder(dict[str, Any]).decode
 
@@ -80,6 +87,22 @@ def parse_route(path: str) -> Route:
     if api == "anthropic":
         return Route(rollout_id, attempt_id, mode, "anthropic", "/".join(parts[6:]).rstrip("/"), agent)
     raise not_found(f"the proxy does not serve {'/'.join(parts[5:])!r}: {SERVED}")
+
+
+def misdirected(path: str, anthropic_version: str | None, base_url: str) -> tuple[Api, str] | None:
+    """For a model API request sent to the gateway's root (its URL used as a base URL): the API it was
+    meant for and a message naming the URL to use instead; None for any other path."""
+    if not _MODEL_API.fullmatch(path):
+        return None
+    anthropic = anthropic_version is not None or "/messages" in path or path.startswith("/anthropic")
+    proxy = f"{base_url}/proxy/rollout/{{rollout_id}}/attempt/{{attempt_id}}/mode/{{train|val}}"
+    use = f"{proxy}/anthropic" if anthropic else f"{proxy}/openai/v1"
+    variable, field = ("ANTHROPIC", "anthropic_base_url") if anthropic else ("OPENAI", "proxy_base_url")
+    return "anthropic" if anthropic else "openai", (
+        f"{base_url} is the gateway's own URL, not a model base URL. The model API is served for each "
+        f"attempt at its proxy base URL: {use}. An agent started by the controller has it in ${variable}_BASE_URL; "
+        f"otherwise take `{field}` from POST /api/rollouts/{{rollout_id}}/attempts"
+    )
 
 
 def _api_of(path: str) -> Api:
@@ -155,12 +178,7 @@ class Proxy:
             if attempt is None:
                 raise not_found(f"rollout {route.rollout_id} has no attempt {route.attempt_id}")
         if attempt.ended:
-            raise ApiError(
-                409,
-                f"attempt {route.attempt_id} of rollout {route.rollout_id} has ended ({view.status}); "
-                "its calls are no longer accepted",
-                current={"status": view.status, "attempt_id": view.attempt_id},
-            )
+            raise ended_attempt(view, attempt, "its calls are no longer accepted")
         if route.mode != view.mode:
             raise ApiError(409, f"rollout {route.rollout_id} is a {view.mode} rollout; use mode/{view.mode} in the URL")
         if not gw.store.nc.is_connected:
