@@ -71,6 +71,11 @@ def invalid(message: str, field: str | None = None) -> ApiError:
     return ApiError(422, message, field=field)
 
 
+def too_deep() -> ApiError:
+    """422 for JSON nested deeper than the decoder follows (about a thousand levels)."""
+    return invalid("the JSON body is nested too deeply to decode; no API here needs more than a few levels", "body")
+
+
 def too_large(limit: int) -> ApiError:
     """413 naming the limit."""
     return ApiError(413, f"request body is larger than the limit of {limit} bytes (ROLLWIRE_MAX_BODY_BYTES)")

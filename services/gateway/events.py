@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import msgspec
@@ -26,6 +25,7 @@ from services.gateway.commands import (
 from services.gateway.errors import forbidden, from_validation, invalid
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import Result
+from services.gateway.limits import finite_number
 from services.gateway.views import event_json
 
 
@@ -86,8 +86,8 @@ def _event_fields(parsed: bodies.EventBody) -> tuple[str, str | None, float, dic
     if parsed.type == "reward" or (parsed.type is None and parsed.event_type == "reward"):
         data = parsed.data or {}
         raw = parsed.value if parsed.value is not None else data.get("value")
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
-            raise invalid('a reward needs a finite number in "value"', "value")
+        if not finite_number(raw):
+            raise invalid('a reward needs a finite number in "value" (one a 64-bit float holds)', "value")
         name = parsed.name or data.get("name")
         return "reward", name if isinstance(name, str) else None, float(raw), {}, parsed.step
     if parsed.type == "custom":

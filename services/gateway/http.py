@@ -10,7 +10,7 @@ from fastapi import Request, Response
 
 from schemas import InvalidId
 from services.gateway import asgi
-from services.gateway.errors import from_validation, invalid
+from services.gateway.errors import from_validation, invalid, too_deep
 
 T = TypeVar("T")
 _encoder = msgspec.json.Encoder()
@@ -40,6 +40,13 @@ def decode(body: bytes, type_: type[T], *, empty: T | None = None) -> T:
         if empty is not None:
             return empty
         raise invalid("the request body is empty; send a JSON object", "body")
+    try:
+        return _decode(body, type_)
+    except RecursionError:
+        raise too_deep() from None
+
+
+def _decode(body: bytes, type_: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:

@@ -10,10 +10,12 @@ the parameter, so the harness's client raises its ordinary `BadRequestError`.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, TypeGuard
 
 import msgspec
 
+from schemas.bounds import INT32_MAX
 from schemas.runs import AttemptBudget, CallLimits, PromptMode
 from services.gateway.errors import ApiError
 
@@ -63,6 +65,42 @@ class RunSettings:
         return parsed
 
 
+SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+SAMPLING_INTEGERS = {"top_k": (-1, INT32_MAX), "seed": (-(2**63), 2**63 - 1), "top_logprobs": (0, INT32_MAX)}
+"""Sampling parameters checked before a call is forwarded: each must be a finite number (an integer in
+range), so nothing the engine generates is lost to a value the call's record cannot hold."""
+
+
+def finite_number(value: Any) -> TypeGuard[int | float]:
+    """True for an int or float (not a bool) that a 64-bit float holds finitely (10^400 is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def check_sampling(request: dict[str, Any]) -> None:
+    """Refuse (ProxyRefusal, 400) a sampling parameter that is not a finite number, or not an integer in range.
+
+    Only the type and the range a record holds are checked; what the values mean (a top_p above 1)
+    is the engine's to refuse, so nothing an engine accepts is refused here."""
+    for name in SAMPLING_NUMBERS:
+        value = request.get(name)
+        if value is not None and not finite_number(value):
+            raise ProxyRefusal(400, f"{name} must be a finite number", kind="invalid_request_error", param=name)
+    for name, (low, high) in SAMPLING_INTEGERS.items():
+        value = request.get(name)
+        if value is None:
+            continue
+        whole = finite_number(value) and float(value).is_integer()
+        if not whole or not low <= value <= high:
+            raise ProxyRefusal(
+                400, f"{name} must be an integer from {low} to {high}", kind="invalid_request_error", param=name
+            )
+
+
 def _count(request: dict[str, Any], name: str, default: int = 1) -> int:
     value = request.get(name)
     if value is None:
@@ -77,6 +115,7 @@ def check_call(request: dict[str, Any], limits: CallLimits) -> None:
 
     `max_tokens` over the limit is not refused but lowered (`clamp_max_tokens`): harnesses send a
     fixed ceiling of their own (Claude Code asks for 64,000 on every call) that the engine caps anyway."""
+    check_sampling(request)
     n = _count(request, "n")
     if not 1 <= n <= limits.max_n:
         raise ProxyRefusal(

@@ -35,7 +35,16 @@ from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.commands import ended_attempt
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, forbidden, internal, not_found, translate, unauthorized, unavailable
+from services.gateway.errors import (
+    ApiError,
+    forbidden,
+    internal,
+    not_found,
+    too_deep,
+    translate,
+    unauthorized,
+    unavailable,
+)
 from services.gateway.frontends import chat, messages, responses
 from services.gateway.frontends.base import Api, Translator, error_body
 from services.gateway.frontends.canonical import Conversation, TranslationError, Turn, history
@@ -217,6 +226,8 @@ class Proxy:
             return _decode_obj(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ApiError(422, f"the request body is not a JSON object: {exc}", field="body") from None
+        except RecursionError:
+            raise too_deep() from None
 
     def call(self, view: RolloutView, route: Route, model: ModelEntry, **fields: Any) -> Call:
         """A call of this route to `model` (the front end supplies payload, request and translator)."""

@@ -2,19 +2,23 @@
 
 An event already on the stream with an integer Postgres cannot hold (written before the contract
 bounded it, or by a writer that bypassed it) is a poison event: it goes to the dead letters and the
-projection moves on. A lost connection stays a temporary failure.
+projection moves on. A lost connection stays a temporary failure. A read of a sequence no stream
+reaches is a 404, not a 500.
 """
 
 from __future__ import annotations
 
 import asyncpg
+import httpx
 import msgspec
 from projector_scenarios import load_events
-from projector_support import running_projector, wait_applied
+from projector_support import ServerThread, running_projector, wait_applied
 
 from services.common.eventstore import EventStore
 from services.devstack.embedded import NatsServer
+from services.projector.api import create_query_app
 from services.projector.pgstore import is_poison
+from services.projector.reader import PostgresRolloutReader
 
 BIG = 3_000_000_000
 
@@ -77,3 +81,15 @@ async def test_poison_is_told_from_a_lost_connection(database: str) -> None:
     finally:
         await live.close()
     assert not is_poison(OverflowError("value out of int32 range"), live)  # the connection is gone: retry
+
+
+async def test_a_call_seq_no_stream_reaches_is_a_404_not_a_500(database: str) -> None:
+    """`/ui/api/calls/{seq}` with seq at or past 2^63 (Postgres' bigint) once answered 500."""
+    app = create_query_app(PostgresRolloutReader(database), admin_token="bounds-admin")
+    with ServerThread(app) as projector:
+        async with httpx.AsyncClient(base_url=projector.url, headers={"Authorization": "Bearer bounds-admin"}) as c:
+            for seq in (2**63, 2**64, 10**30, 2**53):
+                answer = await c.get(f"/ui/api/calls/{seq}")
+                assert answer.status_code == 404, (seq, answer.text)
+            past = await c.get("/ui/api/calls/1", params={"seq": 2**63})
+            assert past.status_code == 422 and "seq" in past.json()["error"], past.text

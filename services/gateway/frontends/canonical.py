@@ -29,6 +29,16 @@ class TranslationError(Exception):
         self.status = status
 
 
+def listed(request: dict[str, Any], name: str) -> list[Any]:
+    """`request[name]` as a list (absent or null: empty); a 422 naming it when it is anything else."""
+    value = request.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise TranslationError(f'"{name}" must be a list, not {type(value).__name__}', name)
+    return value
+
+
 class ToolCall(msgspec.Struct, frozen=True):
     """A function call the model made: its id, the function's name, JSON arguments as text."""
 

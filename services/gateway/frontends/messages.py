@@ -32,6 +32,7 @@ from services.gateway.frontends.canonical import (
     TranslationError,
     Turn,
     json_text,
+    listed,
     output_of,
 )
 from services.gateway.openai_format import ChoiceRecord, StreamFold, reasoning_of
@@ -127,7 +128,7 @@ def _turns(request: dict[str, Any]) -> list[Turn]:
 
 def _tools(request: dict[str, Any]) -> list[Tool]:
     tools = []
-    for i, tool in enumerate(request.get("tools") or []):
+    for i, tool in enumerate(listed(request, "tools")):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise TranslationError("each tool needs a name", f"tools[{i}]")
         if tool.get("type") not in (None, "custom"):

@@ -37,6 +37,7 @@ from services.gateway.frontends.canonical import (
     Turn,
     append_tool_call,
     json_text,
+    listed,
     output_of,
 )
 from services.gateway.openai_format import ChoiceRecord, StreamFold, reasoning_of
@@ -120,7 +121,7 @@ def _turns(request: dict[str, Any], prior: list[Turn]) -> list[Turn]:
 
 def _tools(request: dict[str, Any]) -> list[Tool]:
     tools: list[Tool] = []
-    for i, tool in enumerate(request.get("tools") or []):
+    for i, tool in enumerate(listed(request, "tools")):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind in DROPPED_TOOLS:
             continue

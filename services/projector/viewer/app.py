@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from schemas.bounds import PAGE_MAX
+from schemas.bounds import JSON_INT_MAX, PAGE_MAX
 from services.common.query import int_query
 from services.projector.reader import PostgresRolloutReader, ReadModelUnavailable
 from services.projector.viewer import queries
@@ -107,7 +107,10 @@ def mount_viewer(
         )
 
     async def one_call(request: Request) -> Any:
-        return await queries.call(reader, int_param(request, "seq", 0) or int(request.path_params["seq"]))
+        seq = int_param(request, "seq", 0, high=JSON_INT_MAX) or int(request.path_params["seq"])
+        if seq > JSON_INT_MAX:  # no stream sequence is this large (and Postgres' bigint stops at 2^63)
+            return None
+        return await queries.call(reader, seq)
 
     api = f"{prefix}/api"
     routes: list[tuple[str, Callable[[Request], Awaitable[Any]]]] = [
