@@ -53,7 +53,28 @@ CallApi = Literal["chat", "responses", "messages"]
 ReasoningParser = Literal["qwen3", "deepseek_r1"]
 """vLLM's reasoning parsers whose format continuous prompt mode reads: a leading `<think>…</think>` block."""
 Phase = Literal["rollout", "update"]
-RewardSource = Literal["agent", "evaluator", "admin"]
+EventSource = Literal["agent", "evaluator", "admin"]
+"""Who wrote a reward or custom event: an attempt's agent token, its evaluator token, or the admin (a
+service: the trainer, the controller, the gateway itself, a monitor, an operator)."""
+RewardSource = EventSource
+
+TRAIN_STEP_EVENT = "train_step"
+"""The trainer's record of a step on each rollout it trains (what `rollwire replay --step` reads)."""
+BUDGET_EXCEEDED_EVENT = "budget_exceeded"
+"""The gateway's record that an attempt ran out of budget (the runaway monitor reports it)."""
+LOG_EVENT = "log"
+"""The controller's link to an execution's logs."""
+FLAG_EVENT = "flag"
+"""A monitor's flag on a rollout; the projector counts every name starting with `flag` as a flag."""
+CALL_STARTED_EVENT = "call_started"
+"""The proxy's in-flight marker of calls recorded before markers moved to a key-value bucket."""
+RESERVED_EVENT_NAMES = frozenset({TRAIN_STEP_EVENT, BUDGET_EXCEEDED_EVENT, LOG_EVENT, FLAG_EVENT, CALL_STARTED_EVENT})
+"""Custom event names other parts of Rollwire act on: an agent may not write them (nor any `flag...`)."""
+
+
+def reserved_event_name(name: str) -> bool:
+    """True for a custom event name other parts act on (`RESERVED_EVENT_NAMES`, or any name starting `flag`)."""
+    return name in RESERVED_EVENT_NAMES or name.startswith(FLAG_EVENT)
 
 
 def _new_event_id() -> str:
@@ -232,7 +253,7 @@ class RewardReported(Event, frozen=True, kw_only=True, tag="reward"):
     value: float
     name: str | None = None
     step: Int32 | None = None
-    source: RewardSource = "agent"
+    source: EventSource = "agent"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -244,10 +265,23 @@ class RewardReported(Event, frozen=True, kw_only=True, tag="reward"):
 
 
 class CustomEvent(Event, frozen=True, kw_only=True, tag="custom"):
-    """A user-defined event (logs, monitor flags, spans): free-form JSON payload."""
+    """A user-defined event (logs, monitor flags, spans): free-form JSON payload.
+
+    `source` is who wrote it (the gateway sets it from the token that posted it). Absent means
+    `admin`: the services that write events straight to the stream, and every event written before
+    the field existed. Whoever acts on an event's name checks `trusted` first: an agent may write
+    any name but the reserved ones (`reserved_event_name`), and its events are never taken for
+    the system's.
+    """
 
     name: str
     payload: dict[str, Any] = {}
+    source: EventSource = "admin"
+
+    @property
+    def trusted(self) -> bool:
+        """True unless the agent under training wrote it (an evaluator's or a service's event)."""
+        return self.source != "agent"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -47,7 +47,7 @@ async def handle(monitor: Monitor, stored: StoredEvent) -> None:
     """Flag the rollout of a `test_files_touched` event, or of a call that writes a test file."""
     event = stored.event
     match event:
-        case CustomEvent(name="test_files_touched", payload=payload):
+        case CustomEvent(name="test_files_touched", payload=payload) if event.trusted:  # not the agent's own
             detail = "evaluator restored: " + ", ".join(map(str, payload.get("files", [])))[:200]
         case ModelRequestRecorded():
             found = writes_tests(event)

@@ -21,6 +21,7 @@ import argparse
 import msgspec
 
 from schemas import TERMINAL_STATUSES, CustomEvent, ModelRequestRecorded, RolloutStatusChanged
+from schemas.events import BUDGET_EXCEEDED_EVENT
 from schemas.ids import MODEL_REQUEST
 from schemas.refs import prompt_length
 from services.common.eventstore import StoredEvent
@@ -60,7 +61,7 @@ async def _usage_of(monitor: Monitor, stored: StoredEvent, event: ModelRequestRe
 async def handle(monitor: Monitor, stored: StoredEvent) -> None:
     """Count the call; flag the rollout when this call takes it over a limit."""
     event = stored.event
-    if isinstance(event, CustomEvent) and event.name == "budget_exceeded":
+    if isinstance(event, CustomEvent) and event.name == BUDGET_EXCEEDED_EVENT and event.trusted:
         await _report_budget(monitor, event)
         return
     if isinstance(event, RolloutStatusChanged) and event.status in TERMINAL_STATUSES:

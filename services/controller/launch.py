@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from schemas.events import LOG_EVENT
 from schemas.runs import RunSpec
 from services.common.retry import Backoff, retry_async
 from services.controller import metrics
@@ -46,7 +47,6 @@ log = logging.getLogger("rollwire.controller")
 
 ATTEMPT_KEY = "rollwire-controller:{rollout}:{created}:{sequence}"
 ECHO_TIMEOUT_S = 5.0
-LOG_EVENT = "log"
 LAUNCH_RETRIES = 3
 UNAVAILABLE_BACKOFF = Backoff(initial=0.5, maximum=30.0)
 """Delay before retrying a command the gateway, a backend or NATS could not take now."""

@@ -22,6 +22,7 @@ import time
 import msgspec
 
 from schemas import CustomEvent, ModelRequestRecorded
+from schemas.events import BUDGET_EXCEEDED_EVENT
 from schemas.ids import MODEL_REQUEST
 from schemas.rollout import RolloutView
 from schemas.runs import AttemptBudget
@@ -30,7 +31,7 @@ from services.common.eventstore import EventStore, EventStoreUnavailable
 from services.gateway.idempotency import derive_id
 from services.gateway.limits import ProxyRefusal
 
-BUDGET_EVENT = "budget_exceeded"
+BUDGET_EVENT = BUDGET_EXCEEDED_EVENT
 
 
 class Spent(msgspec.Struct):

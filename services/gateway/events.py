@@ -12,6 +12,7 @@ from schemas import (
     InvalidId,
     RewardReported,
 )
+from schemas.events import RESERVED_EVENT_NAMES, reserved_event_name
 from services.common.eventstore import StoredEvent
 from services.gateway import bodies
 from services.gateway.auth import AttemptScope
@@ -46,6 +47,12 @@ async def post_event(request: Request, rollout_id: str, attempt_id: str) -> Resp
     kind, name, value, payload, step = _event_fields(parsed)
     if kind == "reward" and source == "agent" and gw.state.reward_from(view.run_id) == "evaluator":
         raise forbidden(f"run {view.run_id} takes rewards from its evaluator only; an agent token cannot report one")
+    if kind == "custom" and source == "agent" and reserved_event_name(name or ""):
+        raise forbidden(
+            f"custom event name {name!r} is reserved (other parts of Rollwire act on it: "
+            f"{', '.join(sorted(RESERVED_EVENT_NAMES))} and any name starting with 'flag'); "
+            "an agent token cannot write it: choose another name"
+        )
 
     async def command(key: str | None) -> Result:
         event_id = event_id_for(key, "event", rollout_id, attempt_id)
@@ -70,6 +77,7 @@ async def post_event(request: Request, rollout_id: str, attempt_id: str) -> Resp
                     attempt_id=attempt_id,
                     name=name or "",
                     payload=payload,
+                    source=source,  # type: ignore[arg-type]
                 )
         except (InvalidId, msgspec.ValidationError) as exc:
             raise from_validation(exc) from None

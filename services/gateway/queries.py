@@ -16,6 +16,7 @@ from schemas import (
     RolloutStatus,
     RolloutStatusChanged,
 )
+from schemas.events import CALL_STARTED_EVENT
 from schemas.rollout import RolloutView
 from services.common.readside import RolloutQuery
 from services.gateway.auth import AttemptScope, Principal
@@ -157,7 +158,7 @@ async def list_events(request: Request, rollout_id: str) -> Response:
                 continue
         elif not isinstance(event, (RewardReported, CustomEvent)) and not _is_call(item):
             continue
-        elif isinstance(event, CustomEvent) and event.name == "call_started":
+        elif isinstance(event, CustomEvent) and event.name == CALL_STARTED_EVENT:
             continue  # the proxy's in-flight markers of streams recorded before they moved to a KV bucket
         if attempt is not None and event.attempt_id != attempt:
             continue

@@ -29,6 +29,7 @@ from schemas import (
     RolloutStatusChanged,
     RunStarted,
 )
+from schemas.events import FLAG_EVENT
 from schemas.rollout import RolloutView, fold
 from services.common.eventstore import StoredEvent
 from services.projector import chains as chain_state
@@ -204,7 +205,7 @@ def _detail_rows(plan: Plan, item: Incoming) -> None:
     elif isinstance(event, CustomEvent):
         plan.custom_events.append(
             (item.seq, event.run_id, event.rollout_id, event.attempt_id, event.time, event.name,
-             _json.encode(event.payload).decode())
+             _json.encode(event.payload).decode(), event.source)
         )  # fmt: skip
     elif isinstance(event, PhaseChanged):
         plan.phases.append((item.seq, event.run_id, event.phase, event.weights_version, event.time))
@@ -377,7 +378,7 @@ def fold_batch(items: Sequence[Incoming], loaded: Loaded) -> Plan:
             stats.reward, stats.reward_seq = event.value, item.seq
         elif isinstance(event, CustomEvent):
             extras.custom_events += 1
-            if event.name.startswith("flag"):
+            if event.name.startswith(FLAG_EVENT) and event.trusted:  # an agent's "flag" is only an event
                 _add_flags(extras, [event.name])
     plan.chains = {key: chain_state.dump(state) for key, state in open_chains.items()}
     for key in plan.touched:

@@ -57,7 +57,7 @@ ROLLOUT_COLUMNS = ("run_id", "rollout_id", *BULKY_FIELDS, *_MUTABLE)
 EVENT_COLUMNS = ("seq", "run_id", "rollout_id", "attempt_id", "type", "event_id", "schema_version", "time", "body")
 MODEL_CALL_COLUMNS = CallRow.__struct_fields__  # one definition: the row Struct the fold builds
 REWARD_COLUMNS = ("seq", "run_id", "rollout_id", "attempt_id", "time", "value", "name", "step", "source")
-CUSTOM_COLUMNS = ("seq", "run_id", "rollout_id", "attempt_id", "time", "name", "payload")
+CUSTOM_COLUMNS = ("seq", "run_id", "rollout_id", "attempt_id", "time", "name", "payload", "source")
 PHASE_COLUMNS = ("seq", "run_id", "phase", "weights_version", "time")
 DEAD_LETTER_COLUMNS = ("seq", "subject", "reason", "data")
 

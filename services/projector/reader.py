@@ -157,7 +157,7 @@ def _event_from_row(row: asyncpg.Record, calls: CallResolver) -> StoredEvent:
         if kind == "reward":
             body.update(value=row["value"], name=row["reward_name"], step=row["step"], source=row["source"])
         elif kind == "custom":
-            body.update(name=row["custom_name"], payload=json_column(row["payload"]))
+            body.update(name=row["custom_name"], payload=json_column(row["payload"]), source=row["custom_source"])
         if row["body"] is None:
             body.update(
                 type=kind, run_id=row["run_id"], rollout_id=row["rollout_id"], attempt_id=row["attempt_id"],
@@ -174,7 +174,7 @@ SELECT e.seq, e.run_id, e.rollout_id, e.attempt_id, e.type, e.event_id, e.schema
        m.base_tokens, m.base_text, m.prompt_text, m.response_text, m.request_ref, m.agent, m.endpoint,
        m.started_at, m.temperature, m.top_p, m.top_k, m.api, m.continuity,
        w.value, w.name AS reward_name, w.step, w.source,
-       c.name AS custom_name, c.payload
+       c.name AS custom_name, c.payload, c.source AS custom_source
 FROM events e
 LEFT JOIN model_calls m ON m.seq = e.seq AND e.type = 'model_request'
 LEFT JOIN rewards w ON w.seq = e.seq AND e.type = 'reward'

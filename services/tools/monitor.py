@@ -34,9 +34,9 @@ import msgspec
 import nats.js.errors
 
 from schemas import AnyEvent, CustomEvent, Event, ModelRequestRecorded, check_id
+from schemas.events import FLAG_EVENT
 from services.common.eventstore import Appended, EventStore, EventStoreError, StartFrom, StoredEvent
 
-FLAG_EVENT = "flag"
 Severity = Literal["info", "warning", "critical"]
 SEVERITIES: tuple[str, ...] = ("info", "warning", "critical")
 
@@ -188,7 +188,9 @@ class Monitor:
 
 def flags_of(events: Sequence[AnyEvent]) -> list[tuple[str | None, dict[str, Any]]]:
     """(rollout id, payload) of every flag among `events` (for tests and reports)."""
-    return [(e.rollout_id, e.payload) for e in events if isinstance(e, CustomEvent) and e.name == FLAG_EVENT]
+    return [
+        (e.rollout_id, e.payload) for e in events if isinstance(e, CustomEvent) and e.name == FLAG_EVENT and e.trusted
+    ]
 
 
 Handler = Callable[[Monitor, StoredEvent], Awaitable[None]]

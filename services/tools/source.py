@@ -289,7 +289,9 @@ async def index_run(
         entry = rollouts.get(event.rollout_id)
         if entry is None:
             entry = rollouts[event.rollout_id] = RolloutEntry(rollout_id=event.rollout_id, order=stored.seq, events=[])
-        if isinstance(event, CustomEvent):  # a trainer step record
+        if isinstance(event, CustomEvent):  # a trainer step record (one an agent wrote is not)
+            if not event.trusted:
+                continue
             step = _step_of(event.payload)
             if step is not None:
                 entry.step, has_steps = step, True

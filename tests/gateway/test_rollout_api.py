@@ -215,7 +215,7 @@ def test_attempts_tokens_and_retries(gateway: GatewayHandle, run_id: str) -> Non
     assert again.status_code == 409 and again.json()["current"]["status"] == "preparing"
     agent = httpx.Client(base_url=gateway.url, headers={"authorization": f"Bearer {first['token']}"})
     url = f"/api/rollouts/{rid}/attempt/{first['attempt_id']}/events"
-    assert agent.post(url, json={"type": "custom", "name": "log", "payload": {"a": 1}}).status_code == 201
+    assert agent.post(url, json={"type": "custom", "name": "note", "payload": {"a": 1}}).status_code == 201
     assert gateway.admin.patch(f"/api/rollouts/{rid}", json={"status": "requeuing", "reason": "oom"}).status_code == 200
     ended = agent.post(url, json={"type": "reward", "value": 1})
     assert ended.status_code == 409, ended.text

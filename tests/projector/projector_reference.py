@@ -162,7 +162,7 @@ def fold(messages: list[tuple[int, str, bytes]]) -> Expected:
             out.stats.setdefault(akey, _stats())["reward"] = event.value
         elif isinstance(event, CustomEvent):
             extras["custom_events"] += 1
-            if event.name.startswith("flag"):
+            if event.name.startswith("flag") and event.source != "agent":
                 extras["flags"].add(event.name)
     for key, view in out.views.items():
         out.extras[key].update(attempts=len(view.attempts), reward=view.reward)

@@ -21,10 +21,13 @@ from schemas import (
     RunStarted,
     encode,
 )
+from schemas.events import EventSource
 
 RUNS = ("r0", "r1")
 ROLLOUTS = ("x0", "x1")
 ATTEMPTS = ("a0", "a1", None)
+AGENT_FLAG = "flag-from-agent"
+"""A custom event an agent wrote with a flag's name: counted as a custom event, never as a flag."""
 STATUSES = ("queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled")
 POISON = (b"{not json", b'{"type": "no.such.type", "run_id": "r0"}', b'{"type": "reward", "run_id": "bad.id"}')
 HACK = {"choices": [{"message": {"content": "", "tool_calls": [
@@ -79,7 +82,8 @@ class StreamBuilder:
             return RewardReported(**self.envelope(op[1], op[2], op[3]), value=op[4])
         if kind == "custom":
             payload: dict[str, Any] = {"k": op[4]} if op[4] != "nul" else {"k": "a\u0000b"}
-            return CustomEvent(**self.envelope(op[1], op[2], op[3]), name=op[5], payload=payload)
+            source: EventSource = "agent" if op[5] == AGENT_FLAG else "admin"  # an agent's "flag" is not a flag
+            return CustomEvent(**self.envelope(op[1], op[2], op[3]), name=op[5], payload=payload, source=source)
         if kind == "model":
             if op[3]:
                 return ModelRegistered(**self.envelope(op[1]), name=op[2], base_url=f"http://{op[2]}", api_key="sk")
@@ -123,7 +127,7 @@ OPS = st.one_of(
         rollout_,
         attempt_,
         st.sampled_from(("a", "b", "nul")),
-        st.sampled_from(("tool", "flag-hack")),
+        st.sampled_from(("tool", "flag-hack", AGENT_FLAG)),
     ),
     st.tuples(st.just("model"), run_, st.sampled_from(("m0", "m1")), st.booleans()),
     st.tuples(st.just("phase"), run_, st.sampled_from(("rollout", "update")), st.integers(0, 3)),
@@ -177,7 +181,7 @@ def random_ops(rng: random.Random, count: int) -> list[tuple[Any, ...]]:
         elif kind == "reward":
             out.append(("reward", run, rollout, attempt, rng.choice((0.0, 1.0))))
         elif kind == "custom":
-            out.append(("custom", run, rollout, attempt, "a", rng.choice(("tool", "flag-x"))))
+            out.append(("custom", run, rollout, attempt, "a", rng.choice(("tool", "flag-x", AGENT_FLAG))))
         elif kind == "model":
             out.append(("model", run, rng.choice(("m0", "m1")), rng.random() < 0.7))
         else:

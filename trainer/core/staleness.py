@@ -6,11 +6,13 @@ from collections.abc import Sequence
 
 import msgspec
 
+from schemas import events
 from trainer.core.calls import RolloutCalls
 
-TRAIN_STEP_EVENT = "train_step"
+TRAIN_STEP_EVENT = events.TRAIN_STEP_EVENT
 """Name of the `CustomEvent` the trainer records on each rollout it trains, payload
-`{"step", "weights_version", "max_staleness", "adapter"}`: what a replay needs to rebuild that step."""
+`{"step", "weights_version", "max_staleness", "adapter"}`: what a replay needs to rebuild that step
+(reserved: an agent cannot write one)."""
 
 
 def drop_stale_calls(

@@ -220,7 +220,7 @@ SELECT e.seq, e.type, e.time, e.attempt_id, e.body, m.call_id, m.model, m.status
        m.finish_reason, m.latency_s, m.error, m.prompt_tokens, m.response_tokens, m.new_sample, m.flags,
        m.request, m.response, m.response_ids, m.logprobs, m.response_pieces, m.response_text,
        m.prompt_text IS NOT NULL AS has_prompt_text, m.base_seq, m.request_ref, m.continuity,
-       w.value, w.name AS reward_name, w.source, w.step, c.name AS custom_name, c.payload
+       w.value, w.name AS reward_name, w.source, w.step, c.name AS custom_name, c.payload, c.source AS custom_source
 FROM events e
 LEFT JOIN model_calls m ON m.seq = e.seq AND e.type = 'model_request'
 LEFT JOIN rewards w ON w.seq = e.seq AND e.type = 'reward'
@@ -263,7 +263,7 @@ async def timeline(
         elif row["type"] == "reward":
             item.update(value=_finite(row["value"]), name=row["reward_name"], source=row["source"], step=row["step"])
         elif row["type"] == "custom":
-            item.update(name=row["custom_name"], payload=json_column(row["payload"]))
+            item.update(name=row["custom_name"], payload=json_column(row["payload"]), source=row["custom_source"])
         else:
             body = full_body(row["body"])
             for name in ("status", "previous", "reason", "sequence", "executor", "input", "group_id", "mode"):
