@@ -20,7 +20,7 @@ from services.common.readside import StreamRolloutReader
 from services.gateway.context import Gateway
 from services.gateway.errors import ApiError, invalid, unavailable
 from services.gateway.http import fingerprint
-from services.gateway.idempotency import Result, derive_id
+from services.gateway.idempotency import Recall, Result, derive_id
 
 
 def gateway_of(request: Request) -> Gateway:
@@ -39,8 +39,11 @@ def checked_id(kind: str, value: str) -> str:
 Command = Callable[[str | None], Awaitable[Result]]
 
 
-async def keyed(request: Request, scope: str, body: bytes, command: Command) -> Response:
-    """Run a command, once per `Idempotency-Key` (repeats get the first response)."""
+async def keyed(
+    request: Request, scope: str, body: bytes, command: Command, recall: Callable[[str], Recall] | None = None
+) -> Response:
+    """Run a command, once per `Idempotency-Key` (repeats get the first response; `recall(key)` finds
+    what a repeat's first run wrote when this process has no answer for it, see `IdempotencyCache.run`)."""
     if not gateway_of(request).store.nc.is_connected:
         raise unavailable("the event store (NATS) is unavailable; nothing was changed, retry later")
     key = request.headers.get("idempotency-key")
@@ -48,7 +51,10 @@ async def keyed(request: Request, scope: str, body: bytes, command: Command) -> 
         status, payload = await command(None)
     else:
         status, payload = await gateway_of(request).idempotency.run(
-            (scope, request.method, request.url.path, key), fingerprint(body), lambda: command(key)
+            (scope, request.method, request.url.path, key),
+            fingerprint(body),
+            lambda: command(key),
+            recall(key) if recall is not None else None,
         )
     return Response(payload, status_code=status, media_type="application/json")
 

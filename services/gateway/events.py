@@ -13,6 +13,7 @@ from schemas import (
     RewardReported,
 )
 from schemas.events import RESERVED_EVENT_NAMES, reserved_event_name
+from schemas.ids import CUSTOM_EVENT, REWARD
 from services.common.eventstore import StoredEvent
 from services.gateway import bodies
 from services.gateway.auth import AttemptScope
@@ -25,7 +26,7 @@ from services.gateway.commands import (
 )
 from services.gateway.errors import forbidden, from_validation, invalid
 from services.gateway.http import decode, encode, read_body
-from services.gateway.idempotency import Result
+from services.gateway.idempotency import Recall, Result
 from services.gateway.limits import finite_number
 from services.gateway.views import event_json
 
@@ -84,7 +85,21 @@ async def post_event(request: Request, rollout_id: str, attempt_id: str) -> Resp
         ack = await gw.store.append(event)
         return 201, encode(event_json(StoredEvent(seq=ack.seq, subject=event.subject, event=event)))
 
-    return await keyed(request, f"{source}:{rollout_id}:{attempt_id}", body, command)
+    def recall(key: str) -> Recall:
+        """The event a repeat's first run appended, found by its key-derived id (see `keyed`)."""
+
+        async def find() -> Result | None:
+            event_id = event_id_for(key, "event", rollout_id, attempt_id)
+            where = {"run": view.run_id, "rollout": rollout_id}
+            subject = REWARD.format(**where) if kind == "reward" else CUSTOM_EVENT.format(**where, name=name)
+            async for stored in gw.store.read(subject):
+                if stored.event.event_id == event_id:
+                    return 201, encode(event_json(stored))
+            return None
+
+        return find
+
+    return await keyed(request, f"{source}:{rollout_id}:{attempt_id}", body, command, recall)
 
 
 def _event_fields(parsed: bodies.EventBody) -> tuple[str, str | None, float, dict[str, Any], int | None]:

@@ -26,6 +26,8 @@ from services.common.bytecache import ByteLRU
 from services.gateway.errors import ApiError
 
 Result = tuple[int, bytes]
+Recall = Callable[[], Awaitable[Result | None]]
+"""What a keyed command wrote before, as its answer (None when it wrote nothing)."""
 BUCKET = "rollwire_idempotency"
 SHARED_TTL_S = 24 * 3600.0
 """How long a key's fingerprint is shared across gateway processes."""
@@ -59,13 +61,15 @@ class IdempotencyCache:
                 await js.create_key_value(bucket=BUCKET, ttl=ttl_s, history=1)
             self._shared = await js.key_value(BUCKET)
 
-    async def _claim(self, scope: tuple[str, ...], fingerprint: str) -> str | None:
+    async def _claim(self, scope: tuple[str, ...], fingerprint: str) -> str | bool:
         """Record the key's fingerprint for all processes; 409 when another process used it for another body.
 
-        Returns the shared key when this call created it (to withdraw if the command fails).
+        Returns the shared key when this call created it (to withdraw if the command fails), True
+        when the key was already used for this request (by another process, or before a restart),
+        False when nothing is shared.
         """
         if self._shared is None:
-            return None
+            return False
         key = derive_id("\x1f".join(scope), "idempotency", length=64)
         try:
             await self._shared.create(key, fingerprint.encode())
@@ -76,7 +80,7 @@ class IdempotencyCache:
                 raise ApiError(
                     409, "this Idempotency-Key was already used with a different request; use a fresh key"
                 ) from None
-            return None
+            return True
 
     @property
     def bytes(self) -> int:
@@ -86,8 +90,20 @@ class IdempotencyCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    async def run(self, scope: tuple[str, ...], fingerprint: str, command: Callable[[], Awaitable[Result]]) -> Result:
-        """Run `command` once per key; repeats (same body) get the first successful result."""
+    async def run(
+        self,
+        scope: tuple[str, ...],
+        fingerprint: str,
+        command: Callable[[], Awaitable[Result]],
+        recall: Recall | None = None,
+    ) -> Result:
+        """Run `command` once per key; repeats (same body) get the first successful result.
+
+        A repeat this process has no answer for (the first ran in another process, or before a
+        restart) is asked of `recall` first: a command whose append JetStream would no longer
+        take for a duplicate (past its window) finds what the first one wrote, instead of writing
+        it again.
+        """
         entry = self._entries.get(scope)
         if entry is not None:
             if entry[0] != fingerprint:
@@ -95,10 +111,11 @@ class IdempotencyCache:
             return await asyncio.shield(entry[1])
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self._entries.put(scope, (fingerprint, future))
-        claimed: str | None = None
+        claimed: str | bool = False
         try:
             claimed = await self._claim(scope, fingerprint)
-            result = await command()
+            recalled = await recall() if claimed is True and recall is not None else None
+            result = recalled if recalled is not None else await command()
         except BaseException as exc:
             # A failed command is not remembered: the retry runs again (and the derived event
             # ids still make any append that did land a duplicate).
@@ -115,8 +132,8 @@ class IdempotencyCache:
             self._entries.resize(scope)  # now charged its response too
         return result
 
-    async def _withdraw(self, claimed: str | None) -> None:
-        if claimed is not None and self._shared is not None:
+    async def _withdraw(self, claimed: str | bool) -> None:
+        if isinstance(claimed, str) and self._shared is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._shared.delete(claimed)
 
