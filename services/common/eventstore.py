@@ -242,10 +242,12 @@ class EventStore:
     # ---- writing ---------------------------------------------------------------------------
 
     @staticmethod
-    def _headers(event: Event, expected_last_subject_seq: int | None) -> dict[str, str]:
+    def _headers(event: Event, expected_last_subject_seq: int | None, over: str | None = None) -> dict[str, str]:
         headers = {"Nats-Msg-Id": event.event_id}
         if expected_last_subject_seq is not None:
             headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_last_subject_seq)
+        if over is not None:  # the expected sequence is of the last message matching this filter
+            headers["Nats-Expected-Last-Subject-Sequence-Subject"] = over
         return headers
 
     async def append(self, event: Event, expected_last_subject_seq: int | None = None) -> Appended:
@@ -295,6 +297,35 @@ class EventStore:
                 "stored: retrying is safe (the event id makes a repeat a duplicate)"
             ) from None
         return results
+
+    async def append_unique(self, events: Sequence[tuple[Event, str]]) -> list[Appended | None]:
+        """Append each event only if no message on the stream matches its filter yet; all at once, in order.
+
+        JetStream decides (expected last sequence 0 over the filter, nats-server 2.11 or later), so
+        of two writers racing to be first under one filter exactly one wins, across processes.
+        Returns each event's `Appended`, or None where the filter already matched (nothing
+        appended; a repeat of an event already stored is one of these). Each is a request of its
+        own, sent in order without waiting: nats-py's pipelined publish never completes a refused
+        one (its reply handler raises the error instead of setting it on the future).
+        """
+
+        async def first(event: Event, over: str) -> Appended | None:
+            data = self._checked(event.subject, encode(event))
+            try:
+                ack = await self.js.publish(
+                    event.subject, data, headers=self._headers(event, 0, over), stream=self.stream
+                )
+            except nats.js.errors.APIError as exc:
+                if exc.err_code == WRONG_LAST_SEQUENCE:
+                    return None
+                raise self._translate(exc, event.subject, 0) from None
+            except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError):
+                raise EventStoreUnavailable(
+                    f"JetStream did not acknowledge {event.subject}; retrying is safe"
+                ) from None
+            return Appended(seq=ack.seq, duplicate=bool(ack.duplicate))
+
+        return list(await asyncio.gather(*(first(event, over) for event, over in events)))
 
     @property
     def max_payload(self) -> int:

@@ -18,6 +18,7 @@ from schemas import (
     is_terminal,
     new_id,
 )
+from schemas.ids import ROLLOUT_CREATED
 from schemas.rollout import RolloutView, fold_all
 from schemas.transitions import IllegalTransition
 from services.common.eventstore import Appended, ConcurrencyConflict, StoredEvent
@@ -61,30 +62,55 @@ Prepared = tuple[RolloutCreated, RolloutStatusChanged] | RolloutView
 
 
 async def _create(gw: Gateway, items: list[bodies.NewRollout], key: str | None) -> list[RolloutView]:
+    """Append each new rollout's `created` event only if no run has that rollout id yet (JetStream decides,
+    so two creates racing in two runs cannot both win), then the `queuing` status of each that won."""
     prepared = [await _prepare(gw, index, item, key) for index, item in enumerate(items)]
-    events = [e for p in prepared if isinstance(p, tuple) for e in p]
-    acks = iter(await gw.store.append_many(events) if events else [])
+    new = [p for p in prepared if isinstance(p, tuple)]
+    firsts = await gw.store.append_unique(
+        [(created, ROLLOUT_CREATED.format(run="*", rollout=created.rollout_id)) for created, _ in new]
+    )
+    won = [queued for (_, queued), first in zip(new, firsts, strict=True) if first is not None]
+    queued_acks = iter(await gw.store.append_many(won) if won else [])
+    created_acks = iter(firsts)
     out: list[RolloutView] = []
-    for p in prepared:
+    for index, p in enumerate(prepared):
         if isinstance(p, RolloutView):
             out.append(await written_view(gw, p.rollout_id, p.run_id) or p)
             continue
-        created, queued = p
-        ack_created, ack_queued = next(acks), next(acks)
-        if ack_created.duplicate:  # created concurrently by a retry: answer with what is stored
-            stored = await written_view(gw, created.rollout_id or "", created.run_id)
-            if stored is not None:
-                out.append(stored)
-                continue
-        view = fold_all(
-            [
-                StoredEvent(seq=ack_created.seq, subject=created.subject, event=created),
-                StoredEvent(seq=ack_queued.seq, subject=queued.subject, event=queued),
-            ]
-        )
-        assert view is not None  # folded from its own `created` event
-        out.append(view)
+        ack_created = next(created_acks)
+        if ack_created is None:
+            out.append(await _created_before(gw, index, *p))
+        else:
+            created, queued = p
+            ack_queued = next(queued_acks)
+            view = fold_all(
+                [
+                    StoredEvent(seq=ack_created.seq, subject=created.subject, event=created),
+                    StoredEvent(seq=ack_queued.seq, subject=queued.subject, event=queued),
+                ]
+            )
+            assert view is not None  # folded from its own `created` event
+            out.append(view)
     return out
+
+
+async def _created_before(
+    gw: Gateway, index: int, created: RolloutCreated, queued: RolloutStatusChanged
+) -> RolloutView:
+    """A rollout whose id another create took first: it as stored (a repeat of this create, or a create
+    of the same rollout in the same run at the same time), or a 409 when that create was in another run."""
+    rollout_id = created.rollout_id or ""
+    run_id = await gw.state.locate(rollout_id)
+    if run_id != created.run_id:
+        raise ApiError(
+            409, f"rollout id {rollout_id} is already used in run {run_id}", field=f"rollouts[{index}].rollout_id"
+        )
+    stored = await written_view(gw, rollout_id, run_id)
+    if stored is not None and stored.status_seq == 0:  # created, but its queuing status was never written
+        await gw.store.append(queued)  # the status's derived id makes a racing repeat a duplicate
+        stored = await written_view(gw, rollout_id, run_id)
+    assert stored is not None  # its `created` event is on the stream
+    return stored
 
 
 async def _prepare(gw: Gateway, index: int, item: bodies.NewRollout, key: str | None) -> Prepared:

@@ -1,13 +1,16 @@
-"""Two gateway processes on one stream: an Idempotency-Key holds across them, and a rollout keeps its engine."""
+"""Two gateway processes on one stream: an Idempotency-Key holds across them, a rollout keeps its engine, and
+a rollout id belongs to one run however many create it at once."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from itertools import cycle
 from typing import Any
 
+import httpx
 import openai
 from fake_vllm import FakeVLLM
 from gw_harness import ADMIN, GatewayHandle
@@ -103,3 +106,36 @@ def test_an_attempt_ended_through_one_gateway_is_refused_by_the_other(
             break
         assert time.monotonic() < deadline, "gateway B still admits calls of an attempt ended through A"
         time.sleep(0.05)
+
+
+async def test_one_rollout_id_created_in_two_runs_at_once_exists_in_one(
+    gateway: GatewayHandle, second: GatewayHandle, run_id: str
+) -> None:
+    """30 concurrent creates of one rollout id, in two runs, through two gateways: the id belongs to one run.
+
+    Every create in that run answers the rollout (201), every create in the other run is a 409 naming
+    the run that has it, and the stream holds one `created` event and one `queuing` status. Once, 17
+    of 30 such creates were appended."""
+    rollout_id = f"{run_id}-shared"
+    runs = [f"{run_id}-a", f"{run_id}-b"]
+    auth = {"authorization": f"Bearer {ADMIN}"}
+    run_of = [runs[i // 2 % 2] for i in range(30)]  # both runs through both gateways
+    async with httpx.AsyncClient(headers=auth, timeout=30) as client:
+        answers = await asyncio.gather(
+            *(
+                client.post(
+                    f"{(gateway, second)[i % 2].url}/api/rollouts",
+                    json={"rollouts": [{"run_id": run_of[i], "rollout_id": rollout_id, "input": i}]},
+                )
+                for i in range(30)
+            )
+        )
+    ok = [a for a in answers if a.status_code == 201]
+    assert {a.json()["rollouts"][0]["run_id"] for a in ok} == {owner := ok[0].json()["rollouts"][0]["run_id"]}
+    refused = [a for a in answers if a.status_code != 201]
+    assert len(ok) == run_of.count(owner) and len(refused) == 30 - len(ok), [a.text for a in answers]
+    assert all(a.status_code == 409 and owner in a.json()["error"] for a in refused)
+    store = gateway.gw.store
+    created = [s async for s in store.read(f"rl.*.rollout.{rollout_id}.created")]
+    statuses = [s async for s in store.read(f"rl.*.rollout.{rollout_id}.status")]
+    assert len(created) == 1 and len(statuses) == 1, (created, statuses)
