@@ -5,7 +5,8 @@ and reused after; the tests are skipped, with the reason, when npm or the packag
 Each harness gets only a base URL, the attempt token and a model name, runs with its
 non-essential traffic off and a fresh HOME, and must finish a turn that calls one tool (the
 scripted model asks for `echo` through the harness's shell tool) and answers after its result:
-it exits 0 and every call it made is a recorded `model_request` event.
+it exits 0 and every call it made is a recorded `model_request` event. Refused (a wrong key, an
+ended attempt), Claude Code must give up after one request.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fake_vllm import FakeVLLM
 from gw_harness import GatewayHandle
@@ -133,3 +136,42 @@ def test_codex_exec_turn_with_a_tool_call(
         m for c in calls for m in c["request"]["messages"] if m["role"] == "tool" and MARKER in str(m["content"])
     ]
     assert results, "the tool's result never reached the model"
+
+
+def _refused_messages(gateway: GatewayHandle) -> float:
+    """POSTs to any proxy messages route the gateway refused so far (401 or 409), from its /metrics."""
+    total = 0.0
+    for line in httpx.get(f"{gateway.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("rollwire_http_requests_total{") and 'method="POST"' in line and "messages" in line:
+            if 'status="401"' in line or 'status="409"' in line:
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_claude_code_stops_at_the_first_permanent_refusal(
+    gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str, tmp_path: Path
+) -> None:
+    """A wrong key (401) or an ended attempt (409): one request and a prompt exit, where Claude Code once
+    retried a 401 eleven times over about three minutes (the refusals now say `x-should-retry: false`)."""
+    claude = _installed("claude")
+    rollout, attempt = gateway.running(run_id, fake_vllm.url)
+    ended = gateway.admin.patch(f"/api/rollouts/{rollout['rollout_id']}", json={"status": "cancelled"})
+    assert ended.status_code == 200, ended.text
+    for key in ("not-a-token", attempt["token"]):
+        home = tmp_path / f"home-{len(key)}"
+        home.mkdir()
+        env = _env(
+            home, ANTHROPIC_BASE_URL=attempt["anthropic_base_url"], ANTHROPIC_API_KEY=key,
+            CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1", DISABLE_ERROR_REPORTING="1",
+            DISABLE_AUTOUPDATER="1",
+        )  # fmt: skip
+        before = _refused_messages(gateway)
+        began = time.monotonic()
+        done = subprocess.run(
+            [str(claude), "-p", "say done", "--output-format", "json", "--max-turns", "1"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        took = time.monotonic() - began
+        assert done.returncode != 0 or '"is_error":true' in done.stdout.replace(" ", ""), done.stdout[-2000:]
+        assert _refused_messages(gateway) - before == 1, f"Claude Code sent {_refused_messages(gateway) - before}"
+        assert took < 60, f"Claude Code took {took:.0f} s to give up"
