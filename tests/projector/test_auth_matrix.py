@@ -13,10 +13,10 @@ back to the root with `..` spelled every way a client, proxy or server may decod
 `%2E%2E`, `%252e%252e`, overlong UTF-8) and separators likewise (`%2f`, `%252f`, `//`, `\\`), and
 with the route itself in other cases and encodings. The requests go over raw sockets: httpx (like
 any client) would resolve the dot segments itself. Callers: no token, a wrong token, another
-attempt's agent token, V's agent token and V's evaluator token. A
-success (2xx) is unauthorised unless the caller may use that route: V's agent its proxy routes,
-its rollout and events, and posting events; V's evaluator the same without the proxy; anyone
-the open paths (health, metrics, OpenAPI, the viewer's page).
+attempt's agent token, V's agent token and V's evaluator token. A success (2xx) is unauthorised
+unless the caller may use that route: V's agent its proxy routes, its rollout and events, and
+posting events; V's evaluator the same without the proxy; anyone the open paths (health, metrics,
+OpenAPI, the viewer's page, `HEAD` on the Anthropic base URL).
 
 As a control, each route is then requested once as itself with the admin token and must succeed:
 the requests are valid, so a missing check would show as a success above.
