@@ -34,7 +34,7 @@ def _reply(content: str, command: str | None) -> dict[str, Any]:
     if command is not None:
         arguments = json.dumps({"cmd": command})
         message["tool_calls"] = [{"id": "t1", "type": "function", "function": {"name": "bash", "arguments": arguments}}]
-    return {"choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if command else "stop"}]}
+    return {"message": message}  # the shape the gateway records
 
 
 class Demo:

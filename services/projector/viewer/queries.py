@@ -181,24 +181,41 @@ def _message_text(content: Any) -> str:
 
 
 def _reply(response: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
-    choices = response.get("choices") if isinstance(response, dict) else None
-    message = choices[0].get("message", {}) if isinstance(choices, list) and choices else {}
+    """The reply's text and tool calls. The gateway records `{"message": {...}}` (the choice's message);
+    the chat-completions shape (`{"choices": [{"message": ...}]}`) is read too."""
+    message = response.get("message") if isinstance(response, dict) else None
+    if not isinstance(message, dict):
+        choices = response.get("choices") if isinstance(response, dict) else None
+        first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        message = first.get("message")
+    if not isinstance(message, dict):
+        message = {}
     tools = []
     for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}
-        tools.append({"id": call.get("id"), "name": function.get("name"), "arguments": function.get("arguments")})
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            tools.append({"id": call.get("id"), "name": function.get("name"), "arguments": function.get("arguments")})
     return _message_text(message.get("content")), tools
 
 
-def _call_item(row: asyncpg.Record, seen_messages: int, calls: CallResolver) -> tuple[dict[str, Any], int]:
+def _shown(message: Any) -> dict[str, Any]:
+    return {"role": message.get("role"), "content": _message_text(message.get("content")), "name": message.get("name")}
+
+
+def _new_messages(messages: list[Any], seen: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages a call adds to the attempt's previous call: all of them when the previous call's
+    messages are not a prefix of this one's (a new conversation, however many messages it has)."""
+    shown = [_shown(m) for m in messages if isinstance(m, dict)]
+    return shown[len(seen) :] if shown[: len(seen)] == seen else shown
+
+
+def _call_item(
+    row: asyncpg.Record, seen_messages: list[dict[str, Any]], calls: CallResolver
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     request = calls.request(row["seq"]) or {}
     messages = request.get("messages") if isinstance(request, dict) else None
     messages = messages if isinstance(messages, list) else []
-    new = [
-        {"role": m.get("role"), "content": _message_text(m.get("content")), "name": m.get("name")}
-        for m in messages[seen_messages if seen_messages <= len(messages) else 0 :]
-        if isinstance(m, dict)
-    ]
+    new = _new_messages(messages, seen_messages)
     text, tools = _reply(json_column(row["response"]) or {})
     ids = unpack_int32(row["response_ids"])[:MAX_TOKENS_SHOWN]
     logprobs = [_finite(v) for v in unpack_float64(row["logprobs"])[:MAX_TOKENS_SHOWN]]
@@ -212,7 +229,7 @@ def _call_item(row: asyncpg.Record, seen_messages: int, calls: CallResolver) -> 
         "tool_calls": tools, "response_ids": ids, "logprobs": logprobs,
         "response_pieces": list(pieces[:MAX_TOKENS_SHOWN]) if pieces is not None else None,
         "has_prompt_text": row["has_prompt_text"], "continuity": row["continuity"],
-    }, len(messages)  # fmt: skip
+    }, [_shown(m) for m in messages if isinstance(m, dict)]  # fmt: skip
 
 
 TIMELINE_SQL = """
@@ -248,16 +265,18 @@ async def timeline(
             after_seq,
         )
         calls = await CallResolver.load(conn, [*earlier, *(row for row in rows if row["type"] == "model_request")])
-    seen_messages: dict[str | None, int] = {}
+    seen_messages: dict[str | None, list[dict[str, Any]]] = {}
     for row in earlier:
         messages = (calls.request(row["seq"]) or {}).get("messages")
-        seen_messages[row["attempt_id"]] = len(messages) if isinstance(messages, list) else 0
+        seen_messages[row["attempt_id"]] = (
+            [_shown(m) for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+        )
     items: list[dict[str, Any]] = []
     for row in rows:
         item: dict[str, Any] = {"seq": row["seq"], "type": row["type"], "time": row["time"],
                                 "attempt_id": row["attempt_id"]}  # fmt: skip
         if row["type"] == "model_request":
-            details, seen = _call_item(row, seen_messages.get(row["attempt_id"], 0), calls)
+            details, seen = _call_item(row, seen_messages.get(row["attempt_id"], []), calls)
             seen_messages[row["attempt_id"]] = seen
             item.update(details)
         elif row["type"] == "reward":
