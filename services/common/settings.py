@@ -47,7 +47,10 @@ def parse_command(app: typer.Typer, argv: Sequence[str], env: Mapping[str, str] 
     """
     command = typer.main.get_command(app)
     with _environment(env):
-        return command.main(args=list(argv), prog_name=prog, standalone_mode=False)
+        result = command.main(args=list(argv), prog_name=prog, standalone_mode=False)
+    if isinstance(result, int) and not isinstance(result, bool):
+        raise SystemExit(result)  # `--help` (click returns its exit code instead of raising when not standalone)
+    return result
 
 
 def run_command(app: typer.Typer, name: str, prog: str, argv: Sequence[str] | None = None) -> None:

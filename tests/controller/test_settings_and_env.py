@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,18 @@ def test_settings_come_from_flags_then_environment() -> None:
 def test_bad_settings_are_named(argv: list[str], env: dict[str, str], message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         parse(argv, env)
+
+
+def test_help_prints_the_flags_and_exits_0() -> None:
+    """`python -m services.controller --help` prints usage; typer's exit code is not taken as the settings."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-m", "services.controller", "--help"], cwd=root, env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "--gateway-url" in done.stdout and "Traceback" not in done.stderr
 
 
 def test_the_agent_gets_its_contract_and_the_evaluator_not_the_agents_token() -> None:
