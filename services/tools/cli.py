@@ -18,6 +18,7 @@ import typer
 
 from schemas import InvalidId, MalformedEvent
 from services.common.eventstore import EventStore, EventStoreError
+from services.devstack import endpoints_file
 from services.devstack.stack import DEFAULT_NATS_PORT
 from services.tools.export import EXPORT_FORMATS, ExportUnavailable, export_run
 from services.tools.plot import PlotUnavailable
@@ -30,8 +31,20 @@ T = TypeVar("T")
 
 DEFAULT_NATS_URL = f"nats://127.0.0.1:{DEFAULT_NATS_PORT}"
 NATS_URL = typer.Option(
-    DEFAULT_NATS_URL, "--nats-url", envvar="NATS_URL", help="The NATS server (default: the one `rollwire up` starts)."
+    None,
+    "--nats-url",
+    envvar="NATS_URL",
+    help="The NATS server (default: the one `rollwire up` started in --data-dir, per its endpoints.json).",
 )
+DATA_DIR = typer.Option(
+    Path(".rollwire"), "--data-dir", envvar="ROLLWIRE_DATA_DIR", help="The data dir of `rollwire up`."
+)
+
+
+def nats_endpoint(nats_url: str | None, data_dir: Path) -> str:
+    """The NATS URL to use: the flag or NATS_URL, else the `nats` entry of `<data-dir>/endpoints.json`
+    (a stack started with `--nats-port 0` listens on a port of its choosing), else the default port."""
+    return nats_url or endpoints_file.read(data_dir).get("nats") or DEFAULT_NATS_URL
 
 
 class UsageError(ValueError):
@@ -102,7 +115,8 @@ def replay(
     fmt: str = typer.Option("table", "--format", help="table | json | csv"),
     out: Path | None = typer.Option(None, "--out", help="Write the report to FILE instead of stdout."),
     plot: Path | None = typer.Option(None, "--plot", help="Draw the loss weights per rollout into FILE.png."),
-    nats_url: str = NATS_URL,
+    nats_url: str | None = NATS_URL,
+    data_dir: Path = DATA_DIR,
 ) -> None:
     """Rebuild a past run's samples from its events under other schemes; no agent runs again.
 
@@ -123,9 +137,9 @@ def replay(
         selection = {"agents": names("agents", agents), "models": names("models", models)}
     options = {"merge": merge, "advantage": advantage, "estimator": estimator, "std": std, "norm": norm, **selection}
     specs = [*(compare or []), *(more or [])]
+    url = nats_endpoint(nats_url, data_dir)
     report = _run(
-        nats_url,
-        lambda store: replay_run(store, run, options=options, compare_specs=specs, step=step, nats_url=nats_url),
+        url, lambda store: replay_run(store, run, options=options, compare_specs=specs, step=step, nats_url=url)
     )
     _write(render(report, fmt), out)
     if plot is not None:
@@ -141,7 +155,8 @@ def tail(
     from_start: bool = typer.Option(False, "--from-start", help="Begin with the oldest stored event."),
     since: str | None = typer.Option(None, "--since", help="Begin at a time: 15m, 2h, 1d ago, an ISO time."),
     fmt: str = typer.Option("pretty", "--format", help="pretty | json (one event per line)"),
-    nats_url: str = NATS_URL,
+    nats_url: str | None = NATS_URL,
+    data_dir: Path = DATA_DIR,
 ) -> None:
     """Print live events matching a subject pattern (Ctrl-C stops)."""
     with _one_line_errors():
@@ -161,7 +176,7 @@ def tail(
             sys.stdout.flush()
 
     try:
-        _run(nats_url, follow)
+        _run(nats_endpoint(nats_url, data_dir), follow)
     except BrokenPipeError:  # `rollwire tail ... | head`: the reader left
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -171,7 +186,8 @@ def export(
     run: str = typer.Argument(..., help="The run to export."),
     fmt: str = typer.Option("jsonl", "--format", help="jsonl | parquet (parquet needs pyarrow)"),
     out: Path | None = typer.Option(None, "--out", help="File to write (default RUN.FORMAT; - is stdout)."),
-    nats_url: str = NATS_URL,
+    nats_url: str | None = NATS_URL,
+    data_dir: Path = DATA_DIR,
 ) -> None:
     """Write every event of a run to a file for offline analysis."""
     with _one_line_errors():
@@ -179,25 +195,26 @@ def export(
         if fmt == "parquet" and out is not None and str(out) == "-":
             raise UsageError("parquet cannot go to stdout; give --out FILE")
     target: Path | None = None if out is not None and str(out) == "-" else (out or Path(f"{run}.{fmt}"))
+    url = nats_endpoint(nats_url, data_dir)
 
     async def job(store: EventStore) -> int:
         if not await run_exists(store, run):
-            raise RunNotFound(f"run {run!r} has no events on the stream at {nats_url}; `rollwire runs` lists the runs")
+            raise RunNotFound(f"run {run!r} has no events on the stream at {url}; `rollwire runs` lists the runs")
         if target is None:
             n = await export_run(store, run, fmt, sys.stdout.buffer)
             sys.stdout.flush()
             return n
         return await export_run(store, run, fmt, target)
 
-    n = _run(nats_url, job)
+    n = _run(url, job)
     print(f"exported {n} events of run {run}" + (f" to {target}" if target else ""), file=sys.stderr)
 
 
-def runs(nats_url: str = NATS_URL) -> None:
+def runs(nats_url: str | None = NATS_URL, data_dir: Path = DATA_DIR) -> None:
     """List the runs on the stream with their rollouts, events and bytes."""
     from services.tools.runs import list_runs, runs_table
 
-    found = _run(nats_url, list_runs)
+    found = _run(nats_endpoint(nats_url, data_dir), list_runs)
     sys.stdout.write(runs_table(found))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -122,3 +123,29 @@ def test_the_engine_tokenizer_is_scoped_to_the_engine_model(tmp_path: Path) -> N
     args = Stack(StackConfig(data_dir=tmp_path, engine_model=model), say=lambda _: None)._tokenizer_args()
     assert args == ["--tokenizer", f"tiny-chat={model}", "--tokenizer", f"tiny={model}"]
     assert Stack(StackConfig(data_dir=tmp_path, services=("gateway",)), say=lambda _: None)._tokenizer_args() == []
+
+
+def test_tail_and_runs_find_the_stack_in_its_data_dir(tmp_path: Path) -> None:
+    """`rollwire runs` and `rollwire tail` read `<data-dir>/endpoints.json`: a stack on `--nats-port 0`."""
+    data = tmp_path / "stack"
+    proc, endpoints = start_up(data)
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "ROLLWIRE_DATA_DIR")}
+    try:
+        asyncio.run(append_and_count(endpoints["nats"], "found-by-data-dir", append=True))
+        listed = subprocess.run(
+            [*ROLLWIRE, "runs", "--data-dir", str(data)], capture_output=True, text=True, timeout=60, env=env
+        )
+        assert listed.returncode == 0 and "found-by-data-dir" in listed.stdout, listed.stderr
+        tail = subprocess.Popen(
+            [*ROLLWIRE, "tail", "rl.found-by-data-dir.>", "--from-start", "--format", "json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "ROLLWIRE_DATA_DIR": str(data)},
+        )  # fmt: skip
+        try:
+            assert tail.stdout is not None
+            first = tail.stdout.readline()
+            assert '"reward"' in first and "found-by-data-dir" in first, tail.stderr.read() if not first else first
+        finally:
+            tail.kill()
+            tail.wait(10)
+    finally:
+        stop(proc)
