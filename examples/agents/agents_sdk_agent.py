@@ -2,11 +2,10 @@
 
 Nothing is configured in code: the SDK's default provider reads OPENAI_BASE_URL and
 OPENAI_API_KEY, which the controller sets to this attempt's proxy and token, and the default
-model name is mapped by the proxy to the run's registered model. Set
-OPENAI_AGENTS_DISABLE_TRACING=1 in the run's `env` (the SDK otherwise uploads traces to OpenAI).
+model name is mapped by the proxy to the run's registered model. The controller also sets
+OPENAI_AGENTS_DISABLE_TRACING=1 (the SDK otherwise uploads traces to OpenAI with the attempt token).
 
-    RunSpec(run_id="r1", command=["python", "examples/agents/agents_sdk_agent.py"],
-            env={"OPENAI_AGENTS_DISABLE_TRACING": "1"})
+    RunSpec(run_id="r1", command=["python", "examples/agents/agents_sdk_agent.py"])
 """
 
 from __future__ import annotations

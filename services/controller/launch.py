@@ -52,9 +52,19 @@ UNAVAILABLE_BACKOFF = Backoff(initial=0.5, maximum=30.0)
 """Delay before retrying a command the gateway, a backend or NATS could not take now."""
 
 
+AGENT_DEFAULTS = {"OPENAI_AGENTS_DISABLE_TRACING": "1"}
+"""Variables every agent gets unless its run's `env` sets them (see `attempt_env`)."""
+
+
 def attempt_env(rollout: Rollout, spec: RunSpec, grant: AttemptGrant) -> dict[str, str]:
-    """The agent's environment: the run's `env`, then the attempt's contract (which wins)."""
+    """The agent's environment: defaults, the run's `env`, then the attempt's contract (which wins).
+
+    The one default, `OPENAI_AGENTS_DISABLE_TRACING=1`, keeps the OpenAI Agents SDK from uploading
+    traces to OpenAI's servers with the attempt token as the API key (its tracing is on by default
+    and exports to api.openai.com whatever the base URL); a run's `env` may turn it back on.
+    """
     env = {
+        **AGENT_DEFAULTS,
         **spec.env,
         "OPENAI_BASE_URL": grant.proxy_base_url,
         "OPENAI_API_KEY": grant.token,

@@ -6,7 +6,9 @@ The happy path with a real `openai` agent runs through `rollwire up` (test_e2e_s
 from __future__ import annotations
 
 import json
+import socketserver
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -97,3 +99,45 @@ def test_an_agents_sdk_agent_with_default_settings_runs_through_the_responses_ap
     assert [m["role"] for m in calls[1]["request"]["messages"]] == ["system", "user", "assistant", "tool"]
     assert all(c["prompt_ids"] and c["response_ids"] for c in calls)
     assert rig.events(rid, "reward")[0]["value"] == 1.0
+
+
+class _RecordingProxy:
+    """An HTTP(S) proxy that refuses everything and remembers each request line (`CONNECT host:443 ...`)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _handler(self) -> type[socketserver.StreamRequestHandler]:
+        lines = self.lines
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                lines.append(self.rfile.readline(4096).decode(errors="replace").strip())
+                self.wfile.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+        return Handler
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_agents_sdk_agent_sends_nothing_but_its_model_calls(rig: Rig) -> None:
+    """The controller sets OPENAI_AGENTS_DISABLE_TRACING=1: the SDK uploads no traces to OpenAI (which
+    it otherwise does at exit, with the attempt token as its API key). Every request to a host other
+    than the proxy goes through a recording HTTP(S) proxy, which must see none."""
+    proxy = _RecordingProxy()
+    try:
+        env = {"HTTPS_PROXY": proxy.url, "HTTP_PROXY": proxy.url, "NO_PROXY": "127.0.0.1,localhost"}
+        rig.start_run(command=agent("agents_sdk_agent.py"), timeout_s=60, env=env)
+        rig.start_controller()
+        (rid,) = rig.create({"question": "what is x?"})
+        rollout = rig.wait(rid, timeout=60)
+        assert rollout["state"] == "succeeded", rollout
+        assert len(rig.events(rid, "model_request")) == 2
+        assert proxy.lines == []
+    finally:
+        proxy.close()

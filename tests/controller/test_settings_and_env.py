@@ -63,6 +63,9 @@ def test_the_agent_gets_its_contract_and_the_evaluator_not_the_agents_token() ->
     env = attempt_env(rollout, spec, grant)
     assert env["OPENAI_API_KEY"] == env["ROLLWIRE_TOKEN"] == env["ANTHROPIC_API_KEY"] == "tok" and env["EXTRA"] == "1"
     assert env["ANTHROPIC_BASE_URL"] == "http://p/anthropic"
+    assert env["OPENAI_AGENTS_DISABLE_TRACING"] == "1"  # the Agents SDK uploads no traces to OpenAI
+    traced = RunSpec(run_id="r1", env={"OPENAI_AGENTS_DISABLE_TRACING": "0"})
+    assert attempt_env(rollout, traced, grant)["OPENAI_AGENTS_DISABLE_TRACING"] == "0"  # a run may opt in
     assert (env["OPENAI_BASE_URL"], env["ROLLWIRE_EVENTS_URL"]) == ("http://p/v1", "http://e")
     assert (env["ROLLWIRE_ATTEMPT_SEQUENCE"], env["ROLLWIRE_MODE"], env["ROLLWIRE_GROUP_ID"]) == ("2", "val", "g1")
     judge = evaluator_env(env, "eval-tok")
