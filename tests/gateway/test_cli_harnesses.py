@@ -138,6 +138,33 @@ def test_codex_exec_turn_with_a_tool_call(
     assert results, "the tool's result never reached the model"
 
 
+WRAPPER = Path(__file__).resolve().parents[2] / "examples" / "codex" / "codex.sh"
+
+
+def test_codex_exec_with_the_controllers_environment_through_the_wrapper(
+    gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str, tmp_path: Path
+) -> None:
+    """Only OPENAI_BASE_URL and OPENAI_API_KEY, as the controller sets them, and Codex's default model:
+    `examples/codex/codex.sh` builds the provider config, and the turn runs through the proxy."""
+    codex = _installed("codex")
+    rollout, attempt = gateway.running(run_id, fake_vllm.url)
+    fake_vllm.tool_script = CODEX_SHELL
+    fake_vllm.answer_tokens = 6
+    home = tmp_path / "home"
+    (home / ".codex").mkdir(parents=True)
+    env = _env(
+        home, CODEX_HOME=str(home / ".codex"), CODEX=str(codex),
+        OPENAI_BASE_URL=attempt["proxy_base_url"], OPENAI_API_KEY=attempt["token"],
+    )  # fmt: skip
+    _run(
+        ["sh", str(WRAPPER), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+         "Run echo in the shell, then say done."],
+        env, tmp_path,
+    )  # fmt: skip
+    calls = _recorded(gateway, rollout["rollout_id"], fake_vllm, "responses")
+    assert any(m["role"] == "tool" and MARKER in str(m["content"]) for c in calls for m in c["request"]["messages"])
+
+
 def _refused_messages(gateway: GatewayHandle) -> float:
     """POSTs to any proxy messages route the gateway refused so far (401 or 409), from its /metrics."""
     total = 0.0
