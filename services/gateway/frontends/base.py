@@ -62,17 +62,34 @@ def error_body(api: Api, status: int, message: str, kind: str | None = None, **e
     )
 
 
+CONTEXT_ADVICE = (
+    " The model endpoint's context window is smaller than this call (Claude Code's first prompt alone is"
+    " about 37k tokens; the default stack's tiny model has 16384 positions). Serve a model with a longer"
+    " context: the engine's `--max-model-len` setting (`vllm serve --max-model-len`, or the embedded"
+    " engine's `python -m services.engine --max-model-len`, at most the model's max_position_embeddings),"
+    " or send a shorter prompt or a smaller max_tokens (Claude Code: CLAUDE_CODE_MAX_OUTPUT_TOKENS)."
+    " Retrying the same call cannot succeed."
+)
+"""Added to an engine's context-length refusal, which its own words do not say how to fix."""
+_CONTEXT_MARKERS = ("context_length_exceeded", "maximum context length")
+
+
 def upstream_message(content: bytes, status: int) -> str:
-    """The message of an engine's error body (OpenAI-shaped or not)."""
+    """The message of an engine's error body (OpenAI-shaped or not); a context-length refusal (the
+    prompt does not fit the engine's context, refused before generation) says what to change."""
     try:
         body = msgspec.json.decode(content)
     except msgspec.DecodeError:
         body = None
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return str(body["error"].get("message") or body["error"])
-    if isinstance(body, dict) and isinstance(body.get("error"), str):
-        return body["error"]
-    return content.decode(errors="replace")[:2000] or f"the model endpoint answered {status}"
+        message = str(body["error"].get("message") or body["error"])
+    elif isinstance(body, dict) and isinstance(body.get("error"), str):
+        message = body["error"]
+    else:
+        message = content.decode(errors="replace")[:2000] or f"the model endpoint answered {status}"
+    if status == 400 and any(marker in content[:4000].decode(errors="replace").lower() for marker in _CONTEXT_MARKERS):
+        message += CONTEXT_ADVICE
+    return message
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:
