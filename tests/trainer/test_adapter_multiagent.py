@@ -94,6 +94,25 @@ def test_a_sequential_retry_is_deduped_but_a_used_earlier_answer_is_not() -> Non
     assert sorted(s.call_ids for s in batch.samples) == [["again"], ["first", "next"]]
 
 
+def test_a_sequential_retry_with_the_same_answer_is_trained_once() -> None:
+    """Both answers are extended by the next call, so neither looked like a retry: one sample now."""
+    prompt = [1, 2, 3]
+    same = [
+        _call("ro", "try1", prompt, [7], 100.0, 101.0),
+        _call("ro", "try2", prompt, [7], 102.0, 103.0),  # asked again after try1 ended; the same answer
+        _call("ro", "next", [1, 2, 3, 7, 9], [4], 104.0, 105.0),
+    ]
+    batch = build_step([rollout_calls(_rollout("ro", same))], AdapterConfig())
+    assert batch.stats.calls_deduped == 1
+    assert [s.call_ids for s in batch.samples] == [["try2", "next"]]
+    fan_out = [  # the same answers from a concurrent fan-out stay: each worker's answer counts
+        _call("ro", "w1", prompt, [7], 100.0, 101.0),
+        _call("ro", "w2", prompt, [7], 100.5, 101.5),
+    ]
+    batch = build_step([rollout_calls(_rollout("ro", fan_out))], AdapterConfig())
+    assert batch.stats.calls_deduped == 0 and sorted(s.call_ids for s in batch.samples) == [["w1"], ["w2"]]
+
+
 def test_calls_to_models_the_run_does_not_train_are_context_never_fatal() -> None:
     calls: list[Event] = [
         _call("ro", "c1", [1, 2], [3, 4], 1.0, 2.0, endpoint="policy", agent="writer"),

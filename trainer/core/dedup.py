@@ -10,7 +10,10 @@ when all of this holds (DESIGN §3):
 - a later call of the attempt has the same prompt ids (and the same `choice_index`: sibling
   choices of one `n > 1` request share a prompt without being retries);
 - the earlier call had ended before that later call started (concurrent twins are a fan-out);
-- no other call of the attempt extends the earlier call's prompt + response (its answer was used).
+- no other call of the attempt extends the earlier call's prompt + response (its answer was used),
+  or the later call answered the same response ids: then both answers are "used" by the next call,
+  but they are one sample, and only the later one is kept (a sequential retry whose answer equals
+  the first is trained once).
 
 Times come from the events (`Call.started_at`, `Call.ended_at`); a call without them is taken to
 have ended before the next one started (stream order). The "extends" check also looks at
@@ -65,7 +68,11 @@ def dedup_calls(calls: Sequence[Call], context: Sequence[Call] = ()) -> list[Cal
         later = buckets.setdefault(_bucket_key(calls[i]), [])
         call = calls[i]
         twins = [j for j in later if same_ids(calls[j].prompt_ids, call.prompt_ids)]
-        if any(_ended_before(call, calls[j]) for j in twins):
+        retried_by = [j for j in twins if _ended_before(call, calls[j])]
+        if retried_by:
+            if any(same_ids(calls[j].response_ids, call.response_ids) for j in retried_by):
+                superseded.add(i)  # the same (prompt, answer) again: one sample
+                continue
             if everything is None:
                 everything = [*calls, *context]
             if not _extended(call, everything):
