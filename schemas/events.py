@@ -225,7 +225,8 @@ class ModelRequestRecorded(Event, frozen=True, kw_only=True, tag="model_request"
     endpoint: str | None = None
     """The registered model name the proxy routed the call to (`model` is what the endpoint answered)."""
     started_at: float | None = None
-    """Unix time the call was admitted (after the phase gate); `time` is when it was recorded."""
+    """Unix time the proxy received the call (before its budget and the phase gate, so a call held
+    there still overlaps the calls that ran meanwhile); `time` is when it was recorded."""
     temperature: float | None = None
     """Sampling parameters the engine sampled with (None: the engine's default, 1.0 / 1.0 / off)."""
     top_p: float | None = None

@@ -112,6 +112,9 @@ class Pipeline:
             return
         if settings.prompt_mode == "continuous":
             await self.continuity.prepare(gw, call)
+        # Stamped before the budget and the phase gate: twins of a fan-out held there while the
+        # other finished still overlap it, so the trainer does not take the first for a retry.
+        call.started_at = time.time()
         reserved = await gw.budgets.admit(view, call.attempt_id, settings.budget)
         gate = gw.gate
         await gate.enter(call.view.run_id)
@@ -121,7 +124,6 @@ class Pipeline:
                     view.run_id, view.rollout_id, call.attempt_id, call.call_id, call.mode, call.model.name
                 )
             call.started = time.perf_counter()
-            call.started_at = time.time()
             if call.stream:
                 await self._stream(call, receive, send)
             else:
