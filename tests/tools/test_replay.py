@@ -382,3 +382,49 @@ def test_workers_shares_are_runs_of_consecutive_groups_of_about_equal_calls() ->
     assert [u for share in shares for u in share] == units  # every group once, in run order
     assert [sum(u.calls for u in share) for share in shares] == [10, 10]
     assert len(split_units(units, 4)) == 4 and split_units(units[:1], 3) == [units[:1]] and split_units([], 2) == []
+
+
+def _multi_agent(run_id: str, rollout_id: str, reward: float) -> list[Event]:
+    """A writer on two replicas of `policy` (2 and 3 response tokens), a checker on `judge` (1 token)."""
+    calls = [
+        ModelRequestRecorded(
+            run_id=run_id, rollout_id=rollout_id, attempt_id="a1", call_id=f"{rollout_id}-{i}", agent=agent,
+            endpoint=endpoint, prompt_ids=[900 + i, 1, 2], response_ids=[5] * n, logprobs=[-0.1] * n,
+        )
+        for i, (agent, endpoint, n) in enumerate([("writer", "policy-r0", 2), ("checker", "judge", 1),
+                                                  ("writer", "policy-r12", 3), ("checker", "policy-r1", 4)])
+    ]  # fmt: skip
+    return [
+        RolloutCreated(run_id=run_id, rollout_id=rollout_id, group_id="g"),
+        AttemptStarted(run_id=run_id, rollout_id=rollout_id, attempt_id="a1", sequence=1),
+        RolloutStatusChanged(run_id=run_id, rollout_id=rollout_id, attempt_id="a1", status="running"),
+        *calls,
+        RewardReported(run_id=run_id, rollout_id=rollout_id, attempt_id="a1", value=reward),
+        RolloutStatusChanged(run_id=run_id, rollout_id=rollout_id, attempt_id="a1", status="succeeded"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "trained"),
+    [
+        ((), [1, 2, 3, 4]),
+        (("--agents", "writer"), [2, 3]),
+        (("--agents", "checker"), [1, 4]),
+        (("--models", "policy"), [2, 3, 4]),  # replicas `policy-r0`, `policy-r1`, `policy-r12` are `policy`
+        (("--models", "judge"), [1]),
+        (("--agents", "writer,checker", "--models", "policy"), [2, 3, 4]),
+        (("--agents", "checker", "--models", "policy"), [4]),
+        (("--agents", "all", "--models", "policy-r1"), [4]),  # one replica by its own name
+    ],
+)
+def test_agents_and_models_select_the_trained_calls_through_the_cli(
+    rollwire: Rollwire, nats_url: str, run_id: str, args: tuple[str, ...], trained: list[int]
+) -> None:
+    publish(nats_url, _multi_agent(run_id, "ra", 1.0) + _multi_agent(run_id, "rb", 0.0))
+    result = rollwire("replay", run_id, *args, "--format", "json")
+    assert result.exit_code == 0, result.stderr
+    (scheme,) = json.loads(result.stdout)["schemes"]
+    by_rollout = {
+        r: sorted(s["response_tokens"] for s in scheme["samples"] if s["rollout_id"] == r) for r in "ra rb".split()
+    }
+    assert by_rollout == {"ra": trained, "rb": trained}
