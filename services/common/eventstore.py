@@ -21,7 +21,7 @@ import contextlib
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 import msgspec
@@ -38,6 +38,9 @@ from schemas.ids import ROLLOUT_ALL, ROLLOUT_STATUS, RUN_ALL, STREAM_NAME, STREA
 from schemas.refs import Resolver, UnresolvedReference
 
 WRONG_LAST_SEQUENCE = 10071
+STORE_FULL = frozenset({10023, 10047, 10077})
+"""JetStream's codes for a store that refuses writes for lack of room: insufficient resources (10023),
+insufficient storage (10047), the stream's maximum bytes reached (10077)."""
 FETCH_BATCH = 2048
 HEADER_ALLOWANCE = 512
 """Bytes of a message's headers and framing kept free under the server's max_payload."""
@@ -51,6 +54,22 @@ class EventStoreError(RuntimeError):
 
 class EventStoreUnavailable(EventStoreError):
     """No NATS server with JetStream answers at the configured URL."""
+
+
+class StoreFull(EventStoreUnavailable):
+    """The store refuses writes for lack of room (see `STORE_FULL`, or a disk out of space)."""
+
+    def __init__(self, subject: str, description: str, code: int) -> None:
+        super().__init__(
+            f"the event store refuses writes ({description}, JetStream code {code}): it is full; "
+            "free disk space or raise the stream's limits, then retry"
+        )
+        self.subject = subject
+        self.code = code
+
+
+class NotSent(EventStoreUnavailable):
+    """NATS is disconnected and the event was not sent: it is certainly not stored (the reconnect buffer is off)."""
 
 
 class EventTooLarge(EventStoreError):
@@ -106,6 +125,103 @@ async def _probe(url: str, timeout: float) -> bool:
             await writer.wait_closed()
         return True
     return False
+
+
+def _unbuffered(holder: list[NATS]) -> dict[str, Any]:
+    """nats-py options with no reconnect buffer (see `EventStore.connect`); `holder` gets the client."""
+
+    async def discard_unsent() -> None:
+        # Called once the socket is closed and before the reconnect, which would send what was
+        # queued but not written (nats-py keeps it in `_pending`): that is dropped here.
+        if holder and isinstance(getattr(holder[0], "_pending", None), list):
+            holder[0]._pending = []
+            holder[0]._pending_data_size = 0
+
+    return {"pending_size": 0, "disconnected_cb": discard_unsent}
+
+
+class _PubAck(msgspec.Struct):
+    """JetStream's answer to a publish: its sequence and duplicate flag, or an error."""
+
+    seq: int = 0
+    duplicate: bool = False
+    error: dict[str, Any] | None = None
+
+
+_decode_ack = msgspec.json.Decoder(_PubAck).decode
+
+
+class _Acks:
+    """Pipelined publishes and their acks, read from one reply subscription of our own.
+
+    nats-py's `publish_async` never completes a publish JetStream refuses (its reply handler raises
+    the error instead of setting it on the future), so an append refused for a full store hung for
+    the whole ack timeout. Here every answer completes its future, the refusals with `APIError`.
+    """
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.prefix = ""
+        self.waiting: dict[str, asyncio.Future[Appended]] = {}
+        self.sent = 0
+        self.ready: asyncio.Future[None] | None = None
+
+    async def send(self, subject: str, data: bytes, headers: dict[str, str]) -> tuple[str, asyncio.Future[Appended]]:
+        """Publish one message: (its token, a future completed with its ack or JetStream's error)."""
+        if self.ready is None:
+            ready = self.ready = asyncio.get_running_loop().create_future()
+            self.prefix = f"{self.nc.new_inbox()}."
+            try:
+                await self.nc.subscribe(f"{self.prefix}*", cb=self._answer)
+            except BaseException as exc:
+                self.ready = None
+                ready.set_exception(exc)
+                ready.exception()
+                raise
+            ready.set_result(None)
+        await asyncio.shield(self.ready)
+        self.sent += 1
+        token = str(self.sent)
+        future: asyncio.Future[Appended] = asyncio.get_running_loop().create_future()
+        self.waiting[token] = future
+        try:
+            await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
+        except BaseException:
+            self.waiting.pop(token, None)
+            raise
+        return token, future
+
+    def forget(self, tokens: list[str], futures: Sequence[asyncio.Future[Appended]] = ()) -> None:
+        """Stop waiting for these (answered or abandoned); the abandoned futures' errors are dropped."""
+        for token in tokens:
+            self.waiting.pop(token, None)
+        for future in futures:
+            if not future.done():
+                future.cancel()
+            elif not future.cancelled():
+                future.exception()
+
+    async def _answer(self, msg: Msg) -> None:
+        future = self.waiting.pop(msg.subject[len(self.prefix) :], None)
+        if future is None or future.done():
+            return
+        if msg.headers and msg.headers.get("Status") == "503":
+            future.set_exception(nats.js.errors.NoStreamResponseError())
+            return
+        try:
+            ack = _decode_ack(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            future.set_exception(EventStoreError(f"JetStream answered an append with {msg.data[:200]!r}: {exc}"))
+            return
+        if ack.error is not None:
+            err = ack.error
+            future.set_exception(
+                nats.js.errors.APIError(
+                    code=err.get("code"), err_code=err.get("err_code"), description=err.get("description")
+                )
+            )
+        else:
+            future.set_result(Appended(seq=ack.seq, duplicate=ack.duplicate))
 
 
 class _Batch:
@@ -166,6 +282,9 @@ class EventStore:
         self.stream = stream
         self.url = url
         """The URL(s) it was connected with ("" when built on a connection): where another process connects."""
+        self.refusing: str | None = None
+        """Why the store refuses writes (it is full), from the last refused append; None once one succeeds."""
+        self._pipeline: _Acks | None = None
 
     @classmethod
     async def connect(
@@ -178,12 +297,21 @@ class EventStore:
         replicas: int = 1,
         duplicate_window_s: float = 120.0,
         name: str = "rollwire",
+        reconnect_buffer: bool = True,
     ) -> EventStore:
-        """Connect (failing fast when nothing answers) and, unless `ensure=False`, ensure the stream."""
+        """Connect (failing fast when nothing answers) and, unless `ensure=False`, ensure the stream.
+
+        `reconnect_buffer=False` turns off nats-py's reconnect buffer: while NATS is disconnected an
+        append raises `NotSent` at once, and whatever was queued but unsent when the connection
+        dropped is discarded instead of sent after the reconnect. A writer that tells its caller
+        "not stored" on a failed append needs that: a buffered event would otherwise be stored
+        later, after the caller was told it was not (the gateway's call records).
+        """
         if not await _probe(url, timeout):
             raise EventStoreUnavailable(
                 f"no NATS server answers at {url}: start one with `rollwire up` or point NATS_URL at a running server"
             )
+        holder: list[NATS] = []
         try:
             nc = await asyncio.wait_for(
                 nats.connect(
@@ -192,11 +320,13 @@ class EventStore:
                     connect_timeout=timeout,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
+                    **({} if reconnect_buffer else _unbuffered(holder)),
                 ),
                 timeout * 3,
             )
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             raise EventStoreUnavailable(f"could not connect to NATS at {url}: {exc}") from None
+        holder.append(nc)
         store = cls(nc, stream, url=url)
         if ensure:
             try:
@@ -263,20 +393,35 @@ class EventStore:
             )
         except nats.js.errors.APIError as exc:
             raise self._translate(exc, subject, expected_last_subject_seq) from None
+        except nats.errors.OutboundBufferLimitError:
+            raise self._not_sent(subject) from None
         except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError):
             raise EventStoreUnavailable(
-                f"JetStream did not acknowledge {subject}; the event may not be stored"
+                f"JetStream did not acknowledge {subject}; the event may or may not be stored"
             ) from None
+        self.refusing = None
         return Appended(seq=ack.seq, duplicate=bool(ack.duplicate))
 
     async def append_many(self, events: Iterable[Event]) -> list[Appended]:
-        """Append many events pipelined (publish all, then await every ack), in order."""
+        """Append many events pipelined (publish all, then await every ack), in order.
+
+        A refusal (a full store, a conflict) raises at once, as `append` does; events before the
+        refused one may be stored. The acks are read by `_Acks`, not nats-py's `publish_async`,
+        which never completes a publish JetStream refuses (it waited out the whole timeout).
+        """
         encoded = [(event, self._checked(event.subject, encode(event))) for event in events]
-        futures = []
-        for event, data in encoded:
-            futures.append(
-                await self.js.publish_async(event.subject, data, headers=self._headers(event, None), stream=self.stream)
-            )
+        acks = self._acks
+        tokens: list[str] = []
+        futures: list[asyncio.Future[Appended]] = []
+        try:
+            for event, data in encoded:
+                headers = {**self._headers(event, None), "Nats-Expected-Stream": self.stream}
+                token, future = await acks.send(event.subject, data, headers)
+                tokens.append(token)
+                futures.append(future)
+        except nats.errors.OutboundBufferLimitError:
+            acks.forget(tokens)
+            raise self._not_sent(encoded[len(futures)][0].subject) from None
         results: list[Appended] = []
         loop = asyncio.get_running_loop()
         try:
@@ -287,16 +432,32 @@ class EventStore:
                     if i % 256 == 255:
                         deadline.reschedule(loop.time() + ACK_TIMEOUT_S)
                     try:
-                        ack = await future
+                        results.append(await future)
                     except nats.js.errors.APIError as exc:
-                        raise self._translate(exc, "", None) from None
-                    results.append(Appended(seq=ack.seq, duplicate=bool(ack.duplicate)))
+                        raise self._translate(exc, encoded[i][0].subject, None) from None
+                    except nats.js.errors.NoStreamResponseError:
+                        raise EventStoreUnavailable(
+                            f"no JetStream stream answered for {encoded[i][0].subject}: is the stream there?"
+                        ) from None
         except TimeoutError:
             raise EventStoreUnavailable(
                 f"JetStream did not acknowledge an append within {ACK_TIMEOUT_S:.0f}s; it may or may not be "
                 "stored: retrying is safe (the event id makes a repeat a duplicate)"
             ) from None
+        finally:
+            acks.forget(tokens, futures)
+        if results:
+            self.refusing = None
         return results
+
+    @property
+    def _acks(self) -> _Acks:
+        if self._pipeline is None:
+            self._pipeline = _Acks(self.nc)
+        return self._pipeline
+
+    def _not_sent(self, subject: str) -> NotSent:
+        return NotSent(f"NATS is disconnected: {subject} was not sent, so it is not stored; retry later")
 
     async def append_unique(self, events: Sequence[tuple[Event, str]]) -> list[Appended | None]:
         """Append each event only if no message on the stream matches its filter yet; all at once, in order.
@@ -319,10 +480,13 @@ class EventStore:
                 if exc.err_code == WRONG_LAST_SEQUENCE:
                     return None
                 raise self._translate(exc, event.subject, 0) from None
+            except nats.errors.OutboundBufferLimitError:
+                raise self._not_sent(event.subject) from None
             except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError):
                 raise EventStoreUnavailable(
                     f"JetStream did not acknowledge {event.subject}; retrying is safe"
                 ) from None
+            self.refusing = None
             return Appended(seq=ack.seq, duplicate=bool(ack.duplicate))
 
         return list(await asyncio.gather(*(first(event, over) for event, over in events)))
@@ -338,11 +502,17 @@ class EventStore:
             raise EventTooLarge(subject, len(data), self.max_payload - HEADER_ALLOWANCE)
         return data
 
-    @staticmethod
-    def _translate(exc: nats.js.errors.APIError, subject: str, expected: int | None) -> EventStoreError:
-        if exc.err_code == WRONG_LAST_SEQUENCE:
-            return ConcurrencyConflict(subject, expected or 0, exc.description or "wrong last sequence")
-        return EventStoreError(f"JetStream refused {subject}: {exc.description} (code {exc.err_code})")
+    def _translate(self, exc: nats.js.errors.APIError, subject: str, expected: int | None) -> EventStoreError:
+        """The named error for JetStream's refusal; a refusal for lack of room also sets `refusing`."""
+        code = exc.err_code or 0
+        description = exc.description or "refused"
+        if code == WRONG_LAST_SEQUENCE:
+            return ConcurrencyConflict(subject, expected or 0, description)
+        if code in STORE_FULL or "no space" in description.lower():
+            full = StoreFull(subject, description, code)
+            self.refusing = str(full)
+            return full
+        return EventStoreError(f"JetStream refused {subject}: {description} (code {code})")
 
     # ---- reading ---------------------------------------------------------------------------
 
