@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from datetime import UTC, datetime
@@ -36,7 +37,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, S
 from schemas import AnyEvent, Event, ModelRequestRecorded, RolloutStatusChanged, check_id, decode, encode
 from schemas.ids import ROLLOUT_ALL, ROLLOUT_STATUS, RUN_ALL, STREAM_NAME, STREAM_SUBJECTS
 from schemas.refs import Resolver, UnresolvedReference
+from services.common.outage import Outage
 
+log = logging.getLogger("rollwire.eventstore")
 WRONG_LAST_SEQUENCE = 10071
 STORE_FULL = frozenset({10023, 10047, 10077})
 """JetStream's codes for a store that refuses writes for lack of room: insufficient resources (10023),
@@ -127,17 +130,32 @@ async def _probe(url: str, timeout: float) -> bool:
     return False
 
 
-def _unbuffered(holder: list[NATS]) -> dict[str, Any]:
-    """nats-py options with no reconnect buffer (see `EventStore.connect`); `holder` gets the client."""
+def _callbacks(holder: list[NATS], name: str, buffered: bool) -> dict[str, Any]:
+    """nats-py's connection callbacks: one log line per outage and one on recovery, and with
+    `buffered=False` no reconnect buffer (see `EventStore.connect`); `holder` gets the client.
 
-    async def discard_unsent() -> None:
-        # Called once the socket is closed and before the reconnect, which would send what was
-        # queued but not written (nats-py keeps it in `_pending`): that is dropped here.
-        if holder and isinstance(getattr(holder[0], "_pending", None), list):
+    nats-py's default error callback logs a traceback for every failed reconnect attempt (two a
+    second with our reconnect wait): an outage is logged once by `Outage` instead."""
+    outage = Outage(log, f"NATS ({name})")
+
+    async def on_error(exc: Exception) -> None:
+        outage.failed(exc, "reconnecting")
+
+    async def on_disconnect() -> None:
+        if not buffered and holder and isinstance(getattr(holder[0], "_pending", None), list):
+            # Called once the socket is closed and before the reconnect, which would send what was
+            # queued but not written (nats-py keeps it in `_pending`): that is dropped here.
             holder[0]._pending = []
             holder[0]._pending_data_size = 0
+        outage.failed(ConnectionError("the connection dropped"), "reconnecting")
 
-    return {"pending_size": 0, "disconnected_cb": discard_unsent}
+    async def on_reconnect() -> None:
+        outage.ok()
+
+    options: dict[str, Any] = {"error_cb": on_error, "disconnected_cb": on_disconnect, "reconnected_cb": on_reconnect}
+    if not buffered:
+        options["pending_size"] = 0
+    return options
 
 
 class _PubAck(msgspec.Struct):
@@ -320,7 +338,7 @@ class EventStore:
                     connect_timeout=timeout,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
-                    **({} if reconnect_buffer else _unbuffered(holder)),
+                    **_callbacks(holder, name, reconnect_buffer),
                 ),
                 timeout * 3,
             )

@@ -42,6 +42,7 @@ from nats.js.kv import KeyValue
 
 from schemas import ModelRequestRecorded
 from services.common.eventstore import EventStore, EventStoreError, EventStoreUnavailable
+from services.common.outage import Outage
 
 BUCKET = "rollwire_gateways"
 CALLS = "rollwire_calls"
@@ -85,6 +86,7 @@ class CallReaper:
         self.mine: dict[str, tuple[CallMarker, asyncio.Task[int | None]]] = {}
         """This gateway's open calls: each marker and the put that stores it (its revision, None if lost)."""
         self.lost = 0  # claims this gateway lost to a reaper (its call was recorded `aborted`)
+        self.outage = Outage(log, "the call reaper's store")
 
     def started(self, run_id: str, rollout_id: str, attempt_id: str, call_id: str, mode: str, model: str) -> None:
         """Put the call's marker without waiting for JetStream (a lost marker only loses the reaping)."""
@@ -173,7 +175,10 @@ class CallReaper:
                 await self.kv.put(self.instance, b"alive")
                 await self.reap()
             except (nats.errors.Error, EventStoreError, OSError) as exc:
-                log.warning("reaper: %s", exc)
+                if self.store.nc.is_connected:  # a lost connection is logged once, by the event store
+                    self.outage.failed(exc, "heartbeat and reaping")
+            else:
+                self.outage.ok()
 
     async def alive(self) -> set[str]:
         """Instance ids of the gateways whose heartbeat has not expired."""
