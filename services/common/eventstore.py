@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Any, Literal
-from urllib.parse import urlparse
+from typing import Literal
 
 import msgspec
 import nats
@@ -37,9 +35,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, S
 from schemas import AnyEvent, Event, ModelRequestRecorded, RolloutStatusChanged, check_id, decode, encode
 from schemas.ids import ROLLOUT_ALL, ROLLOUT_STATUS, RUN_ALL, STREAM_NAME, STREAM_SUBJECTS
 from schemas.refs import Resolver, UnresolvedReference
-from services.common.outage import Outage
+from services.common.jspublish import PipelinedAcks, connection_options, probe
 
-log = logging.getLogger("rollwire.eventstore")
 WRONG_LAST_SEQUENCE = 10071
 STORE_FULL = frozenset({10023, 10047, 10077})
 """JetStream's codes for a store that refuses writes for lack of room: insufficient resources (10023),
@@ -113,135 +110,6 @@ class StoredEvent(msgspec.Struct, frozen=True, gc=False):
 StartFrom = Literal["start", "new"]
 
 
-async def _probe(url: str, timeout: float) -> bool:
-    """True when something accepts TCP connections at one of the URLs' host:port."""
-    for one in url.split(","):
-        parsed = urlparse(one.strip() if "://" in one else f"nats://{one.strip()}")
-        try:
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(parsed.hostname or "127.0.0.1", parsed.port or 4222), timeout
-            )
-        except (TimeoutError, OSError):
-            continue
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        return True
-    return False
-
-
-def _callbacks(holder: list[NATS], name: str, buffered: bool) -> dict[str, Any]:
-    """nats-py's connection callbacks: one log line per outage and one on recovery, and with
-    `buffered=False` no reconnect buffer (see `EventStore.connect`); `holder` gets the client.
-
-    nats-py's default error callback logs a traceback for every failed reconnect attempt (two a
-    second with our reconnect wait): an outage is logged once by `Outage` instead."""
-    outage = Outage(log, f"NATS ({name})")
-
-    async def on_error(exc: Exception) -> None:
-        outage.failed(exc, "reconnecting")
-
-    async def on_disconnect() -> None:
-        if not buffered and holder and isinstance(getattr(holder[0], "_pending", None), list):
-            # Called once the socket is closed and before the reconnect, which would send what was
-            # queued but not written (nats-py keeps it in `_pending`): that is dropped here.
-            holder[0]._pending = []
-            holder[0]._pending_data_size = 0
-        outage.failed(ConnectionError("the connection dropped"), "reconnecting")
-
-    async def on_reconnect() -> None:
-        outage.ok()
-
-    options: dict[str, Any] = {"error_cb": on_error, "disconnected_cb": on_disconnect, "reconnected_cb": on_reconnect}
-    if not buffered:
-        options["pending_size"] = 0
-    return options
-
-
-class _PubAck(msgspec.Struct):
-    """JetStream's answer to a publish: its sequence and duplicate flag, or an error."""
-
-    seq: int = 0
-    duplicate: bool = False
-    error: dict[str, Any] | None = None
-
-
-_decode_ack = msgspec.json.Decoder(_PubAck).decode
-
-
-class _Acks:
-    """Pipelined publishes and their acks, read from one reply subscription of our own.
-
-    nats-py's `publish_async` never completes a publish JetStream refuses (its reply handler raises
-    the error instead of setting it on the future), so an append refused for a full store hung for
-    the whole ack timeout. Here every answer completes its future, the refusals with `APIError`.
-    """
-
-    def __init__(self, nc: NATS) -> None:
-        self.nc = nc
-        self.prefix = ""
-        self.waiting: dict[str, asyncio.Future[Appended]] = {}
-        self.sent = 0
-        self.ready: asyncio.Future[None] | None = None
-
-    async def send(self, subject: str, data: bytes, headers: dict[str, str]) -> tuple[str, asyncio.Future[Appended]]:
-        """Publish one message: (its token, a future completed with its ack or JetStream's error)."""
-        if self.ready is None:
-            ready = self.ready = asyncio.get_running_loop().create_future()
-            self.prefix = f"{self.nc.new_inbox()}."
-            try:
-                await self.nc.subscribe(f"{self.prefix}*", cb=self._answer)
-            except BaseException as exc:
-                self.ready = None
-                ready.set_exception(exc)
-                ready.exception()
-                raise
-            ready.set_result(None)
-        await asyncio.shield(self.ready)
-        self.sent += 1
-        token = str(self.sent)
-        future: asyncio.Future[Appended] = asyncio.get_running_loop().create_future()
-        self.waiting[token] = future
-        try:
-            await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
-        except BaseException:
-            self.waiting.pop(token, None)
-            raise
-        return token, future
-
-    def forget(self, tokens: list[str], futures: Sequence[asyncio.Future[Appended]] = ()) -> None:
-        """Stop waiting for these (answered or abandoned); the abandoned futures' errors are dropped."""
-        for token in tokens:
-            self.waiting.pop(token, None)
-        for future in futures:
-            if not future.done():
-                future.cancel()
-            elif not future.cancelled():
-                future.exception()
-
-    async def _answer(self, msg: Msg) -> None:
-        future = self.waiting.pop(msg.subject[len(self.prefix) :], None)
-        if future is None or future.done():
-            return
-        if msg.headers and msg.headers.get("Status") == "503":
-            future.set_exception(nats.js.errors.NoStreamResponseError())
-            return
-        try:
-            ack = _decode_ack(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            future.set_exception(EventStoreError(f"JetStream answered an append with {msg.data[:200]!r}: {exc}"))
-            return
-        if ack.error is not None:
-            err = ack.error
-            future.set_exception(
-                nats.js.errors.APIError(
-                    code=err.get("code"), err_code=err.get("err_code"), description=err.get("description")
-                )
-            )
-        else:
-            future.set_result(Appended(seq=ack.seq, duplicate=ack.duplicate))
-
-
 class _Batch:
     """Collects the messages answering one pull request; `done` is set when it is complete."""
 
@@ -302,7 +170,7 @@ class EventStore:
         """The URL(s) it was connected with ("" when built on a connection): where another process connects."""
         self.refusing: str | None = None
         """Why the store refuses writes (it is full), from the last refused append; None once one succeeds."""
-        self._pipeline: _Acks | None = None
+        self._pipeline: PipelinedAcks | None = None
 
     @classmethod
     async def connect(
@@ -325,7 +193,7 @@ class EventStore:
         "not stored" on a failed append needs that: a buffered event would otherwise be stored
         later, after the caller was told it was not (the gateway's call records).
         """
-        if not await _probe(url, timeout):
+        if not await probe(url, timeout):
             raise EventStoreUnavailable(
                 f"no NATS server answers at {url}: start one with `rollwire up` or point NATS_URL at a running server"
             )
@@ -338,7 +206,7 @@ class EventStore:
                     connect_timeout=timeout,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
-                    **_callbacks(holder, name, reconnect_buffer),
+                    **connection_options(holder, name, reconnect_buffer),
                 ),
                 timeout * 3,
             )
@@ -430,7 +298,7 @@ class EventStore:
         encoded = [(event, self._checked(event.subject, encode(event))) for event in events]
         acks = self._acks
         tokens: list[str] = []
-        futures: list[asyncio.Future[Appended]] = []
+        futures: list[asyncio.Future[tuple[int, bool]]] = []
         try:
             for event, data in encoded:
                 headers = {**self._headers(event, None), "Nats-Expected-Stream": self.stream}
@@ -450,13 +318,16 @@ class EventStore:
                     if i % 256 == 255:
                         deadline.reschedule(loop.time() + ACK_TIMEOUT_S)
                     try:
-                        results.append(await future)
+                        seq, duplicate = await future
+                    except ValueError as exc:
+                        raise EventStoreError(str(exc)) from None
                     except nats.js.errors.APIError as exc:
                         raise self._translate(exc, encoded[i][0].subject, None) from None
                     except nats.js.errors.NoStreamResponseError:
                         raise EventStoreUnavailable(
                             f"no JetStream stream answered for {encoded[i][0].subject}: is the stream there?"
                         ) from None
+                    results.append(Appended(seq=seq, duplicate=duplicate))
         except TimeoutError:
             raise EventStoreUnavailable(
                 f"JetStream did not acknowledge an append within {ACK_TIMEOUT_S:.0f}s; it may or may not be "
@@ -469,9 +340,9 @@ class EventStore:
         return results
 
     @property
-    def _acks(self) -> _Acks:
+    def _acks(self) -> PipelinedAcks:
         if self._pipeline is None:
-            self._pipeline = _Acks(self.nc)
+            self._pipeline = PipelinedAcks(self.nc)
         return self._pipeline
 
     def _not_sent(self, subject: str) -> NotSent:

@@ -203,9 +203,9 @@ async def healthz(request: Request) -> Response:
     gw = gateway_of(request)
     connected = gw.store.nc.is_connected
     refusing = gw.store.refusing  # the last append was refused for lack of room, none succeeded since
-    body: dict[str, Any] = {"nats": connected, "store": "ok" if refusing is None else "refusing writes"}
+    body: dict[str, Any] = {"nats": connected}
     if refusing is not None:
-        body["reason"] = refusing
+        body.update(store="refusing writes", reason=refusing)
     ping = getattr(gw.reader, "ping", None)  # the projector's reader: can reads be answered?
     healthy = connected and refusing is None
     if ping is not None:
