@@ -22,7 +22,6 @@ import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Literal
-from urllib.parse import urlparse
 
 import msgspec
 import nats
@@ -36,8 +35,12 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, S
 from schemas import AnyEvent, Event, ModelRequestRecorded, RolloutStatusChanged, check_id, decode, encode
 from schemas.ids import ROLLOUT_ALL, ROLLOUT_STATUS, RUN_ALL, STREAM_NAME, STREAM_SUBJECTS
 from schemas.refs import Resolver, UnresolvedReference
+from services.common.jspublish import PipelinedAcks, connection_options, probe
 
 WRONG_LAST_SEQUENCE = 10071
+STORE_FULL = frozenset({10023, 10047, 10077})
+"""JetStream's codes for a store that refuses writes for lack of room: insufficient resources (10023),
+insufficient storage (10047), the stream's maximum bytes reached (10077)."""
 FETCH_BATCH = 2048
 HEADER_ALLOWANCE = 512
 """Bytes of a message's headers and framing kept free under the server's max_payload."""
@@ -51,6 +54,22 @@ class EventStoreError(RuntimeError):
 
 class EventStoreUnavailable(EventStoreError):
     """No NATS server with JetStream answers at the configured URL."""
+
+
+class StoreFull(EventStoreUnavailable):
+    """The store refuses writes for lack of room (see `STORE_FULL`, or a disk out of space)."""
+
+    def __init__(self, subject: str, description: str, code: int) -> None:
+        super().__init__(
+            f"the event store refuses writes ({description}, JetStream code {code}): it is full; "
+            "free disk space or raise the stream's limits, then retry"
+        )
+        self.subject = subject
+        self.code = code
+
+
+class NotSent(EventStoreUnavailable):
+    """NATS is disconnected and the event was not sent: it is certainly not stored (the reconnect buffer is off)."""
 
 
 class EventTooLarge(EventStoreError):
@@ -89,23 +108,6 @@ class StoredEvent(msgspec.Struct, frozen=True, gc=False):
 
 
 StartFrom = Literal["start", "new"]
-
-
-async def _probe(url: str, timeout: float) -> bool:
-    """True when something accepts TCP connections at one of the URLs' host:port."""
-    for one in url.split(","):
-        parsed = urlparse(one.strip() if "://" in one else f"nats://{one.strip()}")
-        try:
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(parsed.hostname or "127.0.0.1", parsed.port or 4222), timeout
-            )
-        except (TimeoutError, OSError):
-            continue
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        return True
-    return False
 
 
 class _Batch:
@@ -166,6 +168,9 @@ class EventStore:
         self.stream = stream
         self.url = url
         """The URL(s) it was connected with ("" when built on a connection): where another process connects."""
+        self.refusing: str | None = None
+        """Why the store refuses writes (it is full), from the last refused append; None once one succeeds."""
+        self._pipeline: PipelinedAcks | None = None
 
     @classmethod
     async def connect(
@@ -178,12 +183,21 @@ class EventStore:
         replicas: int = 1,
         duplicate_window_s: float = 120.0,
         name: str = "rollwire",
+        reconnect_buffer: bool = True,
     ) -> EventStore:
-        """Connect (failing fast when nothing answers) and, unless `ensure=False`, ensure the stream."""
-        if not await _probe(url, timeout):
+        """Connect (failing fast when nothing answers) and, unless `ensure=False`, ensure the stream.
+
+        `reconnect_buffer=False` turns off nats-py's reconnect buffer: while NATS is disconnected an
+        append raises `NotSent` at once, and whatever was queued but unsent when the connection
+        dropped is discarded instead of sent after the reconnect. A writer that tells its caller
+        "not stored" on a failed append needs that: a buffered event would otherwise be stored
+        later, after the caller was told it was not (the gateway's call records).
+        """
+        if not await probe(url, timeout):
             raise EventStoreUnavailable(
                 f"no NATS server answers at {url}: start one with `rollwire up` or point NATS_URL at a running server"
             )
+        holder: list[NATS] = []
         try:
             nc = await asyncio.wait_for(
                 nats.connect(
@@ -192,11 +206,13 @@ class EventStore:
                     connect_timeout=timeout,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
+                    **connection_options(holder, name, reconnect_buffer),
                 ),
                 timeout * 3,
             )
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             raise EventStoreUnavailable(f"could not connect to NATS at {url}: {exc}") from None
+        holder.append(nc)
         store = cls(nc, stream, url=url)
         if ensure:
             try:
@@ -263,20 +279,35 @@ class EventStore:
             )
         except nats.js.errors.APIError as exc:
             raise self._translate(exc, subject, expected_last_subject_seq) from None
+        except nats.errors.OutboundBufferLimitError:
+            raise self._not_sent(subject) from None
         except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError):
             raise EventStoreUnavailable(
-                f"JetStream did not acknowledge {subject}; the event may not be stored"
+                f"JetStream did not acknowledge {subject}; the event may or may not be stored"
             ) from None
+        self.refusing = None
         return Appended(seq=ack.seq, duplicate=bool(ack.duplicate))
 
     async def append_many(self, events: Iterable[Event]) -> list[Appended]:
-        """Append many events pipelined (publish all, then await every ack), in order."""
+        """Append many events pipelined (publish all, then await every ack), in order.
+
+        A refusal (a full store, a conflict) raises at once, as `append` does; events before the
+        refused one may be stored. The acks are read by `_Acks`, not nats-py's `publish_async`,
+        which never completes a publish JetStream refuses (it waited out the whole timeout).
+        """
         encoded = [(event, self._checked(event.subject, encode(event))) for event in events]
-        futures = []
-        for event, data in encoded:
-            futures.append(
-                await self.js.publish_async(event.subject, data, headers=self._headers(event, None), stream=self.stream)
-            )
+        acks = self._acks
+        tokens: list[str] = []
+        futures: list[asyncio.Future[tuple[int, bool]]] = []
+        try:
+            for event, data in encoded:
+                headers = {**self._headers(event, None), "Nats-Expected-Stream": self.stream}
+                token, future = await acks.send(event.subject, data, headers)
+                tokens.append(token)
+                futures.append(future)
+        except nats.errors.OutboundBufferLimitError:
+            acks.forget(tokens)
+            raise self._not_sent(encoded[len(futures)][0].subject) from None
         results: list[Appended] = []
         loop = asyncio.get_running_loop()
         try:
@@ -287,16 +318,35 @@ class EventStore:
                     if i % 256 == 255:
                         deadline.reschedule(loop.time() + ACK_TIMEOUT_S)
                     try:
-                        ack = await future
+                        seq, duplicate = await future
+                    except ValueError as exc:
+                        raise EventStoreError(str(exc)) from None
                     except nats.js.errors.APIError as exc:
-                        raise self._translate(exc, "", None) from None
-                    results.append(Appended(seq=ack.seq, duplicate=bool(ack.duplicate)))
+                        raise self._translate(exc, encoded[i][0].subject, None) from None
+                    except nats.js.errors.NoStreamResponseError:
+                        raise EventStoreUnavailable(
+                            f"no JetStream stream answered for {encoded[i][0].subject}: is the stream there?"
+                        ) from None
+                    results.append(Appended(seq=seq, duplicate=duplicate))
         except TimeoutError:
             raise EventStoreUnavailable(
                 f"JetStream did not acknowledge an append within {ACK_TIMEOUT_S:.0f}s; it may or may not be "
                 "stored: retrying is safe (the event id makes a repeat a duplicate)"
             ) from None
+        finally:
+            acks.forget(tokens, futures)
+        if results:
+            self.refusing = None
         return results
+
+    @property
+    def _acks(self) -> PipelinedAcks:
+        if self._pipeline is None:
+            self._pipeline = PipelinedAcks(self.nc)
+        return self._pipeline
+
+    def _not_sent(self, subject: str) -> NotSent:
+        return NotSent(f"NATS is disconnected: {subject} was not sent, so it is not stored; retry later")
 
     async def append_unique(self, events: Sequence[tuple[Event, str]]) -> list[Appended | None]:
         """Append each event only if no message on the stream matches its filter yet; all at once, in order.
@@ -319,10 +369,13 @@ class EventStore:
                 if exc.err_code == WRONG_LAST_SEQUENCE:
                     return None
                 raise self._translate(exc, event.subject, 0) from None
+            except nats.errors.OutboundBufferLimitError:
+                raise self._not_sent(event.subject) from None
             except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError):
                 raise EventStoreUnavailable(
                     f"JetStream did not acknowledge {event.subject}; retrying is safe"
                 ) from None
+            self.refusing = None
             return Appended(seq=ack.seq, duplicate=bool(ack.duplicate))
 
         return list(await asyncio.gather(*(first(event, over) for event, over in events)))
@@ -338,11 +391,17 @@ class EventStore:
             raise EventTooLarge(subject, len(data), self.max_payload - HEADER_ALLOWANCE)
         return data
 
-    @staticmethod
-    def _translate(exc: nats.js.errors.APIError, subject: str, expected: int | None) -> EventStoreError:
-        if exc.err_code == WRONG_LAST_SEQUENCE:
-            return ConcurrencyConflict(subject, expected or 0, exc.description or "wrong last sequence")
-        return EventStoreError(f"JetStream refused {subject}: {exc.description} (code {exc.err_code})")
+    def _translate(self, exc: nats.js.errors.APIError, subject: str, expected: int | None) -> EventStoreError:
+        """The named error for JetStream's refusal; a refusal for lack of room also sets `refusing`."""
+        code = exc.err_code or 0
+        description = exc.description or "refused"
+        if code == WRONG_LAST_SEQUENCE:
+            return ConcurrencyConflict(subject, expected or 0, description)
+        if code in STORE_FULL or "no space" in description.lower():
+            full = StoreFull(subject, description, code)
+            self.refusing = str(full)
+            return full
+        return EventStoreError(f"JetStream refused {subject}: {description} (code {code})")
 
     # ---- reading ---------------------------------------------------------------------------
 

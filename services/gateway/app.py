@@ -83,7 +83,9 @@ def _lifespan(settings: GatewaySettings) -> Callable[[FastAPI], AbstractAsyncCon
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = await EventStore.connect(settings.nats_url, stream=settings.stream, name="rollwire-gateway")
+        store = await EventStore.connect(
+            settings.nats_url, stream=settings.stream, name="rollwire-gateway", reconnect_buffer=False
+        )
         state = GatewayState(store, cache_bytes=settings.cache_bytes)
         gate = PhaseGate(settings.phase_hold_timeout_s)
         state.on_event(lambda stored: _follow_phase(gate, stored))

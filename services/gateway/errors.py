@@ -12,7 +12,7 @@ import nats.errors
 import nats.js.errors
 
 from schemas import IllegalTransition, InvalidId, MalformedEvent
-from services.common.eventstore import ConcurrencyConflict, EventStoreUnavailable
+from services.common.eventstore import ConcurrencyConflict, EventStoreUnavailable, StoreFull
 from services.common.readside import ReadSideError
 
 RETRY_AFTER_S = 2
@@ -118,6 +118,8 @@ def translate(exc: Exception) -> ApiError | None:
     """The HTTP error for a known domain exception (None for anything else)."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, StoreFull):
+        return unavailable(f"{exc}; nothing was changed")
     if isinstance(exc, EventStoreUnavailable) or (
         isinstance(exc, nats.errors.Error) and not isinstance(exc, nats.js.errors.APIError)
     ):

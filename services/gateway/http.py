@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import re
+import sys
 from typing import Any, TypeVar
 
 import msgspec
@@ -41,9 +43,51 @@ def decode(body: bytes, type_: type[T], *, empty: T | None = None) -> T:
             return empty
         raise invalid("the request body is empty; send a JSON object", "body")
     try:
-        return _decode(body, type_)
+        decoded = _decode(body, type_)
     except RecursionError:
         raise too_deep() from None
+    refuse_huge_numbers(body)
+    return decoded
+
+
+_LONG_DIGITS = re.compile(rb"\d{309}")
+"""A run of 309 digits: the shortest integer no 64-bit float holds (above 1.8e308) has that many."""
+
+
+def huge_number(value: Any) -> str | None:
+    """Where in a decoded JSON value an integer sits that no 64-bit float holds (10^400), or None.
+
+    JSON readers that hold numbers as floats (JavaScript, most others) cannot read one, and every
+    other part of the contract keeps numbers within a float: a field, payload or input holding one
+    is refused where it enters. Iterative, so the decoder's full nesting depth is walked."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if type(item) is int and not -_FLOAT_MAX <= item <= _FLOAT_MAX:
+            return path or "body"
+        if isinstance(item, dict):
+            stack.extend((f"{path}.{key}" if path else str(key), inner) for key, inner in item.items())
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", inner) for i, inner in enumerate(item))
+    return None
+
+
+_FLOAT_MAX = int(sys.float_info.max)
+
+
+def refuse_huge_numbers(body: bytes) -> None:
+    """422 naming the field when the JSON body holds an integer no float holds (see `huge_number`).
+
+    A search of the raw bytes for a long run of digits decides first, so an ordinary body costs a
+    regular-expression scan and is never walked."""
+    if _LONG_DIGITS.search(body) is None:
+        return
+    try:
+        where = huge_number(msgspec.json.decode(body))
+    except (msgspec.DecodeError, RecursionError):
+        return
+    if where is not None:
+        raise invalid(f"{where}: a number no 64-bit float holds (such as 10^400); send a finite number", where)
 
 
 def _decode(body: bytes, type_: type[T]) -> T:

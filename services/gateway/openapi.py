@@ -74,7 +74,13 @@ OBJECT = {"type": "object"}
 HEALTH = {
     "type": "object",
     "required": ["status", "nats"],
-    "properties": {"status": {"enum": ["ok", "degraded"]}, "nats": {"type": "boolean"}, "reads": {"type": "boolean"}},
+    "properties": {
+        "status": {"enum": ["ok", "degraded"]},
+        "nats": {"type": "boolean"},
+        "store": {"enum": ["refusing writes"], "description": "present only while the store is full"},
+        "reason": {"type": "string", "description": "why the store refuses writes (it is full)"},
+        "reads": {"type": "boolean"},
+    },
 }
 
 RESPONSES: dict[tuple[str, str], tuple[str, dict[str, Any] | None]] = {

@@ -30,7 +30,8 @@ from services.gateway.frontends.base import Translator, error_body
 from services.gateway.limits import check_call, clamp_max_tokens
 from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion, sampling_params
 from services.gateway.payload import refusal
-from services.gateway.recording import cut
+from services.gateway.reaper import CallReaped
+from services.gateway.recording import OutOfBounds, cut, not_recorded, out_of_bounds
 from services.gateway.state import ModelEntry
 from services.gateway.tokenin import ChunkConverter, chat_answer
 from services.gateway.upstream import UpstreamError, UpstreamResponse
@@ -110,6 +111,9 @@ class Pipeline:
         if why is not None:  # before the gate and the engine: nothing is generated for a call we cannot keep
             await self._fail(call, send, 413, why, "invalid_request_error")
             return
+        if gw.store.refusing is not None:  # a full store: refused before generation (its failed record probes it)
+            await self._fail(call, send, 503, f"{gw.store.refusing}; nothing was generated")
+            return
         if settings.prompt_mode == "continuous":
             await self.continuity.prepare(gw, call)
         # Stamped before the budget and the phase gate: twins of a fan-out held there while the
@@ -186,13 +190,19 @@ class Pipeline:
         ]
 
     async def record(self, call: Call, outcome: Outcome) -> None:
-        """Append the call's events (raises `EventStoreUnavailable`)."""
-        events = self.events(call, outcome)
+        """Append the call's terminal events, once per call (raises `EventStoreUnavailable`, `CallReaped`,
+        or `OutOfBounds` after recording as failed an answer the contract cannot hold)."""
+        if self.gw.reaper is not None and not await self.gw.reaper.claim(call.call_id):
+            raise CallReaped(call.call_id)  # a reaper recorded it `aborted`: one terminal record per call
+        events, why = self._bounded(call, outcome)
+        if why is not None:  # recorded as failed, without what does not fit; the caller answers 502
+            status = "failed" if outcome.status == "ok" else outcome.status
+            events = self.events(call, Outcome(status=status, error=f"{OutOfBounds.prefix}: {why}"))
         try:
             try:
                 await self._append(events)
             except EventTooLarge as exc:
-                if outcome.status == "ok":
+                if outcome.status == "ok" and why is None:
                     raise
                 reason = str(exc)
                 await self._append([cut(event, reason) for event in events])
@@ -200,6 +210,16 @@ class Pipeline:
             metrics.record_failed()
             raise
         metrics.recorded(events)
+        if why is not None:
+            raise OutOfBounds(why)
+
+    def _bounded(self, call: Call, outcome: Outcome) -> tuple[list[ModelRequestRecorded], str | None]:
+        """The call's events and, when the engine's answer holds what the contract refuses, why."""
+        try:
+            events = self.events(call, outcome)
+        except msgspec.ValidationError as exc:  # a weights version outside int32, say
+            return [], str(exc)
+        return events, out_of_bounds(events)
 
     async def _append(self, events: list[ModelRequestRecorded]) -> None:
         store, chains = self.gw.store, self.gw.chains
@@ -220,7 +240,7 @@ class Pipeline:
         return message
 
     async def _record_quietly(self, call: Call, outcome: Outcome) -> None:
-        with contextlib.suppress(EventStoreUnavailable):
+        with contextlib.suppress(EventStoreUnavailable, OutOfBounds):
             await self.record(call, outcome)
 
     async def _fail(self, call: Call, send: Send, status: int, message: str, kind: str | None = None) -> None:
@@ -307,8 +327,11 @@ class Pipeline:
         )
         try:
             await self.record(call, outcome)
-        except EventStoreUnavailable:
-            raise unavailable("the call could not be recorded (NATS unavailable); retry it") from None
+        except EventStoreUnavailable as exc:
+            raise unavailable(not_recorded(exc)) from None
+        except OutOfBounds as exc:
+            await send_json(send, 502, error_body(call.translator.api, 502, str(exc)))
+            return
         except EventTooLarge as exc:
             message = await self._too_large(call, outcome, exc)
             await send_json(send, 413, error_body(call.translator.api, 413, message, "invalid_request_error"))
@@ -399,9 +422,11 @@ class Pipeline:
             return False
         try:
             await self.record(call, seen)
-        except EventStoreUnavailable:
-            message = "the call could not be recorded (NATS unavailable); retry it"
-            await send({"type": "http.response.body", "body": translator.stream_error(503, message)})
+        except EventStoreUnavailable as exc:
+            await send({"type": "http.response.body", "body": translator.stream_error(503, not_recorded(exc))})
+            return False
+        except OutOfBounds as exc:
+            await send({"type": "http.response.body", "body": translator.stream_error(502, str(exc))})
             return False
         except EventTooLarge as exc:
             message = await self._too_large(call, seen, exc)

@@ -48,6 +48,7 @@ from services.gateway.errors import (
 from services.gateway.frontends import chat, messages, responses
 from services.gateway.frontends.base import Api, Translator, error_body
 from services.gateway.frontends.canonical import Conversation, TranslationError, Turn, history
+from services.gateway.http import refuse_huge_numbers
 from services.gateway.openai_format import prepare_request
 from services.gateway.pipeline import Call, Pipeline
 from services.gateway.routing import sticky
@@ -223,11 +224,13 @@ class Proxy:
         """The request body as a JSON object (413 too large, 422 not an object)."""
         body = await read_body(scope, receive, self.gw.settings.max_body_bytes)
         try:
-            return _decode_obj(body)
+            decoded = _decode_obj(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ApiError(422, f"the request body is not a JSON object: {exc}", field="body") from None
         except RecursionError:
             raise too_deep() from None
+        refuse_huge_numbers(body)  # before anything is translated, forwarded or recorded
+        return decoded
 
     def call(self, view: RolloutView, route: Route, model: ModelEntry, **fields: Any) -> Call:
         """A call of this route to `model` (the front end supplies payload, request and translator)."""

@@ -197,13 +197,17 @@ async def get_run(request: Request, run_id: str) -> Response:
 
 
 async def healthz(request: Request) -> Response:
-    """`GET /healthz`: 200 when NATS is connected and (with a projector) reads are answered, else 503
-    (`degraded`), so probes and orchestrators act on it within a second."""
+    """`GET /healthz`: 200 when NATS is connected, the store takes writes and (with a projector) reads
+    are answered, else 503 (`degraded`, with the `reason` a full store gave), so probes and
+    orchestrators act on it within a second."""
     gw = gateway_of(request)
     connected = gw.store.nc.is_connected
+    refusing = gw.store.refusing  # the last append was refused for lack of room, none succeeded since
     body: dict[str, Any] = {"nats": connected}
+    if refusing is not None:
+        body.update(store="refusing writes", reason=refusing)
     ping = getattr(gw.reader, "ping", None)  # the projector's reader: can reads be answered?
-    healthy = connected
+    healthy = connected and refusing is None
     if ping is not None:
         try:
             await ping(1.0)

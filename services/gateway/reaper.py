@@ -2,11 +2,11 @@
 
 When a call passes the phase gate, the proxy puts a light marker for it into the JetStream
 key-value bucket `rollwire_calls` (key: the call id; value: run, rollout, attempt, the gateway's
-instance id, mode and model) with a plain NATS publish: JetStream stores it, nothing waits for its
-ack, so the marker costs the call no latency. When the call ends, recorded or not, the proxy
-deletes the key the same way. In-flight calls are therefore visible to anyone
-(`nats kv watch rollwire_calls`), and a rollout's event history holds only what happened: the
-markers are transient state, not events (entries also expire after `LOOKBACK_S`).
+instance id, mode and model) without waiting for it: the marker costs the call no latency. When
+the call ends, recorded or not, the proxy deletes the key the same way. In-flight calls are
+therefore visible to anyone (`nats kv watch rollwire_calls`), and a rollout's event history holds
+only what happened: the markers are transient state, not events (entries also expire after
+`LOOKBACK_S`).
 
 Every gateway heartbeats into the bucket `rollwire_gateways` (its instance id, entries expire after
 three intervals) and watches `rollwire_calls`. A call whose gateway's heartbeat has expired is
@@ -14,6 +14,16 @@ recorded by any live gateway as `aborted` with the reason, under the determinist
 `<call_id>-reaped` (so several reapers append it once), and its marker is deleted. The engine's
 tokens for such a call are lost (the gateway held them), but the call, its rollout attempt and why
 it ended are on the stream.
+
+One terminal record per call, whatever the timing: the marker decides who records. Before its
+record, the owner claims the marker (`claim`: a compare-and-set from the revision it wrote to
+`state: ending`); before its `aborted` record, a reaper does the same (to `state: reaped`). Exactly
+one of the two compare-and-sets succeeds, and the loser appends nothing: a gateway paused past
+three heartbeats (SIGSTOP, a long GC pause, a frozen VM) whose call was reaped meanwhile answers
+503 instead of recording `ok` after the `aborted` (two terminal records before). A marker a reaper
+claimed but whose `aborted` it did not append (it died in between) is finished by any live
+gateway (same event id). A marker its owner claimed is left to the owner: if it dies in the
+instant between its claim and its append, the call stays unrecorded, as a call without a marker.
 """
 
 from __future__ import annotations
@@ -31,7 +41,8 @@ import nats.js.errors
 from nats.js.kv import KeyValue
 
 from schemas import ModelRequestRecorded
-from services.common.eventstore import EventStore, EventStoreError
+from services.common.eventstore import EventStore, EventStoreError, EventStoreUnavailable
+from services.common.outage import Outage
 
 BUCKET = "rollwire_gateways"
 CALLS = "rollwire_calls"
@@ -49,6 +60,11 @@ class CallMarker(msgspec.Struct, frozen=True, gc=False):
     mode: str
     model: str
     seen: float = 0.0  # when this gateway first saw it (monotonic; not stored)
+    state: str = "open"
+    """`open`, `ending` (its owner claimed it to record the call) or `reaped` (a reaper claimed it)."""
+    by: str = ""
+    """The gateway whose claim set `state` (the reaper's instance id for `reaped`)."""
+    revision: int = 0  # the marker's revision in the bucket (not stored)
 
 
 _encode = msgspec.json.Encoder().encode
@@ -67,14 +83,55 @@ class CallReaper:
         self.kv: KeyValue | None = None
         self.calls: KeyValue | None = None
         self.tasks: list[asyncio.Task[None]] = []
+        self.mine: dict[str, tuple[CallMarker, asyncio.Task[int | None]]] = {}
+        """This gateway's open calls: each marker and the put that stores it (its revision, None if lost)."""
+        self.lost = 0  # claims this gateway lost to a reaper (its call was recorded `aborted`)
+        self.outage = Outage(log, "the call reaper's store")
 
     def started(self, run_id: str, rollout_id: str, attempt_id: str, call_id: str, mode: str, model: str) -> None:
         """Put the call's marker without waiting for JetStream (a lost marker only loses the reaping)."""
         marker = CallMarker(run_id, rollout_id, attempt_id, self.instance, mode, model)
-        self._publish(call_id, _encode(marker), None)
+        task = asyncio.get_running_loop().create_task(self._put(call_id, marker))
+        self.mine[call_id] = (marker, task)
+
+    async def _put(self, call_id: str, marker: CallMarker) -> int | None:
+        try:
+            ack = await self.store.js.publish(f"$KV.{CALLS}.{call_id}", _encode(marker), timeout=5.0)
+        except (nats.errors.Error, OSError):
+            return None  # not stored: no reaper can see the call, so its owner records it unclaimed
+        return ack.seq
+
+    async def claim(self, call_id: str) -> bool:
+        """Claim the call's marker before recording the call: False when a reaper claimed it first.
+
+        A compare-and-set from the revision this gateway wrote: it fails only when the marker
+        changed since, which only a reaper does (then its `aborted` is the call's record, and the
+        caller appends nothing). A marker that was never stored cannot be reaped: True.
+        """
+        mine = self.mine.pop(call_id, None)
+        if mine is None:
+            return True
+        marker, put = mine
+        revision = await put
+        if revision is None or self.calls is None:
+            return True
+        claimed = msgspec.structs.replace(marker, state="ending", by=self.instance)
+        try:
+            await self.calls.update(call_id, _encode(claimed), last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            self.lost += 1
+            log.warning("call %s was recorded aborted by another gateway while this one was stalled", call_id)
+            return False
+        except (nats.errors.Error, OSError):
+            return True  # the store is unreachable: the record's own append fails and says so
+        return True
 
     def ended(self, call_id: str) -> None:
         """Delete the call's marker (it was recorded, or its gateway is alive to answer for it)."""
+        mine = self.mine.pop(call_id, None)
+        if mine is not None:  # not claimed (nothing recorded): delete it once its put is done
+            mine[1].add_done_callback(lambda _: self._publish(call_id, b"", {"KV-Operation": "DEL"}))
+            return
         self._publish(call_id, b"", {"KV-Operation": "DEL"})
 
     def _publish(self, call_id: str, data: bytes, headers: dict[str, str] | None) -> None:
@@ -118,7 +175,10 @@ class CallReaper:
                 await self.kv.put(self.instance, b"alive")
                 await self.reap()
             except (nats.errors.Error, EventStoreError, OSError) as exc:
-                log.warning("reaper: %s", exc)
+                if self.store.nc.is_connected:  # a lost connection is logged once, by the event store
+                    self.outage.failed(exc, "heartbeat and reaping")
+            else:
+                self.outage.ok()
 
     async def alive(self) -> set[str]:
         """Instance ids of the gateways whose heartbeat has not expired."""
@@ -135,26 +195,28 @@ class CallReaper:
         alive = await self.alive() | {self.instance}
         grace = time.monotonic() - self.interval_s
         for call_id, call in list(self.open.items()):
-            if call.gateway in alive or call.seen > grace:
+            if call.seen > grace or call.state == "ending":
+                continue  # new to this gateway, or its owner is recording it
+            if call.state == "reaped" and call.by in alive:
+                continue  # a live reaper is recording it
+            if call.state == "open" and call.gateway in alive:
                 continue
-            event = ModelRequestRecorded(
-                run_id=call.run_id,
-                rollout_id=call.rollout_id,
-                attempt_id=call.attempt_id,
-                event_id=f"{call_id}-reaped",
-                call_id=call_id,
-                mode="val" if call.mode == "val" else "train",
-                status="aborted",
-                model=call.model,
-                error=(
-                    f"the gateway serving this call ({call.gateway}) stopped before recording it: "
-                    f"no heartbeat for {3 * self.interval_s:g}s"
-                ),
-            )
-            await self.store.append(event)
+            if call.state == "open" and not await self._claim_dead(call_id, call):
+                continue
+            await self.store.append(_aborted(call_id, call, self.interval_s))
             self.open.pop(call_id, None)
-            self.ended(call_id)
+            self._publish(call_id, b"", {"KV-Operation": "DEL"})
             self.reaped += 1
+
+    async def _claim_dead(self, call_id: str, call: CallMarker) -> bool:
+        """Claim a dead gateway's call for its `aborted` record; False when its owner (or another reaper) won."""
+        assert self.calls is not None
+        claimed = msgspec.structs.replace(call, state="reaped", by=self.instance)
+        try:
+            await self.calls.update(call_id, _encode(claimed), last=call.revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False  # the marker changed: the watcher brings its new state
+        return True
 
     async def _follow(self) -> None:
         """Keep `open` equal to the markers in `rollwire_calls` (a put opens a call, a delete ends it)."""
@@ -171,12 +233,42 @@ class CallReaper:
                     marker = _decode(entry.value or b"")
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     continue
-                self.open.setdefault(entry.key, msgspec.structs.replace(marker, seen=time.monotonic()))
+                known = self.open.get(entry.key)
+                seen = known.seen if known is not None else time.monotonic()
+                self.open[entry.key] = msgspec.structs.replace(marker, seen=seen, revision=entry.revision or 0)
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
 
 
+def _aborted(call_id: str, call: CallMarker, interval_s: float) -> ModelRequestRecorded:
+    """The `aborted` record of a call whose gateway died (one id for it, whoever reaps it)."""
+    return ModelRequestRecorded(
+        run_id=call.run_id,
+        rollout_id=call.rollout_id,
+        attempt_id=call.attempt_id,
+        event_id=f"{call_id}-reaped",
+        call_id=call_id,
+        mode="val" if call.mode == "val" else "train",
+        status="aborted",
+        model=call.model,
+        error=(
+            f"the gateway serving this call ({call.gateway}) stopped before recording it: "
+            f"no heartbeat for {3 * interval_s:g}s"
+        ),
+    )
+
+
 def _quiet(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
+
+
+class CallReaped(EventStoreUnavailable):
+    """A reaper recorded this call `aborted` while its gateway was stalled: its answer is not recorded."""
+
+    def __init__(self, call_id: str) -> None:
+        super().__init__(
+            f"call {call_id} was recorded as aborted by another gateway while this one was stalled past "
+            "three heartbeats; its answer is not recorded"
+        )

@@ -206,3 +206,39 @@ def cut(event: ModelRequestRecorded, reason: str) -> ModelRequestRecorded:
         response_ids=[],
         logprobs=[],
     )
+
+
+class OutOfBounds(Exception):
+    """The engine answered what the contract cannot hold (a token id of 2^32 or -1, a usage count of
+    2^63, a weights version of 3e9): the call was recorded as failed without it; the client gets 502."""
+
+    prefix = "the model endpoint's answer is outside the bounds of a recorded call"
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"{self.prefix}: {why}")
+
+
+_CHECKED = frozenset(
+    {"choice_index", "weights_version", "prompt_ids", "response_ids", "logprobs", "usage", "top_k", "latency_s"}
+)
+_FIELD_TYPES = {f.name: f.type for f in msgspec.structs.fields(ModelRequestRecorded) if f.name in _CHECKED}
+"""The typed fields of a call an engine's answer fills, with the contract's own types (and bounds)."""
+
+
+def out_of_bounds(events: Sequence[ModelRequestRecorded]) -> str | None:
+    """Why an event would be refused by `schemas.decode` (a value outside its field's bounds), or None.
+
+    The check uses the schema's own annotated types (`schemas.bounds.Count`, `Int32`), so the writer
+    refuses exactly what every reader refuses; msgspec does not check constraints on construction."""
+    for event in events:
+        for name, kind in _FIELD_TYPES.items():
+            try:
+                msgspec.convert(getattr(event, name), kind)
+            except msgspec.ValidationError as exc:
+                return f"{name}: {exc}"
+    return None
+
+
+def not_recorded(exc: Exception) -> str:
+    """The 503 message for a call whose record failed: what happened to the record, and to retry."""
+    return f"this call's answer was not delivered because it could not be recorded ({exc}); retry it"

@@ -35,6 +35,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas.ids import STREAM_NAME, STREAM_SUBJECTS
 from services.common.eventstore import EventStore, EventStoreUnavailable, raise_if_cancelling
+from services.common.outage import Outage
 from services.common.retry import Backoff, retry_async
 from services.projector import pgstore
 from services.projector.backlog import Backlog
@@ -167,15 +168,17 @@ class Projector:
                     raise _Stopped
             return await action()
 
+        outage = Outage(log, "NATS or Postgres")  # one line when retries start, one when they end
+
         def note(exc: BaseException, delay: float) -> None:
             self.status.last_error = f"{what}: {type(exc).__name__}: {exc}"
-            log.warning("%s failed (%s); retrying in %.1fs", what, exc, delay)
+            outage.failed(exc, what)
 
         async def pause(delay: float) -> None:  # a stop ends the wait early
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), delay)
 
-        return await retry_async(
+        done = await retry_async(
             attempt,
             backoff=Backoff(initial=0.1, maximum=self.settings.max_backoff_s, jitter=0.2),
             transient=(Exception,),
@@ -184,6 +187,8 @@ class Projector:
             on_retry=note,
             sleep=pause,
         )
+        outage.ok()
+        return done
 
     async def _connect_nats(self) -> EventStore:
         return await EventStore.connect(self.settings.nats_url, stream=self.settings.stream, name="rollwire-projector")

@@ -10,7 +10,9 @@ test can check what the gateway recorded against what was actually sampled. Knob
 `token_delay_s` (between streamed chunks), `fail_status`, `hang_s`, `weights_version`, `reasoning`
 (text sent as vLLM's `reasoning_content` before the answer, as a reasoning parser does),
 `tool_script` (tool name -> JSON arguments: call that tool when the request offers it),
-`answer_tokens` (answers end, `finish_reason: stop`, after this many tokens when max_tokens allows more).
+`answer_tokens` (answers end, `finish_reason: stop`, after this many tokens when max_tokens allows more),
+and injected faults an engine could answer but the contract cannot hold: `forge_token` (the first
+sampled token id is this, e.g. 2^32 or -1), `forge_usage` (the answer's `completion_tokens`, e.g. 2^63).
 
 With tools, the first call of a turn calls the first tool (arguments `{"x": N}`) and the call after
 its result (last message role `tool`) answers in text and stops (`finish_reason: stop`; otherwise
@@ -110,6 +112,8 @@ class FakeVLLM:
         self.reasoning: str | None = None
         self.tool_script: dict[str, str] = {}
         self.answer_tokens: int | None = None
+        self.forge_token: int | None = None
+        self.forge_usage: int | None = None
         self.record = True
         self.epoch = 0  # bumped by reset(): a call still in flight from before records nothing after it
         self.served: list[dict[str, Any]] = []
@@ -133,6 +137,7 @@ class FakeVLLM:
         self.reasoning = None
         self.tool_script = {}
         self.answer_tokens = None
+        self.forge_token = self.forge_usage = None
         self.served.clear()
         self.requests.clear()
         self.aborted = self.started = 0
@@ -263,6 +268,8 @@ class FakeVLLM:
         choices = []
         for index in range(int(request.get("n") or 1)):
             tokens, logprobs = sample(prompt, index, count)
+            if self.forge_token is not None and tokens:
+                tokens[0] = self.forge_token
             choice: dict[str, Any] = {
                 "index": index,
                 "tokens": tokens,
@@ -335,7 +342,7 @@ class FakeVLLM:
             "choices": out_choices,
             "usage": {
                 "prompt_tokens": len(prompt),
-                "completion_tokens": completion,
+                "completion_tokens": completion if self.forge_usage is None else self.forge_usage,
                 "total_tokens": len(prompt) + completion,
             },
         }

@@ -175,7 +175,7 @@ def conversation(request: dict[str, Any]) -> Conversation:
         top_p=request.get("top_p"),
         stop=stops,
         stream=bool(request.get("stream")),
-        extra={"top_k": top_k} if isinstance(top_k, int) else {},
+        extra={"top_k": top_k} if top_k is not None else {},  # checked with the other sampling parameters
     )
 
 

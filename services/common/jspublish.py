@@ -1,0 +1,154 @@
+"""JetStream connection plumbing under the event store: the connect probe, nats-py's connection
+callbacks (one log line per outage, an optional reconnect buffer) and pipelined publishes whose
+acks, refusals included, all complete (`PipelinedAcks`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlparse
+
+import msgspec
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from services.common.outage import Outage
+
+log = logging.getLogger("rollwire.eventstore")
+
+
+async def probe(url: str, timeout: float) -> bool:
+    """True when something accepts TCP connections at one of the URLs' host:port."""
+    for one in url.split(","):
+        parsed = urlparse(one.strip() if "://" in one else f"nats://{one.strip()}")
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(parsed.hostname or "127.0.0.1", parsed.port or 4222), timeout
+            )
+        except (TimeoutError, OSError):
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return True
+    return False
+
+
+def connection_options(holder: list[NATS], name: str, buffered: bool) -> dict[str, Any]:
+    """nats-py's connection callbacks: one log line per outage and one on recovery, and with
+    `buffered=False` no reconnect buffer (see `EventStore.connect`); `holder` gets the client.
+
+    nats-py's default error callback logs a traceback for every failed reconnect attempt (two a
+    second with our reconnect wait): an outage is logged once by `Outage` instead."""
+    outage = Outage(log, f"NATS ({name})")
+
+    async def on_error(exc: Exception) -> None:
+        outage.failed(exc, "reconnecting")
+
+    async def on_disconnect() -> None:
+        if not buffered and holder and isinstance(getattr(holder[0], "_pending", None), list):
+            # Called once the socket is closed and before the reconnect, which would send what was
+            # queued but not written (nats-py keeps it in `_pending`): that is dropped here.
+            holder[0]._pending = []
+            holder[0]._pending_data_size = 0
+        outage.failed(ConnectionError("the connection dropped"), "reconnecting")
+
+    async def on_reconnect() -> None:
+        outage.ok()
+
+    options: dict[str, Any] = {"error_cb": on_error, "disconnected_cb": on_disconnect, "reconnected_cb": on_reconnect}
+    if not buffered:
+        options["pending_size"] = 0
+    return options
+
+
+class PubAck(msgspec.Struct):
+    """JetStream's answer to a publish: its sequence and duplicate flag, or an error."""
+
+    seq: int = 0
+    duplicate: bool = False
+    error: dict[str, Any] | None = None
+
+
+_decode_ack = msgspec.json.Decoder(PubAck).decode
+
+
+Ack = tuple[int, bool]
+"""A publish's stream sequence and whether it was a duplicate."""
+
+
+class PipelinedAcks:
+    """Pipelined publishes and their acks, read from one reply subscription of our own.
+
+    nats-py's `publish_async` never completes a publish JetStream refuses (its reply handler raises
+    the error instead of setting it on the future), so an append refused for a full store hung for
+    the whole ack timeout. Here every answer completes its future, the refusals with `APIError`.
+    """
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.prefix = ""
+        self.waiting: dict[str, asyncio.Future[Ack]] = {}
+        self.sent = 0
+        self.ready: asyncio.Future[None] | None = None
+
+    async def send(self, subject: str, data: bytes, headers: dict[str, str]) -> tuple[str, asyncio.Future[Ack]]:
+        """Publish one message: (its token, a future completed with its ack or JetStream's error)."""
+        if self.ready is None:
+            ready = self.ready = asyncio.get_running_loop().create_future()
+            self.prefix = f"{self.nc.new_inbox()}."
+            try:
+                await self.nc.subscribe(f"{self.prefix}*", cb=self._answer)
+            except BaseException as exc:
+                self.ready = None
+                ready.set_exception(exc)
+                ready.exception()
+                raise
+            ready.set_result(None)
+        await asyncio.shield(self.ready)
+        self.sent += 1
+        token = str(self.sent)
+        future: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
+        self.waiting[token] = future
+        try:
+            await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
+        except BaseException:
+            self.waiting.pop(token, None)
+            raise
+        return token, future
+
+    def forget(self, tokens: list[str], futures: Sequence[asyncio.Future[Ack]] = ()) -> None:
+        """Stop waiting for these (answered or abandoned); the abandoned futures' errors are dropped."""
+        for token in tokens:
+            self.waiting.pop(token, None)
+        for future in futures:
+            if not future.done():
+                future.cancel()
+            elif not future.cancelled():
+                future.exception()
+
+    async def _answer(self, msg: Msg) -> None:
+        future = self.waiting.pop(msg.subject[len(self.prefix) :], None)
+        if future is None or future.done():
+            return
+        if msg.headers and msg.headers.get("Status") == "503":
+            future.set_exception(nats.js.errors.NoStreamResponseError())
+            return
+        try:
+            ack = _decode_ack(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            future.set_exception(ValueError(f"JetStream answered an append with {msg.data[:200]!r}: {exc}"))
+            return
+        if ack.error is not None:
+            err = ack.error
+            future.set_exception(
+                nats.js.errors.APIError(
+                    code=err.get("code"), err_code=err.get("err_code"), description=err.get("description")
+                )
+            )
+        else:
+            future.set_result((ack.seq, ack.duplicate))
