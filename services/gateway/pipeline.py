@@ -19,15 +19,18 @@ from typing import Any
 import msgspec
 
 from schemas import ModelRequestRecorded
+from schemas.codec import encode
 from schemas.rollout import RolloutView
 from services.common.eventstore import EventStoreUnavailable, EventTooLarge
 from services.gateway import metrics
 from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send_json
+from services.gateway.budgets import Reservation
 from services.gateway.context import Gateway
 from services.gateway.continuity import Continuity
 from services.gateway.errors import unavailable
 from services.gateway.frontends.base import Translator, error_body
-from services.gateway.limits import check_call, clamp_max_tokens
+from services.gateway.ledger import Charge
+from services.gateway.limits import RECORD_OVERHEAD, CallSettings, asked, check_call, clamp_max_tokens, lower_max_tokens
 from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion, sampling_params
 from services.gateway.payload import refusal
 from services.gateway.recording import cut
@@ -68,6 +71,17 @@ class Call(msgspec.Struct, kw_only=True):
     continuity: str | None = None
     parse_tools: bool = False
     parse_reasoning: bool = False
+    used: int | None = None
+    """Tokens the engine spent on the call (None: unknown, the call is charged its reservation)."""
+    seqs: list[int] = msgspec.field(default_factory=list)
+    """Stream sequences of the call's records."""
+    record_bytes: int = 0
+    """Bytes of its records that count against the byte budget (those of a failed or aborted call)."""
+
+    def spent(self, reserved: Charge) -> Charge:
+        """What the call spent, to settle its reservation with."""
+        tokens = reserved.tokens if self.used is None else self.used
+        return Charge(calls=1 if self.seqs else 0, tokens=tokens, bytes=self.record_bytes)
 
     @property
     def token_in(self) -> bool:
@@ -109,12 +123,36 @@ class Pipeline:
             why = refusal(gw.store.max_payload, new, call.recorded_request)
         if why is not None:  # before the gate and the engine: nothing is generated for a call we cannot keep
             await self._fail(call, send, 413, why, "invalid_request_error")
+            await gw.budgets.charge(view, call.attempt_id, settings.budget, call.spent(Charge()), call.seqs)
             return
         if settings.prompt_mode == "continuous":
             await self.continuity.prepare(gw, call)
-        reserved = await gw.budgets.admit(view, call.attempt_id, settings.budget)
+        reservation = await self._reserve(call, settings)
+        try:
+            await self._gated(call, receive, send)
+        finally:
+            if reservation is not None:
+                await gw.budgets.settle(reservation, call.spent(reservation.charge), call.seqs)
+
+    async def _reserve(self, call: Call, settings: CallSettings) -> Reservation | None:
+        """Reserve the call against its attempt's budget, its `max_tokens` lowered to what is left."""
+        prompt, n, max_tokens = asked(call.payload, call.recorded_request, settings.limits)
+        size = len(call.payload) + RECORD_OVERHEAD
+        budgets = self.gw.budgets
+        reservation = await budgets.reserve(
+            call.view, call.attempt_id, settings.budget, prompt=prompt, n=n, max_tokens=max_tokens, size=size
+        )
+        if reservation is not None and reservation.max_tokens < max_tokens:
+            call.payload, call.recorded_request = lower_max_tokens(
+                call.payload, call.recorded_request, reservation.max_tokens
+            )
+        return reservation
+
+    async def _gated(self, call: Call, receive: Receive, send: Send) -> None:
+        """Forward the call behind the phase gate, known to the reaper while it is in flight."""
+        gw, view = self.gw, call.view
         gate = gw.gate
-        await gate.enter(call.view.run_id)
+        await gate.enter(view.run_id)
         try:
             if gw.reaper is not None:
                 gw.reaper.started(
@@ -129,9 +167,7 @@ class Pipeline:
         finally:
             if gw.reaper is not None:
                 gw.reaper.ended(call.call_id)
-            gate.leave(call.view.run_id)
-            if reserved:
-                gw.budgets.release(call.view, call.attempt_id)
+            gate.leave(view.run_id)
 
     # ---- recording -----------------------------------------------------------------------------
 
@@ -184,22 +220,24 @@ class Pipeline:
         ]
 
     async def record(self, call: Call, outcome: Outcome) -> None:
-        """Append the call's events (raises `EventStoreUnavailable`)."""
+        """Append the call's events (raises `EventStoreUnavailable`); note what the call spent."""
         events = self.events(call, outcome)
+        if outcome.prompt_ids or outcome.records:
+            call.used = len(outcome.prompt_ids) + sum(len(r.token_ids) for r in outcome.records)
         try:
             try:
-                await self._append(events)
+                await self._append(call, events)
             except EventTooLarge as exc:
                 if outcome.status == "ok":
                     raise
                 reason = str(exc)
-                await self._append([cut(event, reason) for event in events])
+                await self._append(call, [cut(event, reason) for event in events])
         except BaseException:
             metrics.record_failed()
             raise
         metrics.recorded(events)
 
-    async def _append(self, events: list[ModelRequestRecorded]) -> None:
+    async def _append(self, call: Call, events: list[ModelRequestRecorded]) -> None:
         store, chains = self.gw.store, self.gw.chains
         stored = chains.compact(events)
         if len(stored) == 1:
@@ -207,7 +245,8 @@ class Pipeline:
         else:
             appended = await store.append_many(stored)
         chains.remember(events, appended)
-        self.gw.budgets.record(events)
+        call.seqs = [a.seq for a in appended]
+        call.record_bytes = sum(len(encode(e)) for e in stored if e.status != "ok")
 
     async def _too_large(self, call: Call, outcome: Outcome, exc: EventTooLarge) -> str:
         """Record a generated call whose event does not fit as failed; the message for the client."""
@@ -314,6 +353,7 @@ class Pipeline:
         await send_json(send, 200, call.translator.complete(answer, content, records))
 
     async def _pass_error(self, call: Call, upstream: Upstream, send: Send) -> None:
+        call.used = 0  # the engine refused the call: nothing was generated
         text = upstream.content.decode(errors="replace")
         await self._record_quietly(
             call, Outcome(status="failed", error=f"HTTP {upstream.status}: {text[:2000]}", weights=upstream.weights)
@@ -375,6 +415,8 @@ class Pipeline:
             weights=weights,
             model=fold.model,
         )
+        if seen.prompt_ids or seen.records:  # what reached the gateway is charged, however the call ends
+            call.used = len(seen.prompt_ids) + sum(len(r.token_ids) for r in seen.records)
         if not relay.done():
             relay.cancel()
             with contextlib.suppress(BaseException):
