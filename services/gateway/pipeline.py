@@ -78,6 +78,11 @@ class Call(msgspec.Struct, kw_only=True):
     record_bytes: int = 0
     """Bytes of its records that count against the byte budget (those of a failed or aborted call)."""
 
+    def note(self, outcome: Outcome) -> None:
+        """Note the tokens an outcome shows the engine spent (its prompt and responses), when it shows any."""
+        if outcome.prompt_ids or outcome.records:
+            self.used = len(outcome.prompt_ids) + sum(len(r.token_ids) for r in outcome.records)
+
     def spent(self, reserved: Charge) -> Charge:
         """What the call spent, to settle its reservation with."""
         tokens = reserved.tokens if self.used is None else self.used
@@ -222,8 +227,7 @@ class Pipeline:
     async def record(self, call: Call, outcome: Outcome) -> None:
         """Append the call's events (raises `EventStoreUnavailable`); note what the call spent."""
         events = self.events(call, outcome)
-        if outcome.prompt_ids or outcome.records:
-            call.used = len(outcome.prompt_ids) + sum(len(r.token_ids) for r in outcome.records)
+        call.note(outcome)
         try:
             try:
                 await self._append(call, events)
@@ -415,8 +419,7 @@ class Pipeline:
             weights=weights,
             model=fold.model,
         )
-        if seen.prompt_ids or seen.records:  # what reached the gateway is charged, however the call ends
-            call.used = len(seen.prompt_ids) + sum(len(r.token_ids) for r in seen.records)
+        call.note(seen)  # what reached the gateway is charged, however the call ends
         if not relay.done():
             relay.cancel()
             with contextlib.suppress(BaseException):
