@@ -16,6 +16,8 @@ from schemas.ids import Id, check_id
 Backend = Literal["local", "kubernetes"]
 RewardFrom = Literal["agent", "evaluator"]
 PromptMode = Literal["exact", "continuous"]
+DEFAULT_BYTES = 32 * 1024 * 1024
+"""An attempt's byte budget when its run sets none: room for many logs, not for filling the store."""
 
 
 class CallLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -35,13 +37,16 @@ class CallLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 class AttemptBudget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What one attempt may spend through the proxy (None: no limit).
 
-    `calls`: model calls; `tokens`: prompt + response tokens of its recorded calls; `wall_s`:
-    seconds since the attempt started. A call over budget is refused and recorded as a
-    `budget_exceeded` custom event of the attempt.
+    `calls`: model calls; `tokens`: prompt + response tokens of its calls (those the client
+    abandoned included); `bytes`: the size of its failed and aborted call records and of the custom
+    events its agent and evaluator post (32 MiB unless set; null for none); `wall_s`: seconds since
+    the attempt started, on the event stream's clock. A call or event over budget is refused and
+    recorded as a `budget_exceeded` custom event of the attempt.
     """
 
     calls: Positive | None = None
     tokens: Positive | None = None
+    bytes: Positive | None = DEFAULT_BYTES
     wall_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 

@@ -113,6 +113,7 @@ def _lifespan(settings: GatewaySettings) -> Callable[[FastAPI], AbstractAsyncCon
         gateway.phases = PhaseSync(store, gate, gateway.reaper.instance, gateway.reaper.alive)
         await gateway.phases.start(settings.drain_timeout_s)
         await gateway.idempotency.share(store.js)
+        await gateway.budgets.open()
         app.state.gateway = gateway
         app.state.proxy = metrics.observe_proxy(Proxy(gateway))
         metrics.watch_idempotency(gateway.idempotency.__len__, lambda: gateway.idempotency.bytes)

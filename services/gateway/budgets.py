@@ -1,132 +1,178 @@
-"""Per-attempt budgets: how many calls, tokens and seconds one attempt may spend through the proxy.
+"""Per-attempt budgets: how many calls, tokens, bytes and seconds one attempt may spend.
 
 A run sets them in its spec (`budget`: `calls`, `tokens` = prompt + response tokens of the
-attempt's recorded calls, `wall_s` = seconds since the attempt started). The proxy asks
-`Budgets.admit` before forwarding a call and tells `Budgets.record` about every call it records.
-A call over budget is refused with a 403 in OpenAI's error shape (`type` `insufficient_quota`,
-`code` `budget_exceeded`; OpenAI clients do not retry a 403) and recorded once per attempt and
-budget as a `budget_exceeded` custom event of the attempt, which the runaway monitor reports.
+attempt's calls, `bytes` = the size of its failed and aborted call records and of the custom
+events its agent and evaluator post, `wall_s` = seconds since the attempt started). Over a
+budget, a call or an event is refused before anything is forwarded or written, with a 403
+(`type` `insufficient_quota`, `code` `budget_exceeded`, `param` the budget; OpenAI clients do not
+retry a 403), recorded once per attempt and budget as a `budget_exceeded` custom event.
 
-The ledger is per gateway process and bounded by bytes; an attempt it does not know (first call
-here, or evicted) is counted again from its `model_request` events. Calls are reserved at
-admission, so concurrent calls cannot pass the call budget; the token budget is checked against
-the calls recorded so far, so the call that crosses it is the last one admitted.
+Calls are reserved at admission and settled when they end, so neither parallel calls nor
+gateway replicas can pass a budget (`ledger.py` keeps the shared entry):
+
+- a call reserves one call, its prompt (the request's size in bytes, a bound on its tokens, or
+  its exact ids in token-in mode) plus `n` times its `max_tokens` (the run's per-call limit when
+  it sends none), and the bytes its record could take if it failed. When the tokens left do not
+  cover that, its `max_tokens` is lowered to what is left; when they do not cover the prompt
+  and one token, it is refused;
+- at its end the reservation is replaced by what the engine spent: the prompt and response
+  tokens it answered with, whether the client read the answer to its end or disconnected (an
+  aborted stream is charged the tokens that reached the gateway; an abandoned call whose
+  answer never came is charged its whole reservation); an engine's refusal costs no tokens.
+
+`wall_s` is measured on the stream's clock (`ledger.StreamClock`), from the JetStream time of the
+attempt's first event, so a gateway whose clock is off neither shortens nor extends it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
+import logging
+from typing import NoReturn
 
 import msgspec
 
-from schemas import CustomEvent, ModelRequestRecorded
+from schemas import CustomEvent, Event
+from schemas.codec import encode
 from schemas.events import BUDGET_EXCEEDED_EVENT
-from schemas.ids import MODEL_REQUEST
 from schemas.rollout import RolloutView
 from schemas.runs import AttemptBudget
-from services.common.bytecache import ByteLRU
-from services.common.eventstore import EventStore, EventStoreUnavailable
+from services.common.eventstore import Appended, EventStore, EventStoreUnavailable
 from services.gateway.idempotency import derive_id
+from services.gateway.ledger import Charge, Ledger, Refused, SharedLedger
 from services.gateway.limits import ProxyRefusal
 
 BUDGET_EVENT = BUDGET_EXCEEDED_EVENT
+log = logging.getLogger("rollwire.gateway")
 
 
-class Spent(msgspec.Struct):
-    """What one attempt has spent: calls recorded (plus those admitted and in flight) and tokens."""
+class Reservation(msgspec.Struct, frozen=True, kw_only=True):
+    """What a call (or event) reserved, against which entry, and the `max_tokens` it was granted."""
 
-    call_ids: set[str] = msgspec.field(default_factory=set)
-    in_flight: int = 0
-    tokens: int = 0
+    view: RolloutView
+    attempt_id: str
+    epoch: str
+    charge: Charge
+    max_tokens: int = 0
+
+
+def unlimited(budget: AttemptBudget) -> bool:
+    """True when the run sets no budget at all (nothing is counted)."""
+    return budget.calls is None and budget.tokens is None and budget.bytes is None and budget.wall_s is None
 
 
 class Budgets:
-    """The per-attempt ledger (see the module docstring)."""
+    """Reserve, settle and refuse against the shared per-attempt ledger (see the module docstring)."""
 
     def __init__(self, store: EventStore, max_bytes: int = 16 * 1024 * 1024) -> None:
         self.store = store
-        self._ledger: ByteLRU[tuple[str, str], Spent] = ByteLRU(max_bytes, lambda s: 48 * len(s.call_ids))
-        self._loads: dict[tuple[str, str], asyncio.Future[Spent]] = {}
+        self.ledger = SharedLedger(store, max_bytes)
 
-    async def admit(self, view: RolloutView, attempt_id: str, budget: AttemptBudget) -> bool:
-        """Reserve one call of the attempt, or refuse it (ProxyRefusal 403) and record why.
+    async def open(self) -> None:
+        """Open the shared ledger's bucket (done at start; the first use opens it otherwise)."""
+        await self.ledger.open()
 
-        Returns True when a call was reserved (pair it with `release`)."""
-        if budget.calls is None and budget.tokens is None and budget.wall_s is None:
-            return False
-        attempt = view.attempt(attempt_id)
-        if budget.wall_s is not None and attempt is not None:
-            elapsed = time.time() - attempt.started_at
-            if elapsed > budget.wall_s:
-                await self._refuse(view, attempt_id, "wall_s", budget.wall_s, round(elapsed, 3))
-        spent = await self._spent(view, attempt_id)
-        calls = len(spent.call_ids) + spent.in_flight
-        if budget.calls is not None and calls >= budget.calls:
-            await self._refuse(view, attempt_id, "calls", budget.calls, calls)
-        if budget.tokens is not None and spent.tokens >= budget.tokens:
-            await self._refuse(view, attempt_id, "tokens", budget.tokens, spent.tokens)
-        spent.in_flight += 1
-        return True
+    async def reserve(
+        self,
+        view: RolloutView,
+        attempt_id: str,
+        budget: AttemptBudget,
+        *,
+        prompt: int,
+        n: int,
+        max_tokens: int,
+        size: int,
+        calls: int = 1,
+    ) -> Reservation | None:
+        """Reserve a call (prompt + n * max_tokens, or less `max_tokens` when that is all that is left),
+        or refuse it (ProxyRefusal 403) and record why. None when the run sets no budget."""
+        if unlimited(budget):
+            return None
+        now = await self.ledger.clock.now() if budget.wall_s is not None else 0.0
+        started = view.attempt(attempt_id)
+        fallback = started.started_at if started is not None else now
+        granted = max_tokens
 
-    def release(self, view: RolloutView, attempt_id: str) -> None:
-        """The reserved call is over (recorded or not)."""
-        spent = self._ledger.get((view.run_id, attempt_id))
-        if spent is not None and spent.in_flight > 0:
-            spent.in_flight -= 1
+        def apply(ledger: Ledger) -> Ledger:
+            nonlocal granted
+            if budget.wall_s is not None:
+                elapsed = now - (ledger.started if ledger.started is not None else fallback)
+                if elapsed > budget.wall_s:
+                    raise Refused("wall_s", budget.wall_s, round(elapsed, 3))
+            if budget.calls is not None and ledger.calls >= budget.calls:
+                raise Refused("calls", budget.calls, ledger.calls)
+            if budget.bytes is not None and ledger.bytes + size > budget.bytes:
+                raise Refused("bytes", budget.bytes, ledger.bytes)
+            granted = max_tokens
+            if budget.tokens is not None:
+                room = budget.tokens - ledger.tokens - prompt
+                if room < max(n, 1):
+                    raise Refused("tokens", budget.tokens, ledger.tokens)
+                granted = min(max_tokens, room // max(n, 1))
+            return ledger.plus(Charge(calls=calls, tokens=prompt + n * granted, bytes=size))
 
-    def record(self, events: list[ModelRequestRecorded]) -> None:
-        """Count recorded calls into the ledger of attempts it holds."""
-        for event in events:
-            spent = self._ledger.get((event.run_id, event.attempt_id or ""))
-            if spent is not None:
-                _count(spent, event)
-                self._ledger.resize((event.run_id, event.attempt_id or ""))
+        try:
+            entry = await self.ledger.change(view, attempt_id, apply)
+        except Refused as over:
+            await self._refuse(view, attempt_id, over)
+        charge = Charge(calls=calls, tokens=prompt + n * granted, bytes=size)
+        return Reservation(view=view, attempt_id=attempt_id, epoch=entry.epoch, charge=charge, max_tokens=granted)
 
-    async def _spent(self, view: RolloutView, attempt_id: str) -> Spent:
-        key = (view.run_id, attempt_id)
-        spent = self._ledger.get(key)
-        if spent is not None:
-            return spent
-        pending = self._loads.get(key)
-        if pending is None:
-            pending = asyncio.get_running_loop().create_future()
-            self._loads[key] = pending
-            try:
-                loaded = Spent()
-                subject = MODEL_REQUEST.format(run=view.run_id, rollout=view.rollout_id)
-                async for stored in self.store.read(subject):
-                    if isinstance(stored.event, ModelRequestRecorded) and stored.event.attempt_id == attempt_id:
-                        _count(loaded, stored.event)
-                self._ledger.put(key, loaded)
-                pending.set_result(loaded)
-            except BaseException as exc:
-                pending.set_exception(exc)
-                pending.exception()
-                raise
-            finally:
-                self._loads.pop(key, None)
-        return await asyncio.shield(pending)
+    async def settle(self, reservation: Reservation, spent: Charge, seqs: list[int]) -> None:
+        """Replace a reservation by what was spent (`seqs`: the stream sequences of what was recorded).
 
-    async def _refuse(self, view: RolloutView, attempt_id: str, budget: str, limit: float, used: float) -> None:
-        message = f"attempt {attempt_id} has spent its {budget} budget ({used} of {limit}); no more calls are accepted"
+        Never raises: a settlement the store cannot take leaves the reservation charged."""
+        if spent == reservation.charge and self.ledger.holds(
+            reservation.view, reservation.attempt_id, reservation.epoch
+        ):
+            return
+        try:
+            await self.ledger.change(
+                reservation.view,
+                reservation.attempt_id,
+                lambda ledger: ledger.settle(reservation.epoch, reservation.charge, spent, seqs),
+            )
+        except Exception as exc:  # the reservation stays: the attempt is charged too much, never too little
+            log.warning("budget of attempt %s not settled: %r", reservation.attempt_id, exc)
+
+    async def charge(
+        self, view: RolloutView, attempt_id: str, budget: AttemptBudget, spent: Charge, seqs: list[int]
+    ) -> None:
+        """Count what a call spent that was never reserved (one refused before admission, then recorded)."""
+        if unlimited(budget) or spent == Charge():
+            return
+        await self.settle(Reservation(view=view, attempt_id=attempt_id, epoch="", charge=Charge()), spent, seqs)
+
+    async def append_event(self, view: RolloutView, attempt_id: str, budget: AttemptBudget, event: Event) -> Appended:
+        """Append an attempt's custom event within its byte budget (ProxyRefusal 403 beyond it, nothing written)."""
+        size = len(encode(event))
+        if budget.bytes is None:
+            return await self.store.append(event)
+        bytes_only = AttemptBudget(bytes=budget.bytes)
+        reservation = await self.reserve(view, attempt_id, bytes_only, prompt=0, n=0, max_tokens=0, size=size, calls=0)
+        assert reservation is not None
+        try:
+            appended = await self.store.append(event)
+        except BaseException:
+            await self.settle(reservation, Charge(), [])
+            raise
+        # A repeat of an event already appended is already counted.
+        await self.settle(reservation, Charge() if appended.duplicate else reservation.charge, [appended.seq])
+        return appended
+
+    async def _refuse(self, view: RolloutView, attempt_id: str, over: Refused) -> NoReturn:
+        message = (
+            f"attempt {attempt_id} has spent its {over.budget} budget ({over.used} of {over.limit}); "
+            "no more calls or events are accepted"
+        )
         event = CustomEvent(
-            event_id=derive_id(view.run_id, view.rollout_id, attempt_id, BUDGET_EVENT, budget),
+            event_id=derive_id(view.run_id, view.rollout_id, attempt_id, BUDGET_EVENT, over.budget),
             run_id=view.run_id,
             rollout_id=view.rollout_id,
             attempt_id=attempt_id,
             name=BUDGET_EVENT,
-            payload={"budget": budget, "limit": limit, "used": used},
+            payload={"budget": over.budget, "limit": over.limit, "used": over.used},
         )
         with contextlib.suppress(EventStoreUnavailable):
             await self.store.append(event)  # one event per attempt and budget (a repeat is a duplicate)
-        raise ProxyRefusal(403, message, kind="insufficient_quota", param=budget, code=BUDGET_EVENT)
-
-
-def _count(spent: Spent, event: ModelRequestRecorded) -> None:
-    """A call's prompt counts once, each of its choices' responses once."""
-    first = event.call_id not in spent.call_ids
-    spent.call_ids.add(event.call_id)
-    if event.status == "ok":
-        spent.tokens += (len(event.prompt_ids) if first else 0) + len(event.response_ids)
+        raise ProxyRefusal(403, message, kind="insufficient_quota", param=over.budget, code=BUDGET_EVENT)

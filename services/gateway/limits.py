@@ -146,3 +146,33 @@ def clamp_max_tokens(payload: bytes, request: dict[str, Any], limits: CallLimits
     body = msgspec.json.decode(payload)
     lowered = {name: limits.max_tokens for name in over}
     return msgspec.json.encode({**body, **lowered}), {**request, **lowered}
+
+
+RECORD_OVERHEAD = 4096
+"""Bytes a call's record may take beyond its request copy (the error text, ids, envelope): what a call
+reserves of its attempt's byte budget is its payload plus this."""
+
+
+def asked(payload: bytes, request: dict[str, Any], limits: CallLimits) -> tuple[int, int, int]:
+    """(prompt tokens at most, n, max_tokens) a call may spend, for its reservation against the budget.
+
+    A token-in payload (`prompt` a list of ids) says its prompt exactly; otherwise the payload's size
+    in bytes bounds it (no token is shorter than a byte of the request that renders it). A call that
+    names no `max_tokens` may run to the run's per-call limit."""
+    prompt = len(payload)
+    if b'"prompt"' in payload:
+        ids = msgspec.json.decode(payload).get("prompt")
+        if isinstance(ids, list):
+            prompt = len(ids)
+    names = [name for name in ("max_tokens", "max_completion_tokens") if request.get(name) is not None]
+    wanted = min((_count(request, name, 1) for name in names), default=limits.max_tokens)
+    return prompt, _count(request, "n"), min(wanted, limits.max_tokens)
+
+
+def lower_max_tokens(payload: bytes, request: dict[str, Any], value: int) -> tuple[bytes, dict[str, Any]]:
+    """(payload, request) with the call's `max_tokens` (and `max_completion_tokens`, if sent) set to `value`:
+    what is left of the attempt's token budget."""
+    body = msgspec.json.decode(payload)
+    lowered = {"max_tokens": value} | ({"max_completion_tokens": value} if "max_completion_tokens" in body else {})
+    recorded = {"max_tokens": value} | ({"max_completion_tokens": value} if "max_completion_tokens" in request else {})
+    return msgspec.json.encode({**body, **lowered}), {**request, **recorded}

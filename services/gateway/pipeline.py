@@ -19,15 +19,18 @@ from typing import Any
 import msgspec
 
 from schemas import ModelRequestRecorded
+from schemas.codec import encode
 from schemas.rollout import RolloutView
 from services.common.eventstore import EventStoreUnavailable, EventTooLarge
 from services.gateway import metrics
 from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send_json
+from services.gateway.budgets import Reservation
 from services.gateway.context import Gateway
 from services.gateway.continuity import Continuity
 from services.gateway.errors import unavailable
 from services.gateway.frontends.base import Translator, error_body
-from services.gateway.limits import check_call, clamp_max_tokens
+from services.gateway.ledger import Charge
+from services.gateway.limits import RECORD_OVERHEAD, CallSettings, asked, check_call, clamp_max_tokens, lower_max_tokens
 from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion, sampling_params
 from services.gateway.payload import refusal
 from services.gateway.reaper import CallReaped
@@ -69,6 +72,22 @@ class Call(msgspec.Struct, kw_only=True):
     continuity: str | None = None
     parse_tools: bool = False
     parse_reasoning: bool = False
+    used: int | None = None
+    """Tokens the engine spent on the call (None: unknown, the call is charged its reservation)."""
+    seqs: list[int] = msgspec.field(default_factory=list)
+    """Stream sequences of the call's records."""
+    record_bytes: int = 0
+    """Bytes of its records that count against the byte budget (those of a failed or aborted call)."""
+
+    def note(self, outcome: Outcome) -> None:
+        """Note the tokens an outcome shows the engine spent (its prompt and responses), when it shows any."""
+        if outcome.prompt_ids or outcome.records:
+            self.used = len(outcome.prompt_ids) + sum(len(r.token_ids) for r in outcome.records)
+
+    def spent(self, reserved: Charge) -> Charge:
+        """What the call spent, to settle its reservation with."""
+        tokens = reserved.tokens if self.used is None else self.used
+        return Charge(calls=1 if self.seqs else 0, tokens=tokens, bytes=self.record_bytes)
 
     @property
     def token_in(self) -> bool:
@@ -110,6 +129,7 @@ class Pipeline:
             why = refusal(gw.store.max_payload, new, call.recorded_request)
         if why is not None:  # before the gate and the engine: nothing is generated for a call we cannot keep
             await self._fail(call, send, 413, why, "invalid_request_error")
+            await gw.budgets.charge(view, call.attempt_id, settings.budget, call.spent(Charge()), call.seqs)
             return
         if gw.store.refusing is not None:  # a full store: refused before generation (its failed record probes it)
             await self._fail(call, send, 503, f"{gw.store.refusing}; nothing was generated")
@@ -119,9 +139,32 @@ class Pipeline:
         # Stamped before the budget and the phase gate: twins of a fan-out held there while the
         # other finished still overlap it, so the trainer does not take the first for a retry.
         call.started_at = time.time()
-        reserved = await gw.budgets.admit(view, call.attempt_id, settings.budget)
+        reservation = await self._reserve(call, settings)
+        try:
+            await self._gated(call, receive, send)
+        finally:
+            if reservation is not None:
+                await gw.budgets.settle(reservation, call.spent(reservation.charge), call.seqs)
+
+    async def _reserve(self, call: Call, settings: CallSettings) -> Reservation | None:
+        """Reserve the call against its attempt's budget, its `max_tokens` lowered to what is left."""
+        prompt, n, max_tokens = asked(call.payload, call.recorded_request, settings.limits)
+        size = len(call.payload) + RECORD_OVERHEAD
+        budgets = self.gw.budgets
+        reservation = await budgets.reserve(
+            call.view, call.attempt_id, settings.budget, prompt=prompt, n=n, max_tokens=max_tokens, size=size
+        )
+        if reservation is not None and reservation.max_tokens < max_tokens:
+            call.payload, call.recorded_request = lower_max_tokens(
+                call.payload, call.recorded_request, reservation.max_tokens
+            )
+        return reservation
+
+    async def _gated(self, call: Call, receive: Receive, send: Send) -> None:
+        """Forward the call behind the phase gate, known to the reaper while it is in flight."""
+        gw, view = self.gw, call.view
         gate = gw.gate
-        await gate.enter(call.view.run_id)
+        await gate.enter(view.run_id)
         try:
             if gw.reaper is not None:
                 gw.reaper.started(
@@ -135,9 +178,7 @@ class Pipeline:
         finally:
             if gw.reaper is not None:
                 gw.reaper.ended(call.call_id)
-            gate.leave(call.view.run_id)
-            if reserved:
-                gw.budgets.release(call.view, call.attempt_id)
+            gate.leave(view.run_id)
 
     # ---- recording -----------------------------------------------------------------------------
 
@@ -192,6 +233,7 @@ class Pipeline:
     async def record(self, call: Call, outcome: Outcome) -> None:
         """Append the call's terminal events, once per call (raises `EventStoreUnavailable`, `CallReaped`,
         or `OutOfBounds` after recording as failed an answer the contract cannot hold)."""
+        call.note(outcome)  # what the engine spent counts, whoever records the call
         if self.gw.reaper is not None and not await self.gw.reaper.claim(call.call_id):
             raise CallReaped(call.call_id)  # a reaper recorded it `aborted`: one terminal record per call
         events, why = self._bounded(call, outcome)
@@ -200,12 +242,12 @@ class Pipeline:
             events = self.events(call, Outcome(status=status, error=f"{OutOfBounds.prefix}: {why}"))
         try:
             try:
-                await self._append(events)
+                await self._append(call, events)
             except EventTooLarge as exc:
                 if outcome.status == "ok" and why is None:
                     raise
                 reason = str(exc)
-                await self._append([cut(event, reason) for event in events])
+                await self._append(call, [cut(event, reason) for event in events])
         except BaseException:
             metrics.record_failed()
             raise
@@ -221,7 +263,7 @@ class Pipeline:
             return [], str(exc)
         return events, out_of_bounds(events)
 
-    async def _append(self, events: list[ModelRequestRecorded]) -> None:
+    async def _append(self, call: Call, events: list[ModelRequestRecorded]) -> None:
         store, chains = self.gw.store, self.gw.chains
         stored = chains.compact(events)
         if len(stored) == 1:
@@ -229,7 +271,8 @@ class Pipeline:
         else:
             appended = await store.append_many(stored)
         chains.remember(events, appended)
-        self.gw.budgets.record(events)
+        call.seqs = [a.seq for a in appended]
+        call.record_bytes = sum(len(encode(e)) for e in stored if e.status != "ok")
 
     async def _too_large(self, call: Call, outcome: Outcome, exc: EventTooLarge) -> str:
         """Record a generated call whose event does not fit as failed; the message for the client."""
@@ -339,6 +382,7 @@ class Pipeline:
         await send_json(send, 200, call.translator.complete(answer, content, records))
 
     async def _pass_error(self, call: Call, upstream: Upstream, send: Send) -> None:
+        call.used = 0  # the engine refused the call: nothing was generated
         text = upstream.content.decode(errors="replace")
         await self._record_quietly(
             call, Outcome(status="failed", error=f"HTTP {upstream.status}: {text[:2000]}", weights=upstream.weights)
@@ -400,6 +444,7 @@ class Pipeline:
             weights=weights,
             model=fold.model,
         )
+        call.note(seen)  # what reached the gateway is charged, however the call ends
         if not relay.done():
             relay.cancel()
             with contextlib.suppress(BaseException):

@@ -49,6 +49,8 @@ from services.gateway.frontends import chat, messages, responses
 from services.gateway.frontends.base import Api, Translator, error_body
 from services.gateway.frontends.canonical import Conversation, TranslationError, Turn, history
 from services.gateway.http import refuse_huge_numbers
+from services.gateway.ledger import Charge
+from services.gateway.limits import check_call
 from services.gateway.openai_format import prepare_request
 from services.gateway.pipeline import Call, Pipeline
 from services.gateway.routing import sticky
@@ -335,23 +337,53 @@ async def _messages(proxy: Proxy, scope: Scope, receive: Receive, send: Send, ro
 
 
 async def _count_tokens(proxy: Proxy, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+    """Count a Messages request's input tokens with a one-token engine call, within the run's limits and
+    the attempt's budget (charged the prompt and the one token, not a call), behind the phase gate."""
+    gw = proxy.gw
     view = await proxy.admit(scope, route)
     request = await proxy.json_body(scope, receive)
     conv = messages.conversation({"max_tokens": 1, **request})
     model = proxy.choose(view, conv.model, route.agent)
+    body = messages.count_body(conv, model.upstream_model)
+    settings = gw.run_settings.of(view.run_id, gw.state.runs.get(view.run_id))
+    check_call(body, settings.limits)
+    payload = _encode(body)
+    if len(payload) > gw.store.max_payload:
+        raise ApiError(413, f"this request's {len(payload)} bytes exceed the {gw.store.max_payload} a call may send")
+    reservation = await gw.budgets.reserve(
+        view, route.attempt_id, settings.budget, prompt=len(payload), n=1, max_tokens=1, size=0, calls=0
+    )
+    counted: int | None = None
+    try:
+        counted = await _counted(proxy, view, model, payload)
+    finally:
+        if reservation is not None:
+            spent = reservation.charge if counted is None else Charge(tokens=counted + 1)
+            await gw.budgets.settle(reservation, spent, [])
+    await send_json(send, 200, _encode({"input_tokens": counted}))
+
+
+async def _counted(proxy: Proxy, view: RolloutView, model: ModelEntry, payload: bytes) -> int:
+    """The prompt length the engine reports for a one-token call (behind the phase gate)."""
     headers = {"content-type": "application/json"} | (
         {"authorization": f"Bearer {model.api_key}"} if model.api_key else {}
     )
-    body = _encode(messages.count_body(conv, model.upstream_model))
+    gate = proxy.gw.gate
+    await gate.enter(view.run_id)
     try:
-        response = await proxy.gw.upstream.request("POST", f"{model.base_url}/chat/completions", body, headers)
+        response = await proxy.gw.upstream.request("POST", f"{model.base_url}/chat/completions", payload, headers)
         status, content = response.status, await response.read()
     except (UpstreamError, TimeoutError) as exc:
         raise ApiError(502, f"the model endpoint {model.base_url} failed: {exc}") from None
-    ids = _decode_obj(content).get("prompt_token_ids") if status < 400 else None
+    finally:
+        gate.leave(view.run_id)
+    try:
+        ids = _decode_obj(content).get("prompt_token_ids") if status < 400 else None
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        ids = None
     if not isinstance(ids, list):
         raise ApiError(502, f"the model endpoint answered {status} without prompt_token_ids; tokens cannot be counted")
-    await send_json(send, 200, _encode({"input_tokens": len(ids)}))
+    return len(ids)
 
 
 async def _openai_models(proxy: Proxy, scope: Scope, receive: Receive, send: Send, route: Route) -> None:

@@ -89,10 +89,13 @@ def test_call_and_token_budgets(gateway: GatewayHandle, fake_vllm: FakeVLLM, run
     assert len(recorded) == 1 and recorded[0]["payload"]["budget"] == "calls"
 
     tokens_run = f"{run_id}-tok"
-    _run(gateway, tokens_run, budget={"tokens": 10})
+    _run(gateway, tokens_run, budget={"tokens": 300})
     _, attempt = gateway.running(tokens_run, fake_vllm.url)
     client = _client(attempt)
-    client.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=8)  # prompt + 8 > 10
+    # The call reserves its request's size (a bound on its prompt) + max_tokens: more than is left, so its
+    # max_tokens is lowered to what is; the next call finds no room for its prompt.
+    first = client.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=200)
+    assert 0 < first.usage.completion_tokens < 200 and first.usage.total_tokens <= 300
     with pytest.raises(openai.PermissionDeniedError) as caught:
         client.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=8)
     assert caught.value.body["param"] == "tokens"  # type: ignore[index]
