@@ -208,6 +208,7 @@ RETRAIN_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("entropy", "entropy", "{:.3f}"),
     ("clip_fraction", "clipped", "{:.3f}"),
     ("grad_norm", "grad norm", "{:.3g}"),
+    ("val/reward", "val/reward", "{:.3f}"),
     ("time_step_s", "step", "{:.1f}s"),
 )
 
@@ -224,6 +225,10 @@ def retrain(
     run_dir: Path | None = typer.Option(None, "--run-dir", help="The run's directory (default runs/RUN)."),
     backend: str | None = typer.Option(None, "--backend", help="cpu | verl (default: the run's)."),
     save_every: int | None = typer.Option(None, "--save-every", help="Save weights every K steps (0: the last)."),
+    validation: Path | None = typer.Option(
+        None, "--validation", help="Validation tasks (JSONL): fresh val rollouts on the re-trained weights."
+    ),
+    validation_every: int | None = typer.Option(None, "--validation-every", help="Validate every K steps."),
     config: Path | None = typer.Option(None, "--config", help="A TOML file whose [retrain] table sets these options."),
     compare: list[str] | None = typer.Option(
         None, "--compare", help="Re-train output directories to plot beside their original runs."
@@ -246,11 +251,12 @@ def retrain(
     from services.tools.retrain_cli import retrain_command
 
     given = {"run": run, "schemes": scheme or None, "from_step": from_step, "steps": steps, "out": out,
-             "run_dir": run_dir, "backend": backend, "save_every": save_every}  # fmt: skip
+             "run_dir": run_dir, "backend": backend, "save_every": save_every, "validation": validation,
+             "validation_every": validation_every}  # fmt: skip
     with _one_line_errors():
         if more:
             raise UsageError(f"unexpected argument(s) {' '.join(more)}; give schemes with --scheme")
-        job = retrain_command(given, config, RETRAIN_FIELDS)
+        job = retrain_command(given, config, RETRAIN_FIELDS, nats_url)
     _run(nats_url, job)
 
 

@@ -28,7 +28,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -41,6 +41,9 @@ from trainer.config import TrainConfig, config_from_mapping
 from trainer.core import AdapterConfig, RolloutCalls, StepBatch, build_step
 from trainer.metrics import MetricsLog
 from trainer.retrain import ProximalBackend, retrain_update, update_row
+
+if TYPE_CHECKING:
+    from services.tools.retrain_validation import RetrainValidation
 
 Row = dict[str, Any]
 RETRAIN_FILE = "retrain.json"
@@ -58,6 +61,13 @@ class RetrainOptions(msgspec.Struct, frozen=True, kw_only=True):
     """The backend kind (default: the run's)."""
     save_every: int = 0
     """Save the weights every this many steps (0: only after the last)."""
+    validation: Path | None = None
+    """A validation set (JSONL tasks): fresh `val` rollouts on the re-trained weights through the stack."""
+    validation_every: int | None = None
+    """Validate every this many steps (default: the run's `[validation] every`), and after the last."""
+    stack: dict[str, str | None] = {}
+    """The running stack for validation: `gateway_url`, `engine_url`, `admin_token` (else the run's, or env)."""
+    nats_url: str = ""
 
 
 class RetrainResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -221,6 +231,7 @@ async def retrain_scheme(
     log = MetricsLog(out / "metrics.csv")
     served = files.config.model.served_name
     version = 0
+    validation = await _validation(run_id, scheme, files, options)
     try:
         mark = time.monotonic()
         async for step, rollouts in reader.read(steps):
@@ -230,9 +241,13 @@ async def retrain_scheme(
             if update is not None and update.optimizer_steps:
                 version += 1
             last = step == steps[-1]
-            if version and (last or (options.save_every and version % options.save_every == 0)):
-                await asyncio.to_thread(backend.save_weights, out / "weights" / f"v{version}")
+            validate = validation is not None and (last or (len(log.rows) + 1) % validation.section.every == 0)
+            weights = out / "weights" / f"v{version}"
+            if version and (validate or last or (options.save_every and version % options.save_every == 0)):
+                await asyncio.to_thread(backend.save_weights, weights)
             row = _row(step, version, files.trained_version(step), batch) | update_row(update, stats)
+            if validation is not None and validate:
+                row |= await validation.validate(step, weights if version else files.weights(0), version)
             row |= {f"time_{name}_s": round(seconds, 4) for name, seconds in {"read": read_s, **times}.items()}
             row["time_step_s"] = round(time.monotonic() - mark, 4)
             log.add(row)
@@ -242,7 +257,22 @@ async def retrain_scheme(
     finally:
         log.close()
         await asyncio.to_thread(backend.close)
+        if validation is not None:
+            await validation.close()
     return RetrainResult(scheme=scheme.name, out=out, rows=log.rows, seconds=time.monotonic() - start)
+
+
+async def _validation(
+    run_id: str, scheme: RetrainScheme, files: RunFiles, options: RetrainOptions
+) -> RetrainValidation | None:
+    """The validation pass of this re-train, started, when a validation set is named."""
+    if options.validation is None:
+        return None
+    from services.tools.retrain_validation import RetrainValidation, stack_urls, validation_run_id, validation_section
+
+    section = validation_section(files.config, options.validation, options.validation_every)
+    urls = stack_urls(files.config, options.nats_url, options.stack)
+    return await RetrainValidation(files.config, urls, validation_run_id(run_id, scheme.name), section).start()
 
 
 def scheme_dirs(files: RunFiles, schemes: Sequence[RetrainScheme], out: Path | None) -> list[Path]:

@@ -9,6 +9,8 @@
     run_dir = "runs/quickstart-20250101-120000"
     backend = "cpu"
     save_every = 0
+    validation = "val.jsonl"      # fresh `val` rollouts on the re-trained weights (a running stack)
+    validation_every = 5
 
 A flag given on the command line wins over the file. Relative paths in the file are relative to
 the file's directory.
@@ -42,6 +44,8 @@ class RetrainSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     run_dir: str | None = None
     backend: str | None = None
     save_every: int = 0
+    validation: str | None = None
+    validation_every: int | None = None
 
 
 class RetrainUsageError(ValueError):
@@ -61,7 +65,7 @@ def load_settings(path: Path | None) -> RetrainSettings:
     except msgspec.ValidationError as exc:
         raise RetrainUsageError(f"--config {path}: [retrain] {exc}") from None
     base = Path(path).parent
-    resolved = {k: str(base / v) for k in ("out", "run_dir") if (v := getattr(settings, k)) is not None}
+    resolved = {k: str(base / v) for k in ("out", "run_dir", "validation") if (v := getattr(settings, k)) is not None}
     return msgspec.structs.replace(settings, **resolved)
 
 
@@ -72,6 +76,8 @@ def merged_settings(given: Mapping[str, Any], config: Path | None) -> RetrainSet
     settings = msgspec.structs.replace(settings, **changes)
     if not settings.run:
         raise RetrainUsageError("name the run to re-train (rollwire retrain RUN, or run = in [retrain])")
+    if settings.validation_every is not None and settings.validation_every < 1:
+        raise RetrainUsageError("--validation-every must be >= 1")
     if settings.from_step < 0 or (settings.steps is not None and settings.steps < 1) or settings.save_every < 0:
         raise RetrainUsageError("--from-step and --save-every must be >= 0 and --steps >= 1")
     if settings.backend is not None and settings.backend not in ("cpu", "verl"):
@@ -80,7 +86,7 @@ def merged_settings(given: Mapping[str, Any], config: Path | None) -> RetrainSet
 
 
 def retrain_command(
-    given: Mapping[str, Any], config: Path | None, fields: Sequence[tuple[str, str, str]]
+    given: Mapping[str, Any], config: Path | None, fields: Sequence[tuple[str, str, str]], nats_url: str = ""
 ) -> Callable[[EventStore], Awaitable[list[RetrainResult]]]:
     """The command's work on a connected store: re-train every scheme with a progress bar, then say where it went."""
     from services.tools.retrain import RetrainOptions, retrain_run
@@ -93,6 +99,9 @@ def retrain_command(
         run_dir=Path(settings.run_dir) if settings.run_dir else None,
         backend=settings.backend,
         save_every=settings.save_every,
+        validation=Path(settings.validation) if settings.validation else None,
+        validation_every=settings.validation_every,
+        nats_url=nats_url,
     )
     run_id = str(settings.run)
 

@@ -28,7 +28,9 @@ from services.tools.retrain import RetrainOptions, retrain_run
 from services.tools.retrain_plot import plot_compare
 from services.tools.retrain_source import StepReader
 from services.tools.source import index_run
-from trainer.quickstart.run import QuickstartOptions, run_quickstart
+from trainer.embedded import embedded_stack
+from trainer.quickstart.run import QuickstartOptions, fork_server, run_quickstart
+from trainer.quickstart.task import make_tasks, write_tasks_jsonl
 from trainer.quickstart.warmstart import ensure_warm_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -39,11 +41,17 @@ STEPS = 3
 
 
 class Recorded(msgspec.Struct, frozen=True):
-    """The recorded run: its directory, its stream's storage and the rows it logged."""
+    """The recorded run: its directory, its stack's data and the rows it logged, and the model."""
 
     run_dir: Path
-    nats_dir: Path
+    stack_dir: Path
     rows: list[dict[str, Any]]
+    model_dir: Path
+
+    @property
+    def nats_dir(self) -> Path:
+        """The stream's storage."""
+        return self.stack_dir / "nats"
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +67,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Rec
     result = run_quickstart(options, say=lambda line: None)
     assert [row["step"] for row in result.rows] == [1, 2, 3]
     assert all(row["rollouts_failed"] == 0 for row in result.rows)
-    return Recorded(result.run_dir, tmp / "stack" / "nats", result.rows)
+    return Recorded(result.run_dir, tmp / "stack", result.rows, model_dir)
 
 
 def on_stream(recorded: Recorded, job: Callable[[EventStore, str], Awaitable[T]]) -> T:
@@ -167,3 +175,31 @@ def test_the_command_retrains_with_a_progress_bar_and_plots_the_comparison(recor
     drawn = CliRunner().invoke(app, ["retrain", "--compare", str(out), "--plot", str(png)])
     assert drawn.exit_code == 0, drawn.output
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_validation_set_gets_fresh_rollouts_on_the_retrained_weights_through_the_stack(
+    recorded: Recorded, tmp_path: Path
+) -> None:
+    """The stack up again on the run's data (`rollwire up`), the run's agents behind their fork server."""
+    tasks = tmp_path / "val.jsonl"
+    tasks.write_bytes(write_tasks_jsonl(make_tasks(3, seed=7)))
+    with (
+        fork_server(key=f"{recorded.stack_dir.resolve()}/{RUN}"),
+        embedded_stack(recorded.stack_dir, recorded.model_dir, lambda line: None) as urls,
+    ):
+        stack = {"gateway_url": urls.gateway_url, "engine_url": urls.engine_url, "admin_token": urls.admin_token}
+        options = RetrainOptions(run_dir=recorded.run_dir, out=tmp_path / "val", steps=2, validation=tasks,
+                                 validation_every=1, stack=stack, nats_url=urls.nats_url)  # fmt: skip
+
+        async def job() -> Any:
+            store = await EventStore.connect(urls.nats_url)
+            try:
+                return await retrain_run(store, RUN, ["rloo"], options)
+            finally:
+                await store.close()
+
+        (result,) = asyncio.run(job())
+    for row in result.rows:
+        assert row["val_rollouts"] == 3, row
+        assert 0.0 <= row["val/reward"] <= 1.0
+    assert "val/reward" in (tmp_path / "val" / "metrics.csv").read_text().splitlines()[0]
