@@ -112,9 +112,13 @@ class RunFiles:
             )
         return path
 
+    def checkpoint_state(self, step: int) -> Path:
+        """The backend state file of the run's checkpoint after `step` (it may not have been kept)."""
+        return self.root / CHECKPOINTS_DIR / f"step-{step}" / "state.pt"
+
     def optimizer_state(self, step: int) -> dict[str, Any] | None:
         """The backend state of the run's checkpoint after `step` (None when it was not kept)."""
-        path = self.root / CHECKPOINTS_DIR / f"step-{step}" / "state.pt"
+        path = self.checkpoint_state(step)
         if not path.is_file():
             return None
         import torch
@@ -204,6 +208,10 @@ def _write_record(out: Path, run_id: str, files: RunFiles, scheme: RetrainScheme
         "loss": msgspec.to_builtins(scheme.loss),
         "is_cap": scheme.is_cap,
         "steps": list(steps),
+        "weights": f"v{files.trained_version(steps[0])}",
+        "optimizer": "fresh"
+        if steps[0] <= 1 or not files.checkpoint_state(steps[0] - 1).is_file()
+        else f"checkpoints/step-{steps[0] - 1}",
         "backend": backend,
     }
     (out / RETRAIN_FILE).write_text(json.dumps(record, indent=2))
