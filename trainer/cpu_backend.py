@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -137,6 +138,36 @@ class CpuBackend:
             parts, samples=sum(len(t) for _, t in groups), micro=len(parts), steps=steps, grad_norm=grad_norm,
             seconds=time.monotonic() - start,
         )  # fmt: skip
+
+    def token_logprobs(self, samples: Sequence[Sample]) -> list[np.ndarray | None]:
+        """Each sample's per-token logprobs under the current weights, without a gradient (None: not trained).
+
+        Entry t is log p(token t | tokens before it) at the sample's temperature (0 at t = 0), like
+        `Sample.logprobs`. The samples run in the very micro-batches `update` would run them in, so
+        the values are those of `update`'s first forward pass: off-policy re-training takes them as
+        the proximal policy (`trainer.retrain`).
+        """
+        found: list[np.ndarray | None] = [None] * len(samples)
+        position = {id(s): i for i, s in enumerate(samples)}
+        with torch.no_grad():
+            for name, trained in self._groups(samples):
+                if name is not None:
+                    self.model.set_adapter(name)
+                sizes = [len(s.tokens) for s in trained]
+                for indices in plan_micro_batches(sizes, workers=1, max_tokens=self.algorithm.micro_batch_tokens)[0]:
+                    part = [trained[i] for i in indices]
+                    rows = self._micro_batch_logprobs(part)  # [B, T-1]
+                    for row, sample in enumerate(part):
+                        found[position[id(sample)]] = np.concatenate([[0.0], rows[row, : len(sample.tokens) - 1]])
+        return found
+
+    def _micro_batch_logprobs(self, samples: Sequence[Sample]) -> np.ndarray:
+        """Target-aligned logprobs [B, T-1] of some samples, computed as `micro_batch_loss` computes them."""
+        batch = collate(samples, pad_id=self.pad_id, default_temperature=self.algorithm.loss_temperature)
+        batch = batch.to(self.device)
+        logits = forward_logits(self.model, batch.input_ids, batch.attention_mask)  # [B, T, V]
+        temperature = batch.temperature if batch.temperature is not None else self.algorithm.loss_temperature
+        return token_logprobs(logits, batch.input_ids, temperature=temperature).double().cpu().numpy()  # type: ignore[no-any-return]
 
     def loss_and_gradients(self, samples: Sequence[Sample]) -> tuple[float, dict[str, torch.Tensor]]:
         """The step's loss and gradient per trained parameter, without stepping (tests, debugging)."""

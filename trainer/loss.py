@@ -107,7 +107,7 @@ def collate(samples: Sequence[Sample], *, pad_id: int = 0, default_temperature: 
         attention_mask[row, :n] = 1
         loss_mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
         old_logprobs[row, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
-        advantages[row, :n] = s.advantage
+        advantages[row, :n] = _advantages(s)
         token_weight[row, :n] = s.token_weight
     return PolicyBatch(
         input_ids=input_ids,
@@ -120,6 +120,13 @@ def collate(samples: Sequence[Sample], *, pad_id: int = 0, default_temperature: 
             [_temperature(s.temperature, default_temperature) for s in samples], dtype=torch.float32
         ).view(-1, 1, 1),
     )
+
+
+def _advantages(sample: Sample) -> float | torch.Tensor:
+    """A sample's advantage on each of its tokens: its per-token advantages if set, else the scalar."""
+    if sample.token_advantages is None:
+        return sample.advantage
+    return torch.tensor(sample.token_advantages, dtype=torch.float32)
 
 
 def _row_temperature(batch: PolicyBatch) -> float | torch.Tensor:

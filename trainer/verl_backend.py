@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -97,6 +98,15 @@ class VerlBackend:
         self._lead("update", list(samples))
         return self._update(list(samples))
 
+    def token_logprobs(self, samples: Sequence[Sample]) -> list[np.ndarray | None]:
+        """Each sample's per-token logprobs under the current weights (None: not trained), every rank taking part.
+
+        Entry t is log p(token t | tokens before it), 0 at t = 0, like `Sample.logprobs`: the
+        proximal policy of off-policy re-training (`trainer.retrain`).
+        """
+        self._lead("token_logprobs", list(samples))
+        return self._token_logprobs(list(samples))
+
     def save_weights(self, out_dir: Path) -> Path:
         """Write the weights as a safetensors HF directory (LoRA: the adapters) at `out_dir` (rank 0 writes)."""
         self._lead("save_weights", str(out_dir))
@@ -139,6 +149,8 @@ class VerlBackend:
                     optimizer_state(self.engine)
                 case "load_state":
                     set_optimizer_state(self.engine, argument["optimizer"])
+                case "token_logprobs":
+                    self._token_logprobs(argument)
                 case "close":
                     return
 
@@ -218,6 +230,28 @@ class VerlBackend:
             self._accumulate(plans, parts)
             grads = {n: _full(p.grad) for n, p in self.engine.module.named_parameters() if p.grad is not None}
         return sum(p.loss for p in parts), grads
+
+    def _token_logprobs(self, samples: list[Sample]) -> list[np.ndarray | None]:
+        """`token_logprobs`' collective work: this rank's micro-batches through `infer_batch`, gathered."""
+        position = {id(s): i for i, s in enumerate(samples)}
+        mine: dict[int, np.ndarray] = {}
+        with self.engine.eval_mode():
+            for name, trained in self._groups(samples):
+                self._select(name)
+                for batch in self._my_micro_batches(trained):
+                    if batch[0] is FILLER:
+                        continue
+                    data = to_tensordict(batch, temperature=self.algorithm.loss_temperature, entropy=False)
+                    rows = reference_rows(self.engine.infer_batch(data)["model_output"])
+                    for sample, row in zip(batch, rows, strict=True):  # row t: token t+1 (the last wraps)
+                        mine[position[id(sample)]] = np.concatenate([[0.0], row[:-1].double().cpu().numpy()])
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        found: list[np.ndarray | None] = [None] * len(samples)
+        for part in gathered:
+            for i, row in part.items():
+                found[i] = row
+        return found
 
     def _select(self, adapter: str | None) -> None:
         if adapter is not None and len(lora.adapter_names(self.settings)) > 1:

@@ -47,6 +47,13 @@ def _aligned(values: Logprobs, dtype: torch.dtype = torch.float32) -> torch.Tens
     return row
 
 
+def _advantage_row(sample: Sample) -> torch.Tensor:
+    """The sample's advantage on each position, target-aligned when it is per token (`token_advantages`)."""
+    if sample.token_advantages is None:
+        return torch.full((len(sample.tokens),), sample.advantage)
+    return _aligned(sample.token_advantages)
+
+
 def to_tensordict(samples: Sequence[Sample], *, temperature: float, ref_log_probs: Sequence[torch.Tensor] | None = None,
                   entropy: bool = True) -> Any:  # fmt: skip
     """One micro-batch of samples as the engine's TensorDict (fields in the module docstring)."""
@@ -58,7 +65,7 @@ def to_tensordict(samples: Sequence[Sample], *, temperature: float, ref_log_prob
         "position_ids": _jagged([torch.arange(len(s.tokens), dtype=torch.long) for s in samples]),
         "loss_mask": _jagged([_aligned([float(m) for m in s.loss_mask]) for s in samples]),
         "old_log_probs": _jagged([_aligned(s.logprobs) for s in samples]),
-        "advantages": _jagged([torch.full((len(s.tokens),), s.advantage) for s in samples]),
+        "advantages": _jagged([_advantage_row(s) for s in samples]),
         "token_weight": _jagged([torch.full((len(s.tokens),), s.token_weight) for s in samples]),
     }
     if ref_log_probs is not None:

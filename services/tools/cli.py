@@ -1,4 +1,4 @@
-"""The `rollwire replay`, `tail`, `export` and `runs` commands (wired into `services.devstack.cli`).
+"""The `rollwire replay`, `retrain`, `tail`, `export` and `runs` commands (wired into `services.devstack.cli`).
 
 Each is a thin shell over this package. Errors a user can cause (no such run, a wrong scheme, no
 server) print one line, `error: ...`, and exit non-zero (2 for a wrong option value, 1 otherwise).
@@ -23,6 +23,7 @@ from services.devstack.stack import DEFAULT_NATS_PORT
 from services.tools.export import EXPORT_FORMATS, ExportUnavailable, export_run
 from services.tools.plot import PlotUnavailable
 from services.tools.render import FORMATS
+from services.tools.retrain_cli import RetrainUsageError
 from services.tools.source import ReplayError, RunNotFound, run_exists
 from services.tools.tail import TAIL_FORMATS, BadTime, line, parse_since
 from trainer.core import AdapterConfigError, MalformedCall
@@ -51,7 +52,7 @@ class UsageError(ValueError):
     """An option value the command cannot take (exit code 2)."""
 
 
-_USAGE = (UsageError, AdapterConfigError, BadTime)
+_USAGE = (UsageError, AdapterConfigError, BadTime, RetrainUsageError)
 _FAILURES = (ReplayError, EventStoreError, InvalidId, MalformedEvent, MalformedCall, PlotUnavailable, ExportUnavailable)
 
 
@@ -218,9 +219,68 @@ def runs(nats_url: str | None = NATS_URL, data_dir: Path = DATA_DIR) -> None:
     sys.stdout.write(runs_table(found))
 
 
+RETRAIN_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("loss", "loss", "{:.4g}"),
+    ("approx_kl", "KL(behaviour)", "{:.2e}"),
+    ("entropy", "entropy", "{:.3f}"),
+    ("clip_fraction", "clipped", "{:.3f}"),
+    ("grad_norm", "grad norm", "{:.3g}"),
+    ("val/reward", "val/reward", "{:.3f}"),
+    ("time_step_s", "step", "{:.1f}s"),
+)
+
+
+def retrain(
+    run: str | None = typer.Argument(None, help="The run to re-train (its events and its run directory)."),
+    more: list[str] | None = typer.Argument(None, hidden=True, help="More directories after --compare."),
+    scheme: list[str] | None = typer.Option(
+        None, "--scheme", help="A scheme to re-train under (repeat for several, run one after another)."
+    ),
+    from_step: int | None = typer.Option(None, "--from-step", help="Re-train the recorded steps from N on."),
+    steps: int | None = typer.Option(None, "--steps", help="Re-train at most M steps."),
+    out: Path | None = typer.Option(None, "--out", help="Output directory (several schemes: one subdirectory each)."),
+    run_dir: Path | None = typer.Option(None, "--run-dir", help="The run's directory (default runs/RUN)."),
+    backend: str | None = typer.Option(None, "--backend", help="cpu | verl (default: the run's)."),
+    save_every: int | None = typer.Option(None, "--save-every", help="Save weights every K steps (0: the last)."),
+    validation: Path | None = typer.Option(
+        None, "--validation", help="Validation tasks (JSONL): fresh val rollouts on the re-trained weights."
+    ),
+    validation_every: int | None = typer.Option(None, "--validation-every", help="Validate every K steps."),
+    config: Path | None = typer.Option(None, "--config", help="A TOML file whose [retrain] table sets these options."),
+    compare: list[str] | None = typer.Option(
+        None, "--compare", help="Re-train output directories to plot beside their original runs."
+    ),
+    plot: Path = typer.Option(Path("retrain-compare.png"), "--plot", help="Where --compare draws its PNG."),
+    nats_url: str = NATS_URL,
+) -> None:
+    """Train a past run's recorded steps again under other schemes; no agent runs again.
+
+    A scheme is one or more of grpo|rloo, std|no-std, norm=token-mean|seq-mean-token-mean|rollout-mean,
+    merge=.., advantage=.., clip=.., clip-low=.., clip-high=.., ratio-cap=.., kl=.., is-cap=.. joined by '+'.
+    """
+    if compare:
+        from services.tools.retrain_plot import plot_compare
+
+        with _one_line_errors():
+            drawn = plot_compare([Path(d) for d in [*compare, *([run] if run else []), *(more or [])]], plot)
+        print(f"wrote {drawn}", file=sys.stderr)
+        return
+    from services.tools.retrain_cli import retrain_command
+
+    given = {"run": run, "schemes": scheme or None, "from_step": from_step, "steps": steps, "out": out,
+             "run_dir": run_dir, "backend": backend, "save_every": save_every, "validation": validation,
+             "validation_every": validation_every}  # fmt: skip
+    with _one_line_errors():
+        if more:
+            raise UsageError(f"unexpected argument(s) {' '.join(more)}; give schemes with --scheme")
+        job = retrain_command(given, config, RETRAIN_FIELDS, nats_url)
+    _run(nats_url, job)
+
+
 def register(app: typer.Typer) -> None:
     """Add this package's commands to the `rollwire` app."""
     app.command("replay")(replay)
     app.command("tail")(tail)
     app.command("export")(export)
     app.command("runs")(runs)
+    app.command("retrain")(retrain)

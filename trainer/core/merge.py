@@ -84,6 +84,9 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     token_weight: float = 0.0
     temperature: float | None = None
     """The sampling temperature of its calls (None: not recorded); the loss recomputes logprobs under it."""
+    token_advantages: Logprobs | None = None
+    """A per-token advantage the loss takes instead of `advantage` (one entry per token; None: `advantage`
+    on every token). Off-policy re-training sets it to the advantage times each token's importance weight."""
 
     @property
     def num_calls(self) -> int:
