@@ -12,7 +12,7 @@ from schemas.ids import InvalidId
 from schemas.refs import check_packed, upcast_decoded
 
 _encoder = msgspec.json.Encoder()
-_decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)  # type: ignore[arg-type]
+_decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)
 
 
 class MalformedEvent(ValueError):
@@ -65,7 +65,7 @@ def _unpack(event: ModelRequestRecorded, unpack: bool = True) -> ModelRequestRec
 def from_dict(obj: dict[str, Any]) -> AnyEvent:
     """Build a typed event from a plain mapping (for example a parsed HTTP body)."""
     try:
-        event: AnyEvent = msgspec.convert(obj, AnyEvent)  # type: ignore[arg-type]
+        event: AnyEvent = msgspec.convert(obj, AnyEvent)
     except (msgspec.ValidationError, InvalidId) as exc:
         raise MalformedEvent(str(exc)) from None
     if type(event) is ModelRequestRecorded and not (event.packed is UNSET and event.prompt_ref is UNSET):
@@ -84,4 +84,4 @@ def to_dict(event: Event) -> dict[str, Any]:
         value = getattr(event, name)
         if value is not UNSET:
             fields[name] = value
-    return msgspec.to_builtins(fields)  # type: ignore[no-any-return]
+    return msgspec.to_builtins(fields)

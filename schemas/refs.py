@@ -102,7 +102,7 @@ def pack_ids(values: Sequence[int], width: int = 4) -> bytes:
 
 def unpack_ids(data: bytes, width: int = 4) -> list[int]:
     """The ids packed by `pack_ids`."""
-    return _int32_view(data, width).tolist()  # type: ignore[no-any-return]
+    return _int32_view(data, width).tolist()
 
 
 def ids_int32(data: bytes, width: int = 4) -> bytes:
@@ -156,7 +156,7 @@ def pack_floats(values: Sequence[float]) -> tuple[bytes, int]:
 
 def unpack_floats(data: bytes, width: int) -> list[float]:
     """The floats packed by `pack_floats` (`width` 4 or 8)."""
-    return _float_array(data, width).tolist()  # type: ignore[no-any-return]
+    return _float_array(data, width).tolist()
 
 
 def pack(ids: Sequence[int], response: Sequence[int], logprobs: Sequence[float]) -> PackedTokens:
@@ -194,7 +194,7 @@ def upcast(event: P) -> P:
         return event
     prompt, response, logprobs = _unpacked(event)
     return msgspec.structs.replace(  # type: ignore[type-var]
-        event,  # type: ignore[arg-type]
+        event,
         packed=UNSET,
         prompt_ids=prompt,
         response_ids=response,
@@ -453,4 +453,4 @@ class Resolver:
             changes["request"] = request
         resolved = msgspec.structs.replace(call, **changes)  # type: ignore[type-var]
         self.remember(resolved, prompt, request)
-        return resolved  # type: ignore[no-any-return]
+        return resolved

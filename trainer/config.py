@@ -528,4 +528,4 @@ def load_config(path: Path) -> TrainConfig:
 
 def config_to_mapping(config: TrainConfig) -> dict[str, Any]:
     """The config as plain data (what a checkpoint stores and a run records)."""
-    return msgspec.to_builtins(config)  # type: ignore[no-any-return]
+    return msgspec.to_builtins(config)

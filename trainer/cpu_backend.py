@@ -167,7 +167,7 @@ class CpuBackend:
         batch = batch.to(self.device)
         logits = forward_logits(self.model, batch.input_ids, batch.attention_mask)  # [B, T, V]
         temperature = batch.temperature if batch.temperature is not None else self.algorithm.loss_temperature
-        return token_logprobs(logits, batch.input_ids, temperature=temperature).double().cpu().numpy()  # type: ignore[no-any-return]
+        return token_logprobs(logits, batch.input_ids, temperature=temperature).double().cpu().numpy()
 
     def loss_and_gradients(self, samples: Sequence[Sample]) -> tuple[float, dict[str, torch.Tensor]]:
         """The step's loss and gradient per trained parameter, without stepping (tests, debugging)."""

@@ -42,7 +42,7 @@ def forward_logits(
     """Logits [B, T, V] of a causal LM on right-padded rows, running a shared prefix only once."""
     prefix = shared_prefix_length(input_ids, attention_mask) if share_prefix else 0
     if prefix < MIN_SHARED_PREFIX:
-        return model(input_ids=input_ids, attention_mask=attention_mask).logits  # type: ignore[no-any-return]
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits
     rows = input_ids.shape[0]
     head = model(input_ids=input_ids[:1, :prefix], use_cache=True)
     cache = getattr(head, "cache", None) or head.past_key_values

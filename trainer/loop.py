@@ -200,7 +200,7 @@ class Trainer:
 
     def run_spec(self) -> dict[str, Any]:
         """The run's executor settings, as the gateway records them (`RunSpec`, `trainer.policies.run_spec`)."""
-        return msgspec.to_builtins(run_spec(self.config, self.run_id))  # type: ignore[no-any-return]
+        return msgspec.to_builtins(run_spec(self.config, self.run_id))
 
     # ---- the loop ------------------------------------------------------------------------------
 

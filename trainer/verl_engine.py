@@ -28,7 +28,7 @@ _PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 def _engine_class() -> Any:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    class RollwireFSDPEngine(FSDPEngineWithLMHead):  # type: ignore[misc, valid-type]
+    class RollwireFSDPEngine(FSDPEngineWithLMHead):
         """verl's engine with Rollwire's LoRA adapters (one per trained role, same init as the CPU backend)."""
 
         rollwire_settings: BackendSection
@@ -93,7 +93,7 @@ def build_reference_model(model_dir: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return model.eval().requires_grad_(False)  # type: ignore[no-any-return]
+    return model.eval().requires_grad_(False)
 
 
 def reference_from_model(model: torch.nn.Module, samples: Any, temperature: float) -> list[torch.Tensor]:
@@ -178,7 +178,7 @@ def optimizer_state(engine: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_optimizer_state_dict(engine.module, engine.optimizer, options=options)  # type: ignore[no-any-return]
+    return get_optimizer_state_dict(engine.module, engine.optimizer, options=options)
 
 
 def set_optimizer_state(engine: Any, state: dict[str, Any]) -> None:

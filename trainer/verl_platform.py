@@ -85,8 +85,8 @@ class _NoDevice:
 class PlatformCPU(PlatformBase):
     """verl on the CPU: gloo collectives, no device memory, no profiler ranges."""
 
-    device_name = "cpu"  # type: ignore[assignment]
-    vendor_name = "cpu"  # type: ignore[assignment]
+    device_name = "cpu"
+    vendor_name = "cpu"
     device_module: ModuleType = _NoDevice  # type: ignore[assignment]
 
     def is_available(self) -> bool:

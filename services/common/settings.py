@@ -58,7 +58,7 @@ def run_command(app: typer.Typer, name: str, prog: str, argv: Sequence[str] | No
     try:
         parse_command(app, sys.argv[1:] if argv is None else argv, prog=prog)
     except typer.TyperException as exc:
-        fail(name, exc.format_message())  # type: ignore[attr-defined]
+        fail(name, exc.format_message())
 
 
 @contextlib.contextmanager
@@ -88,5 +88,5 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
     if importlib.util.find_spec("uvloop"):
         import uvloop
 
-        return uvloop.run(coro)  # type: ignore[no-any-return]
+        return uvloop.run(coro)
     return asyncio.run(coro)

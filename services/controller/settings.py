@@ -143,6 +143,6 @@ def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Controll
     Raises SettingsError naming the flag or variable; `--help` prints the flags and exits.
     """
     try:
-        return parse_command(app, argv, env, prog="python -m services.controller")  # type: ignore[no-any-return]
+        return parse_command(app, argv, env, prog="python -m services.controller")
     except typer.TyperException as exc:
-        raise SettingsError(exc.format_message()) from None  # type: ignore[attr-defined]
+        raise SettingsError(exc.format_message()) from None

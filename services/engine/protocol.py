@@ -151,12 +151,12 @@ def decode_with(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
 
 def decode_chat_request(body: bytes) -> ChatCompletionRequest:
     """Parse a chat-completions body, or raise RequestError naming the bad field."""
-    return decode_with(_request_decoder, body)  # type: ignore[no-any-return]
+    return decode_with(_request_decoder, body)
 
 
 def decode_reload_request(body: bytes) -> ReloadRequest:
     """Parse a /reload body, or raise RequestError naming the bad field."""
-    return decode_with(_reload_decoder, body)  # type: ignore[no-any-return]
+    return decode_with(_reload_decoder, body)
 
 
 def _text_of(content: str | list[ContentPart] | None, param: str) -> str:

@@ -253,7 +253,7 @@ def create_app(
 
     app = FastAPI(title="Rollwire embedded engine", lifespan=lifespan)
     app.state.engine = served
-    app.add_middleware(ObservedApp, service="engine")  # type: ignore[arg-type]
+    app.add_middleware(ObservedApp, service="engine")
     metrics.watch(lambda: served.scheduler.running, lambda: served.scheduler.queued, lambda: served.weights.version)
     _routes(app, served)
     _error_handlers(app)

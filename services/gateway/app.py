@@ -186,7 +186,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         redoc_url=None,
     )
     app.add_middleware(_ProxyFirst)
-    app.add_middleware(ObservedApp, service="gateway", route_of=metrics.proxy_route)  # type: ignore[arg-type]
+    app.add_middleware(ObservedApp, service="gateway", route_of=metrics.proxy_route)
     app.state.read_side = bool(settings.projector_url)  # the OpenAPI document then lists `min_seq` on every GET
     # Handled by type (not only as `Exception`, whose handler Starlette runs and then re-raises
     # into the server's log): a client's error is an answer, not a traceback.

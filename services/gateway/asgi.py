@@ -26,7 +26,7 @@ def header(scope: Scope, name: bytes) -> str | None:
     """A request header's value (names are lower-case in ASGI)."""
     for key, value in scope["headers"]:
         if key == name:
-            return value.decode("latin-1")  # type: ignore[no-any-return]
+            return value.decode("latin-1")
     return None
 
 

@@ -69,7 +69,7 @@ async def post_event(request: Request, rollout_id: str, attempt_id: str) -> Resp
                     name=name,
                     step=step,
                     source=source,
-                )  # type: ignore[arg-type]
+                )
             else:
                 event = CustomEvent(
                     event_id=event_id,
@@ -78,7 +78,7 @@ async def post_event(request: Request, rollout_id: str, attempt_id: str) -> Resp
                     attempt_id=attempt_id,
                     name=name or "",
                     payload=payload,
-                    source=source,  # type: ignore[arg-type]
+                    source=source,
                 )
         except (InvalidId, msgspec.ValidationError) as exc:
             raise from_validation(exc) from None

@@ -57,7 +57,7 @@ class RunSettings:
                 parsed = CallSettings(
                     msgspec.convert(config.get("limits") or {}, CallLimits),
                     msgspec.convert(config.get("budget") or {}, AttemptBudget),
-                    msgspec.convert(config.get("prompt_mode") or "exact", PromptMode),  # type: ignore[arg-type]
+                    msgspec.convert(config.get("prompt_mode") or "exact", PromptMode),
                 )
             except msgspec.ValidationError:
                 parsed = CallSettings()

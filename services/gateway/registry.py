@@ -157,6 +157,6 @@ async def start_run(request: Request) -> Response:
 def _same_spec(config: dict[str, Any]) -> dict[str, Any]:
     """A stored spec with the fields added since it was written at their defaults (so it compares equal)."""
     try:
-        return msgspec.to_builtins(msgspec.convert(config, RunSpec))  # type: ignore[no-any-return]
+        return msgspec.to_builtins(msgspec.convert(config, RunSpec))
     except (msgspec.ValidationError, InvalidId):
         return config

@@ -69,7 +69,7 @@ def _number(env: dict[str, str], name: str, default: float, kind: type = float) 
         raise SettingsError(f"{name}={raw!r} is not a {kind.__name__}") from None
     if value <= 0:
         raise SettingsError(f"{name} must be positive, got {raw}")
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def _record_format(value: str) -> str:

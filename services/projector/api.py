@@ -220,7 +220,7 @@ def create_query_app(
         authorize=authorize,
     )
     # Outermost: every request is counted and logged, min_seq waits included.
-    app.add_middleware(ObservedApp, service="projector")  # type: ignore[arg-type]
+    app.add_middleware(ObservedApp, service="projector")
     for path, fetch, missing in _query_routes(reader):
         app.add_api_route(path, _route(authorize, fetch, missing), methods=["GET"], include_in_schema=False)
     if status is not None:

@@ -94,7 +94,7 @@ class WireCall(msgspec.Struct, kw_only=True, tag_field="type", tag="model_reques
 
 
 _WIRE_TYPES: tuple[Any, ...] = (*tuple(t for t in EVENT_TYPES if t is not ModelRequestRecorded), WireCall)
-_decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(Union[_WIRE_TYPES])  # type: ignore[valid-type]  # noqa: UP007
+_decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(Union[_WIRE_TYPES])  # noqa: UP007
 
 
 class RequestRef(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):

@@ -220,7 +220,7 @@ class PostgresRolloutReader:
             return self._pool
         async with self._pool_lock:
             if self._pool is None:
-                pool = await asyncpg.create_pool(self.dsn, **self._pool_args)  # type: ignore[arg-type]
+                pool = await asyncpg.create_pool(self.dsn, **self._pool_args)
                 try:
                     async with pool.acquire() as conn:
                         await migrate(conn)

@@ -347,7 +347,7 @@ class Projector:
             except TimeoutError:
                 await self._idle_check(expected)
                 continue
-            return self._coalesce(queue, first)  # type: ignore[no-any-return]
+            return self._coalesce(queue, first)
 
     async def _batch_during(
         self, queue: Backlog[tuple[list[Incoming], Msg]], committing: asyncio.Task[Any]
@@ -361,10 +361,10 @@ class Projector:
                 with contextlib.suppress(asyncio.CancelledError):
                     await getting
                 return None
-            return self._coalesce(queue, getting.result())  # type: ignore[no-any-return]
+            return self._coalesce(queue, getting.result())
         first = queue.get_nowait()
         assert first is not None
-        return self._coalesce(queue, first)  # type: ignore[no-any-return]
+        return self._coalesce(queue, first)
 
     async def _fold_ahead(
         self,
