@@ -183,7 +183,9 @@ def test_count_tokens_goes_through_limits_budget_and_phase_gate(
     assert counted.status_code == 200 and counted.json()["input_tokens"] > 0, counted.text
     many = _count(gateway, attempt, {"messages": HI * 1000})
     assert many.status_code == 400 and many.json()["error"]["type"] == "invalid_request_error", many.text
-    for top_k in (10**400, 2**40, -5):
+    huge = _count(gateway, attempt, {"messages": HI, "top_k": 10**400})  # no float holds it: refused on entry
+    assert huge.status_code == 422 and huge.json()["error"]["type"] == "invalid_request_error", huge.text
+    for top_k in (2**40, -5):
         bad = _count(gateway, attempt, {"messages": HI, "top_k": top_k})
         assert bad.status_code == 400 and "top_k" in bad.text, (top_k, bad.text)
     update = gateway.admin.post("/api/phase", json={"run_id": run_id, "phase": "update"})
