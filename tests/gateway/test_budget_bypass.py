@@ -107,6 +107,24 @@ async def test_parallel_calls_stay_within_the_token_budget(
     assert sum(u >= 0 for u in used) == len(_calls(gateway, rollout["rollout_id"]))
 
 
+async def test_a_call_waits_for_calls_in_flight_rather_than_being_refused(
+    gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str
+) -> None:
+    """3 calls at once asking 900 tokens each under 2,000: the third finds the rest held by the first two, waits
+    for them to settle, and is served with what is left (a 403 would end an attempt that has room left)."""
+    _run(gateway, run_id, budget={"tokens": 2000})
+    _, attempt = gateway.running(run_id, fake_vllm.url)
+    client = openai.AsyncOpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0)
+    fake_vllm.delay_s = 0.3
+
+    async def one() -> int:
+        answer = await client.chat.completions.create(model="fake", messages=HI, max_tokens=900)
+        return answer.usage.total_tokens if answer.usage else 0
+
+    used = await asyncio.gather(*(one() for _ in range(3)))
+    assert all(u > 0 for u in used) and sum(used) <= 2000, used
+
+
 async def test_two_gateways_share_one_call_budget(
     gateway: GatewayHandle, second: GatewayHandle, fake_vllm: FakeVLLM, run_id: str
 ) -> None:
