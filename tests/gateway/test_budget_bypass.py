@@ -48,7 +48,7 @@ def _client(base_url: str, token: str) -> Any:
 def _calls(gateway: GatewayHandle, rollout_id: str) -> list[dict[str, Any]]:
     r = gateway.admin.get(f"/api/rollouts/{rollout_id}/events", params={"type": "model_request"})
     assert r.status_code == 200, r.text
-    return r.json()  # type: ignore[no-any-return]
+    return r.json()
 
 
 def _used(exc: openai.APIStatusError) -> int:
