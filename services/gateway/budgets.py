@@ -13,8 +13,9 @@ gateway replicas can pass a budget (`ledger.py` keeps the shared entry):
 - a call reserves one call, its prompt (the request's size in bytes, a bound on its tokens, or
   its exact ids in token-in mode) plus `n` times its `max_tokens` (the run's per-call limit when
   it sends none), and the bytes its record could take if it failed. When the tokens left do not
-  cover that, its `max_tokens` is lowered to what is left; when they do not cover the prompt
-  and one token, it is refused;
+  cover that, its `max_tokens` is lowered to what is left; when its prompt and one token do not
+  fit beside what was spent, it is refused; when they fit but calls in flight hold the rest, it
+  waits for them to settle (up to `HOLD_S`, then a 429 the client retries);
 - at its end the reservation is replaced by what the engine spent: the prompt and response
   tokens it answered with, whether the client read the answer to its end or disconnected (an
   aborted stream is charged the tokens that reached the gateway; an abandoned call whose
@@ -26,8 +27,11 @@ attempt's first event, so a gateway whose clock is off neither shortens nor exte
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import msgspec
@@ -39,10 +43,12 @@ from schemas.rollout import RolloutView
 from schemas.runs import AttemptBudget
 from services.common.eventstore import Appended, EventStore, EventStoreUnavailable
 from services.gateway.idempotency import derive_id
-from services.gateway.ledger import Charge, Ledger, Refused, SharedLedger
+from services.gateway.ledger import Busy, Charge, Ledger, Refused, SharedLedger
 from services.gateway.limits import ProxyRefusal
 
 BUDGET_EVENT = BUDGET_EXCEEDED_EVENT
+HOLD_S = 30.0
+"""How long a call waits for calls in flight to give back the tokens they hold before a 429."""
 log = logging.getLogger("rollwire.gateway")
 
 
@@ -105,18 +111,39 @@ class Budgets:
                 raise Refused("bytes", budget.bytes, ledger.bytes)
             granted = max_tokens
             if budget.tokens is not None:
-                room = budget.tokens - ledger.tokens - prompt
-                if room < max(n, 1):
+                least = prompt + max(n, 1)
+                if ledger.tokens + least > budget.tokens:
                     raise Refused("tokens", budget.tokens, ledger.tokens)
+                room = budget.tokens - ledger.tokens - ledger.held - prompt
+                if room < max(n, 1):
+                    raise Busy("tokens", budget.tokens, ledger.tokens + ledger.held)
                 granted = min(max_tokens, room // max(n, 1))
-            return ledger.plus(Charge(calls=calls, tokens=prompt + n * granted, bytes=size))
+            return ledger.reserve(Charge(calls=calls, tokens=prompt + n * granted, bytes=size))
 
-        try:
-            entry = await self.ledger.change(view, attempt_id, apply)
-        except Refused as over:
-            await self._refuse(view, attempt_id, over)
+        entry = await self._admit(view, attempt_id, apply)
         charge = Charge(calls=calls, tokens=prompt + n * granted, bytes=size)
         return Reservation(view=view, attempt_id=attempt_id, epoch=entry.epoch, charge=charge, max_tokens=granted)
+
+    async def _admit(self, view: RolloutView, attempt_id: str, apply: Callable[[Ledger], Ledger]) -> Ledger:
+        """Apply a reservation; refuse past the budget; wait (up to `HOLD_S`) while only calls in flight
+        stand in the way, then answer 429 so that the client retries."""
+        deadline = time.monotonic() + HOLD_S
+        pause = 0.02
+        while True:
+            try:
+                return await self.ledger.change(view, attempt_id, apply)
+            except Busy as busy:
+                if time.monotonic() > deadline:
+                    raise ProxyRefusal(
+                        429,
+                        f"attempt {attempt_id}'s calls in flight hold the rest of its {busy.budget} budget; retry",
+                        kind="rate_limit_error",
+                        param=busy.budget,
+                    ) from None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
+            except Refused as over:
+                await self._refuse(view, attempt_id, over)
 
     async def settle(self, reservation: Reservation, spent: Charge, seqs: list[int]) -> None:
         """Replace a reservation by what was spent (`seqs`: the stream sequences of what was recorded).

@@ -1,11 +1,12 @@
 """The per-attempt ledger every gateway replica shares: one JetStream key-value entry per attempt.
 
-An entry holds what the attempt has spent (`calls`, `tokens`, `bytes`), reservations of its calls
-in flight included, and the stream time its attempt started. It is only ever changed by
-compare-and-set on the entry's revision (`KeyValue.update(last=...)`), so two gateways that
-admit calls of one attempt at once cannot both take the last unit of a budget: one of them
-re-reads and decides again. Each process keeps the entries it last wrote (bounded by bytes) and
-writes against that revision directly; a stale copy costs one conflict and one read.
+An entry holds what the attempt has spent (`calls` and `bytes` with the reservations of its
+calls in flight, `tokens` settled and `held` by calls in flight) and the stream time its attempt
+started. It is only ever changed by compare-and-set on the entry's revision
+(`KeyValue.update(last=...)`), so two gateways that admit calls of one attempt at once cannot both
+take the last unit of a budget: one of them re-reads and decides again. Each process keeps the
+entries it last wrote (bounded by bytes) and writes against that revision directly; a stale copy
+costs one conflict and one read.
 
 An attempt without an entry (its first call, or one whose entry expired after `TTL_S` or was
 lost) is counted from the stream: its `model_request` events (prompt tokens through
@@ -59,11 +60,13 @@ class Charge(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Ledger(msgspec.Struct, frozen=True, kw_only=True):
-    """One attempt's entry: spent (and reserved) calls, tokens and bytes; when it started (stream time)."""
+    """One attempt's entry: calls and bytes spent or reserved, tokens spent, tokens `held` by calls
+    in flight, and when the attempt started (stream time)."""
 
     calls: int = 0
     tokens: int = 0
     bytes: int = 0
+    held: int = 0
     epoch: str = ""
     upto: int = 0
     started: float | None = None
@@ -77,6 +80,12 @@ class Ledger(msgspec.Struct, frozen=True, kw_only=True):
             bytes=max(0, self.bytes + sign * charge.bytes),
         )
 
+    def reserve(self, charge: Charge) -> Ledger:
+        """This ledger with a call's reservation: its calls and bytes counted, its tokens held."""
+        return msgspec.structs.replace(
+            self, calls=self.calls + charge.calls, bytes=self.bytes + charge.bytes, held=self.held + charge.tokens
+        )
+
     def settle(self, epoch: str, reserved: Charge, spent: Charge, seqs: list[int]) -> Ledger:
         """Replace a reservation made against `epoch` by what was spent.
 
@@ -84,7 +93,11 @@ class Ledger(msgspec.Struct, frozen=True, kw_only=True):
         stream: the rebuild already counted records at or below `upto`, and never held the
         reservation, so only what it could not have counted is added."""
         if epoch == self.epoch:
-            return self.plus(spent).plus(reserved, -1)
+            held = max(0, self.held - reserved.tokens)
+            released = msgspec.structs.replace(self, held=held).plus(
+                Charge(calls=reserved.calls, bytes=reserved.bytes), -1
+            )
+            return released.plus(spent)
         if seqs and min(seqs) <= self.upto:
             return self
         return self.plus(spent)
@@ -137,6 +150,10 @@ class Refused(Exception):
     def __init__(self, budget: str, limit: float, used: float) -> None:
         super().__init__(budget)
         self.budget, self.limit, self.used = budget, limit, used
+
+
+class Busy(Refused):
+    """A change fits the budget only once calls in flight give back what they hold: wait for them."""
 
 
 class SharedLedger:

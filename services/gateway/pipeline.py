@@ -133,6 +133,7 @@ class Pipeline:
             return
         if gw.store.refusing is not None:  # a full store: refused before generation (its failed record probes it)
             await self._fail(call, send, 503, f"{gw.store.refusing}; nothing was generated")
+            await gw.budgets.charge(view, call.attempt_id, settings.budget, call.spent(Charge()), call.seqs)
             return
         if settings.prompt_mode == "continuous":
             await self.continuity.prepare(gw, call)

@@ -48,7 +48,7 @@ def _client(base_url: str, token: str) -> Any:
 def _calls(gateway: GatewayHandle, rollout_id: str) -> list[dict[str, Any]]:
     r = gateway.admin.get(f"/api/rollouts/{rollout_id}/events", params={"type": "model_request"})
     assert r.status_code == 200, r.text
-    return r.json()  # type: ignore[no-any-return]
+    return r.json()
 
 
 def _used(exc: openai.APIStatusError) -> int:
@@ -105,6 +105,24 @@ async def test_parallel_calls_stay_within_the_token_budget(
     print(f"12 parallel calls: {sum(u > 0 for u in used)} admitted, {spent} tokens under a 2,000-token budget")
     assert 0 < spent <= 2000 and -1 in used
     assert sum(u >= 0 for u in used) == len(_calls(gateway, rollout["rollout_id"]))
+
+
+async def test_a_call_waits_for_calls_in_flight_rather_than_being_refused(
+    gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str
+) -> None:
+    """3 calls at once asking 900 tokens each under 2,000: the third finds the rest held by the first two, waits
+    for them to settle, and is served with what is left (a 403 would end an attempt that has room left)."""
+    _run(gateway, run_id, budget={"tokens": 2000})
+    _, attempt = gateway.running(run_id, fake_vllm.url)
+    client = openai.AsyncOpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0)
+    fake_vllm.delay_s = 0.3
+
+    async def one() -> int:
+        answer = await client.chat.completions.create(model="fake", messages=HI, max_tokens=900)
+        return answer.usage.total_tokens if answer.usage else 0
+
+    used = await asyncio.gather(*(one() for _ in range(3)))
+    assert all(u > 0 for u in used) and sum(used) <= 2000, used
 
 
 async def test_two_gateways_share_one_call_budget(
