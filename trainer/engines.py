@@ -17,12 +17,13 @@ The loop calls `load` inside the phase gate, so no call runs while any replica c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import subprocess
 from pathlib import Path
 from typing import Protocol
 
-from services.common.vllm import VllmReplicas, VllmServeSettings, start_replicas
+from services.common.vllm import ReplicaError, VllmReplicas, VllmServeSettings, start_replicas
 from trainer.backend import ADAPTERS_DIR
 from trainer.clients import EngineClient, GatewayClient, ServiceUrls
 from trainer.config import TrainConfig
@@ -34,6 +35,10 @@ class ServingEngine(Protocol):
 
     async def endpoints(self) -> list[tuple[str, str | None]]:
         """(OpenAI base URL, served model) per replica."""
+        ...
+
+    def agent_adapters(self) -> dict[str, str]:
+        """Agent name -> the served LoRA adapter its calls go to (empty: every call to the endpoint's model)."""
         ...
 
     async def load(self, weights_dir: Path, version: int) -> None:
@@ -56,6 +61,10 @@ class EmbeddedEngine:
         """The engine's `/v1` and the model name it answers to."""
         return [(f"{self.base}/v1", await self.client.served_model())]
 
+    def agent_adapters(self) -> dict[str, str]:
+        """None: the embedded engine serves one set of weights."""
+        return {}
+
     async def load(self, weights_dir: Path, version: int) -> None:
         """`POST /reload`: the engine swaps weights between requests."""
         await self.client.reload(str(weights_dir), version)
@@ -74,27 +83,40 @@ class VllmEngine:
         served_name: str,
         *,
         adapters: list[str] | None = None,
+        roles: dict[str, str] | None = None,
         processes: list[subprocess.Popen[bytes]] | None = None,
     ) -> None:
         self.replicas = VllmReplicas(urls)
         self.served_name = served_name
         self.adapters = adapters or []
+        self.roles = dict(roles or {})
         self.processes = processes or []
+        self.loaded: set[str] = set()
 
     async def endpoints(self) -> list[tuple[str, str | None]]:
         """Each replica's `/v1`; with one LoRA adapter, calls go to the adapter's name."""
         served = self.adapters[0] if len(self.adapters) == 1 else self.served_name
         return [(f"{url}/v1", served) for url in self.replicas.urls]
 
+    def agent_adapters(self) -> dict[str, str]:
+        """With several adapters, each role's agent -> its adapter (`[backend] lora_adapters`)."""
+        return (
+            {role: name for role, name in self.roles.items() if name in self.adapters} if len(self.adapters) > 1 else {}
+        )
+
     async def load(self, weights_dir: Path, version: int) -> None:
         """Full weights: the reload sequence on every replica; LoRA: every adapter, in place, on every replica."""
         if self.adapters:
             await self.replicas.load_adapters({name: weights_dir / ADAPTERS_DIR / name for name in self.adapters})
+            self.loaded |= set(self.adapters)
         else:
             await self.replicas.reload(weights_dir, version)
 
     async def close(self) -> None:
-        """Close connections and stop the replicas this engine started."""
+        """Unload the adapters it loaded on replicas it attached to, close connections, stop what it started."""
+        if self.loaded and not self.processes:
+            with contextlib.suppress(ReplicaError):  # a replica already gone keeps nothing
+                await self.replicas.unload_adapters(sorted(self.loaded))
         await self.replicas.close()
         for process in self.processes:
             process.terminate()
@@ -114,6 +136,7 @@ async def register_replicas(
     one replica per rollout (a hash of its id), so a rollout keeps its replica's prefix cache.
     """
     endpoints = await engine.endpoints()
+    adapters = engine.agent_adapters()
     for index, (base_url, served) in enumerate(endpoints):
         await gateway.register_model(
             run_id,
@@ -121,6 +144,7 @@ async def register_replicas(
             base_url=base_url,
             served_model=served,
             weights_version=None,  # the engine, or else the proxy's phase, stamps each call's version
+            adapters=adapters,
             # The engine's address is part of the key: a resumed run's engine may listen elsewhere,
             # and the same key would be taken for a repeat of the old registration.
             key=f"{run_id}-model-{served_name}-{index}-{hashlib.sha256(base_url.encode()).hexdigest()[:12]}",
@@ -152,7 +176,10 @@ async def connect_engine(config: TrainConfig, urls: ServiceUrls) -> ServingEngin
         )
         replica_urls = [url for url, _ in started]
         processes = [process for _, process in started]
-    engine = VllmEngine(replica_urls, config.model.served_name, adapters=adapters, processes=processes)
+    engine = VllmEngine(
+        replica_urls, config.model.served_name, adapters=adapters, roles=config.backend.lora_adapters,
+        processes=processes,
+    )  # fmt: skip
     try:
         await engine.replicas.wait_ready(section.startup_timeout_s)
     except BaseException:
