@@ -156,30 +156,48 @@ async def connect_engine(config: TrainConfig, urls: ServiceUrls) -> ServingEngin
     """The engine `[engine] kind` names: the stack's embedded engine, or vLLM replicas (attached or started)."""
     if config.engine.kind == "embedded":
         return EmbeddedEngine(urls.engine_base)
-    section = config.engine
     lora = config.backend.lora_rank > 0
-    adapters = adapter_names(config.backend) if lora else []
+    return await start_vllm(
+        config, config.model.path, config.model.served_name, config.run_dir / "vllm", slot=0,
+        urls=list(config.engine.urls), adapters=adapter_names(config.backend) if lora else [],
+    )  # fmt: skip
+
+
+async def start_vllm(
+    config: TrainConfig,
+    model: str,
+    served_name: str,
+    log_dir: Path,
+    *,
+    slot: int,
+    urls: list[str] | None = None,
+    adapters: list[str] | None = None,
+) -> VllmEngine:
+    """vLLM replicas serving `model` as `served_name`: attached to `urls`, else started, and ready.
+
+    The run's models each take a slot: slot k's `[engine] replicas` listen on the k-th block of
+    ports from `[engine] port` and run on the k-th block of GPUs, so `[model]`, each `[[policies]]`
+    and each `[[frozen]]` model get their own.
+    """
+    section = config.engine
+    adapters = adapters or []
     processes: list[subprocess.Popen[bytes]] = []
-    replica_urls = list(section.urls)
+    replica_urls = list(urls or [])
     if not replica_urls:
         settings = VllmServeSettings(
             executable=section.executable,
-            port=section.port,
+            port=section.port + slot * section.replicas,
             dtype=section.dtype,
             gpu_memory_utilization=section.gpu_memory_utilization,
-            max_lora_rank=config.backend.lora_rank,
+            max_lora_rank=config.backend.lora_rank if adapters else 0,
             max_loras=max(len(adapters), 1),
             extra_args=list(section.extra_args),
         )
-        started = start_replicas(
-            settings, config.model.path, config.model.served_name, section.replicas, config.run_dir / "vllm"
-        )
+        started = start_replicas(settings, model, served_name, section.replicas, log_dir, slot=slot)
         replica_urls = [url for url, _ in started]
         processes = [process for _, process in started]
-    engine = VllmEngine(
-        replica_urls, config.model.served_name, adapters=adapters, roles=config.backend.lora_adapters,
-        processes=processes,
-    )  # fmt: skip
+    roles = config.backend.lora_adapters
+    engine = VllmEngine(replica_urls, served_name, adapters=adapters, roles=roles, processes=processes)
     try:
         await engine.replicas.wait_ready(section.startup_timeout_s)
     except BaseException:

@@ -133,19 +133,20 @@ def visible_gpus() -> list[str]:
     return [line.strip() for line in listed.splitlines() if line.strip()]
 
 
-def replica_devices(replicas: int, tp: int, gpus: Sequence[str]) -> list[str]:
+def replica_devices(replicas: int, tp: int, gpus: Sequence[str], slot: int = 0) -> list[str]:
     """`CUDA_VISIBLE_DEVICES` of each replica: its own `tp` consecutive GPUs (ReplicaError if too few).
 
-    With no GPU to be seen (vLLM's CPU build), the ids are numbered from 0 and nothing is refused.
+    `slot` k takes the k-th block of `replicas * tp` GPUs (a run's k-th served model). With no GPU
+    to be seen (vLLM's CPU build), the ids are numbered from 0 and nothing is refused.
     """
-    needed = replicas * tp
+    first, needed = slot * replicas * tp, (slot + 1) * replicas * tp
     if gpus and needed > len(gpus):
         raise ReplicaError(
-            f"{replicas} vLLM replicas with tensor parallel {tp} need {needed} GPUs; this machine shows "
-            f"{len(gpus)} ({','.join(gpus)}): lower [engine] replicas or --tensor-parallel-size"
+            f"{(slot + 1) * replicas} vLLM replicas with tensor parallel {tp} need {needed} GPUs; this machine "
+            f"shows {len(gpus)} ({','.join(gpus)}): lower [engine] replicas or --tensor-parallel-size"
         )
     ids = list(gpus) if gpus else [str(i) for i in range(needed)]
-    return [",".join(ids[i * tp : (i + 1) * tp]) for i in range(replicas)]
+    return [",".join(ids[first + i * tp : first + (i + 1) * tp]) for i in range(replicas)]
 
 
 def find_executable(executable: str) -> str:
@@ -163,11 +164,12 @@ def find_executable(executable: str) -> str:
 
 
 def start_replicas(
-    settings: VllmServeSettings, model: str, served_name: str, count: int, log_dir: Path
+    settings: VllmServeSettings, model: str, served_name: str, count: int, log_dir: Path, *, slot: int = 0
 ) -> list[tuple[str, subprocess.Popen[bytes]]]:
-    """Start `count` replicas on consecutive ports, each on its own GPUs; returns (base URL, process) pairs."""
+    """Start `count` replicas on consecutive ports, each on its own GPUs (the `slot`-th block of them);
+    returns (base URL, process) pairs."""
     executable = find_executable(settings.executable)
-    devices = replica_devices(count, tensor_parallel_size(settings.extra_args), visible_gpus())
+    devices = replica_devices(count, tensor_parallel_size(settings.extra_args), visible_gpus(), slot)
     started = []
     log_dir.mkdir(parents=True, exist_ok=True)
     for index in range(count):
