@@ -22,7 +22,7 @@ from trainer.config import config_from_mapping
 from trainer.core import AdapterConfig
 from trainer.extra_policies import OtherModels
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two vLLM servers start in turn
 
 WRAPPER = """#!/bin/sh
 # vllm serve MODEL ARGS... -> the CPU build's api_server (it has no working `vllm serve`)
