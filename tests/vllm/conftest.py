@@ -55,13 +55,36 @@ def vllm_argv(model_dir: Path, port: int) -> list[str]:
     return [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *flags]
 
 
+# What transformers' `Qwen2Tokenizer` (which transformers, and so vLLM, loads for a qwen2 model)
+# puts in place of tokenizer.json's pre-tokenizer: digits one by one (transformers/models/qwen2/
+# tokenization_qwen2.py). The tiny model's tokenizer.json keeps GPT-2's split, so the gateway
+# (which reads tokenizer.json) and vLLM would tokenize " 12" differently; the test model's
+# tokenizer.json says what vLLM does.
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def _qwen2_pretokenizer(model_dir: Path) -> None:
+    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.normalizer = normalizers.NFC()  # type: ignore[assignment]
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(  # type: ignore[assignment]
+        [pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )  # fmt: skip
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+
+
 @pytest.fixture(scope="session")
 def vllm_model_dir() -> Path:
-    """The tiny Qwen2 model with head size 32 (hidden 128, 4 heads), built once and cached."""
+    """The tiny Qwen2 model with head size 32 (hidden 128, 4 heads), its tokenizer as vLLM loads it; cached."""
     root = Path(os.environ.get("ROLLWIRE_TEST_MODELS", Path.home() / ".cache/rollwire/test-models"))
-    target = root / "tiny-qwen2-h128-seed0"
-    return build_dir_atomically(target, lambda staging: build_tiny_model(staging, seed=0, hidden=128,
-                                                                          max_positions=4096))  # fmt: skip
+
+    def build(staging: Path) -> None:
+        build_tiny_model(staging, seed=0, hidden=128, max_positions=4096)
+        _qwen2_pretokenizer(staging)
+
+    return build_dir_atomically(root / "tiny-qwen2-h128-qwen2tok-seed0", build)
 
 
 def _wait_healthy(url: str, process: subprocess.Popen[bytes] | None, log: Path | None) -> None:
