@@ -60,7 +60,10 @@ def vllm_argv(model_dir: Path, port: int) -> list[str]:
 # tokenization_qwen2.py). The tiny model's tokenizer.json keeps GPT-2's split, so the gateway
 # (which reads tokenizer.json) and vLLM would tokenize " 12" differently; the test model's
 # tokenizer.json says what vLLM does.
-QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 
 def _qwen2_pretokenizer(model_dir: Path) -> None:
@@ -138,3 +141,11 @@ def gateway(nats_url: str) -> Iterator[GatewayHandle]:
         handle = GatewayHandle(served, settings)
         yield handle
         handle.admin.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The first test to use the server waits for it to start: give this directory's tests 15 minutes."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(900))

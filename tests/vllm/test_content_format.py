@@ -37,9 +37,10 @@ def qwen3_dir(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def _vllm_prompt_ids(vllm_url: str, template: str | None) -> list[int]:
-    body = {"model": SERVED, "messages": MESSAGES, "max_tokens": 1, "return_token_ids": True}
-    answer = httpx.post(f"{vllm_url}/v1/chat/completions", json=body | ({"chat_template": template} if template else {}),
-                        timeout=120)  # fmt: skip
+    body: dict[str, Any] = {"model": SERVED, "messages": MESSAGES, "max_tokens": 1, "return_token_ids": True}
+    if template is not None:
+        body["chat_template"] = template
+    answer = httpx.post(f"{vllm_url}/v1/chat/completions", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
     return list(answer.json()["prompt_token_ids"])
 
