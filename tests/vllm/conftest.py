@@ -70,8 +70,8 @@ def _qwen2_pretokenizer(model_dir: Path) -> None:
     from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    tokenizer.normalizer = normalizers.NFC()  # type: ignore[assignment]
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(  # type: ignore[assignment]
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )  # fmt: skip

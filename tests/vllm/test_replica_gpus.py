@@ -37,7 +37,7 @@ def _start(tmp_path: Path, replicas: int, extra_args: list[str]) -> list[dict[st
     for _, process in started:
         assert process.wait(30) == 0
     rows = [json.loads(line) for line in (tmp_path / "record.jsonl").read_text().splitlines()]
-    return sorted(rows, key=lambda row: str(row["argv"][row["argv"].index("--port") + 1]))  # type: ignore[index,union-attr]
+    return sorted(rows, key=lambda row: str(row["argv"][row["argv"].index("--port") + 1]))
 
 
 def test_each_tensor_parallel_replica_gets_its_own_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -72,4 +72,4 @@ def load_model(model_dir: Path) -> torch.nn.Module:
     """The served model in transformers, fp32 on CPU (what the trainer's CPU backend computes with)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # type: ignore[no-any-return]
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
