@@ -306,11 +306,19 @@ class ModelRegistered(Event, frozen=True, kw_only=True, tag="model.registered"):
     prompts with; unset, the proxy fetches them once from the engine's `GET /v1/tokenizer`."""
     reasoning_parser: ReasoningParser | UnsetType | None = UNSET
     """Continuous prompt mode: how sampled text holds reasoning (vLLM's `--reasoning-parser` names)."""
+    adapters: dict[str, str] = {}
+    """Agent name -> the model name sent upstream for that agent's calls (a LoRA adapter vLLM serves
+    for the agent's role); other agents' calls go to `served_model`."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_id("name", self.name)
         check_int("weights_version", self.weights_version)
+        if len(self.adapters) > 256:
+            raise ValueError("adapters: at most 256 agents")
+        for agent, adapter in self.adapters.items():
+            check_id("adapters agent", agent)
+            check_id("adapters model", adapter)
 
     @property
     def subject(self) -> str:

@@ -230,7 +230,7 @@ class Trainer:
                         await gateway.cancel_rollout(rollout_id, "the training run finished")
         finally:
             await watch.stop()
-            await asyncio.to_thread(self.others.close)
+            await self.others.close()
             await gateway.close()
             await engine.close()
             await store.close()

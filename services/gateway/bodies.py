@@ -93,6 +93,7 @@ class ModelBody(msgspec.Struct, kw_only=True):
     api_key: str | None = None
     tokenizer: str | None = None
     reasoning_parser: ReasoningParser | None = None
+    adapters: dict[str, str] = {}
 
 
 class PhaseBody(msgspec.Struct, kw_only=True):
