@@ -120,14 +120,25 @@ class GatewayClient:
         return str(payload["token"])
 
     async def set_status(
-        self, rollout_id: str, status: str, *, attempt_id: str | None, reason: str | None, key: str
+        self,
+        rollout_id: str,
+        status: str,
+        *,
+        attempt_id: str | None,
+        reason: str | None,
+        key: str,
+        cause: str | None = None,
     ) -> int:
-        """Move the rollout to `status` (checked by the gateway); returns the status event's stream sequence."""
+        """Move the rollout to `status` (checked by the gateway); returns the status event's stream sequence.
+
+        `cause` (on `requeuing` and `failed`) is the failure's classification the trainer reads."""
         body: dict[str, Any] = {"status": status}
         if attempt_id is not None:
             body["attempt_id"] = attempt_id
         if reason is not None:
             body["reason"] = reason
+        if cause is not None:
+            body["cause"] = cause
         payload = await self._request("PATCH", f"/api/rollouts/{rollout_id}", body, key)
         return int(payload.get("seq") or 0)
 

@@ -118,8 +118,8 @@ class Launcher(BackendPool):
                     await self._set_status(key, "running", aid, None)
                     self._link_logs(key, aid)
                     self.stats["running"] += 1
-                case MarkEnded(attempt_id=aid, status=status, reason=reason):
-                    await self._set_status(key, status, aid, reason)
+                case MarkEnded(attempt_id=aid, status=status, reason=reason, cause=cause):
+                    await self._set_status(key, status, aid, reason, cause)
                     if aid is not None:
                         self._link_logs(key, aid)
                     self.stats[status] += 1
@@ -147,10 +147,14 @@ class Launcher(BackendPool):
         self.owner.pop(execution, None)
         self.seen_at.pop(execution, None)
 
-    async def _set_status(self, key: RolloutKey, status: str, attempt_id: str | None, reason: str | None) -> None:
+    async def _set_status(
+        self, key: RolloutKey, status: str, attempt_id: str | None, reason: str | None, cause: str | None = None
+    ) -> None:
         idem = f"rollwire-controller:{key.rollout_id}:{attempt_id or '-'}:{status}"
         began = time.monotonic()
-        seq = await self.gateway.set_status(key.rollout_id, status, attempt_id=attempt_id, reason=reason, key=idem)
+        seq = await self.gateway.set_status(
+            key.rollout_id, status, attempt_id=attempt_id, reason=reason, key=idem, cause=cause
+        )
         spec = self.specs.get(key.run_id)
         backend = spec.backend if isinstance(spec, RunSpec) else "unknown"
         metrics.status_written(key.run_id, key.rollout_id, backend, status, reason)
@@ -194,7 +198,8 @@ class Launcher(BackendPool):
         view = self.rollouts[key]
         if spec.backend == "local" and not spec.command:
             reason = f"run {spec.run_id} sets no command: the local backend needs RunSpec.command (an argv list)"
-            await self._set_status(key, "failed", view.current.attempt_id if view.current else None, reason)
+            attempt_id = view.current.attempt_id if view.current else None
+            await self._set_status(key, "failed", attempt_id, reason, "infrastructure")
             return
         sequence = relaunch.sequence if relaunch else len(view.attempts) + 1
         idem = ATTEMPT_KEY.format(rollout=key.rollout_id, created=view.created_seq, sequence=sequence)
@@ -261,5 +266,5 @@ class Launcher(BackendPool):
         )
 
     async def _end(self, key: RolloutKey, view: Rollout, reason: str) -> None:
-        step = after_failure(view, reason)
-        await self._set_status(key, step.status, step.attempt_id, step.reason)
+        step = after_failure(view, reason, "infrastructure")  # a launch that could not happen
+        await self._set_status(key, step.status, step.attempt_id, step.reason, step.cause)

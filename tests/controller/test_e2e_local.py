@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from controller_rig import Rig, agent
 
+from trainer.core import failure_kind
+
 
 def test_a_crashing_agent_is_retried_then_failed_with_its_reason(rig: Rig) -> None:
     rig.start_run(command=agent("crash_agent.py"), max_attempts=2, retry_backoff_s=0.2, timeout_s=30)
@@ -141,3 +143,30 @@ def test_an_agents_sdk_agent_sends_nothing_but_its_model_calls(rig: Rig) -> None
         assert proxy.lines == []
     finally:
         proxy.close()
+
+
+_PRINT_EVICTED = "import sys; print('Evicted: the pod was OOMKilled, ImagePullBackOff'); sys.exit(3)"
+
+
+@pytest.mark.parametrize(
+    ("command", "evaluator", "kind"),
+    [
+        # the agent's log cannot turn its own failure into a dropped one
+        ([sys.executable, "-c", _PRINT_EVICTED], None, "agent-error"),
+        # the evaluator crashing is not the policy's doing (the agent exited 0)
+        (["true"], [sys.executable, "-c", "raise SystemExit('evaluator exited with code 7')"], "infrastructure"),
+        # a SIGKILL the controller did not send: the kernel's OOM killer
+        ([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], None, "infrastructure"),
+    ],
+)
+def test_the_failure_cause_comes_from_the_controller_not_the_log(
+    rig: Rig, command: list[str], evaluator: list[str] | None, kind: str
+) -> None:
+    """The final status carries the controller's `cause`, which the trainer's failure policy reads."""
+    rig.start_run(command=command, evaluator_command=evaluator, reward_from="evaluator" if evaluator else "agent")
+    rig.start_controller()
+    (rid,) = rig.create({"question": "?"})
+    assert rig.wait(rid)["state"] == "failed"
+    final = rig.events(rid, "rollout.status")[-1]
+    assert final["status"] == "failed"
+    assert failure_kind(final["status"], final.get("reason"), cause=final.get("cause")) == kind, final

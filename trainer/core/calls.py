@@ -45,7 +45,7 @@ from schemas.events import (
     RolloutStatusChanged,
 )
 from schemas.refs import CallRef, PackedTokens, unpack_arrays, unpack_together
-from trainer.core.failures import FailureKind, failure_kind
+from trainer.core.failures import FailureKind, endpoint_failed, failure_kind
 from trainer.core.tokens import FloatArray, IdArray, Logprobs, TokenIds
 
 
@@ -172,6 +172,7 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     call_id: str
     mode: Mode = "train"
     status: CallStatus = "ok"
+    error: str | None = None
     choice_index: Count = 0
     weights_version: Int32 | None = None
     prompt_ids: list[Count] = []
@@ -356,6 +357,16 @@ def _final_attempt(
     return attempt, final
 
 
+def _endpoint_down(events: Sequence[Event | CallRecord], attempt: str | None) -> bool:
+    """Whether the attempt's last recorded call failed at the endpoint (`failures.endpoint_failed`)."""
+    last: ModelRequestRecorded | CallRecord | None = None
+    for event in events:
+        if isinstance(event, ModelRequestRecorded | CallRecord) and event.attempt_id == attempt:
+            if last is None or event.time >= last.time:
+                last = event
+    return last is not None and last.status == "failed" and endpoint_failed(last.error)
+
+
 def rollout_calls(events: Iterable[Event | CallRecord], select: Selection | None = None) -> RolloutCalls:
     """The training calls and reward of one rollout, from its events in stream order.
 
@@ -405,7 +416,8 @@ def rollout_calls(events: Iterable[Event | CallRecord], select: Selection | None
     failure: FailureKind | None = None
     if final.status != "succeeded":
         last = max([*calls, *context], key=lambda c: c.ended_at or 0.0, default=None)
-        kind = failure_kind(final.status, final.reason, last.finish_reason if last else None)
+        down = _endpoint_down(ordered, attempt)
+        kind = failure_kind(final.status, final.reason, last.finish_reason if last else None, final.cause, down)
         if kind is None or final.status == "cancelled":
             raise NotTrainable(rollout_id, "not-succeeded", f"final status {final.status}")
         if kind == "infrastructure":
