@@ -60,7 +60,7 @@ from trainer.extra_policies import OtherModels
 from trainer.loggers import open_sinks, tensorboard_dir
 from trainer.metrics import MetricsLog
 from trainer.policies import failure_row, run_spec, trained_adapter, trained_models
-from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group
+from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group, update_spans
 from trainer.validation import ValidationPass
 
 Row = dict[str, Any]
@@ -350,7 +350,9 @@ class Trainer:
     ) -> tuple[list[ReplayedGroup], StepBatch, int]:
         """Replay the ended groups and build the step's samples; records what was trained and writes the samples."""
         config = self.config
-        replayed = [await replay_group(store, self.run_id, group, self.adapter.selection()) for group in ended]
+        updates = await update_spans(store, self.run_id) if config.run.mode == "async" else []
+        select = self.adapter.selection()
+        replayed = [await replay_group(store, self.run_id, group, select, updates) for group in ended]
         rollouts = [r for g in replayed for r in g.rollouts]
         if replayed and not rollouts and (step == 1 or state.step == 0):
             reasons = sorted({reason for g in replayed for reason in g.skipped.values()})

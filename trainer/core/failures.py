@@ -25,6 +25,7 @@ Events written before `cause` existed fall back to patterns over the controller'
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Literal
 
 FailureKind = Literal["timeout", "agent-error", "length", "infrastructure"]
@@ -79,6 +80,12 @@ def failure_kind(
     if kind in ("timeout", "agent-error") and last_finish_reason == "length":
         return "length"
     return kind
+
+
+def held_by_updates(start: float, end: float, updates: Sequence[tuple[float, float]]) -> bool:
+    """True when the span [start, end] overlaps an update phase (`(began, ended)` pairs): in async
+    mode the phase gate held the attempt's calls for part of its time limit."""
+    return any(began < end and ended > start for began, ended in updates)
 
 
 def _from_words(text: str) -> FailureKind | None:
