@@ -13,6 +13,7 @@ the reconcile loop handles them:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from typing import Any
 
@@ -70,6 +71,9 @@ class GatewayClient:
         # Requests wait here, not in httpx's pool: its bookkeeping grows with every queued request.
         self._slots = asyncio.Semaphore(max_connections)
         self.calls: Counter[str] = Counter()
+        self.unreachable_at = 0.0
+        """Unix time a request last found the gateway unreachable (0: never): an agent that failed then
+        may have failed because of it (`Launcher` classifies its failure as `infrastructure`)."""
 
     async def close(self) -> None:
         """Close the connection pool."""
@@ -82,6 +86,7 @@ class GatewayClient:
             async with self._slots:
                 response = await self._client.request(method, path, json=body, headers=headers)
         except httpx.TransportError as exc:
+            self.unreachable_at = time.time()
             raise GatewayUnavailable(f"{method} {self.base_url}{path}: {exc!r}") from None
         try:
             payload = response.json() if response.content else {}

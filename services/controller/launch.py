@@ -48,6 +48,8 @@ log = logging.getLogger("rollwire.controller")
 ATTEMPT_KEY = "rollwire-controller:{rollout}:{created}:{sequence}"
 ECHO_TIMEOUT_S = 5.0
 LAUNCH_RETRIES = 3
+GATEWAY_DOWN_GRACE_S = 10.0
+"""How soon after an agent's failed exit a gateway found unreachable still explains it."""
 UNAVAILABLE_BACKOFF = Backoff(initial=0.5, maximum=30.0)
 """Delay before retrying a command the gateway, a backend or NATS could not take now."""
 
@@ -119,6 +121,8 @@ class Launcher(BackendPool):
                     self._link_logs(key, aid)
                     self.stats["running"] += 1
                 case MarkEnded(attempt_id=aid, status=status, reason=reason, cause=cause):
+                    if cause == "agent-error" and self._gateway_down_for(key, aid):
+                        cause = "infrastructure"
                     await self._set_status(key, status, aid, reason, cause)
                     if aid is not None:
                         self._link_logs(key, aid)
@@ -146,6 +150,15 @@ class Launcher(BackendPool):
         self.executions.get(key, {}).pop(attempt_id, None)
         self.owner.pop(execution, None)
         self.seen_at.pop(execution, None)
+
+    def _gateway_down_for(self, key: RolloutKey, attempt_id: str | None) -> bool:
+        """Whether this controller found the gateway unreachable while the attempt's execution ran or
+        just after it exited (`GATEWAY_DOWN_GRACE_S`): the agent's error may be the gateway's."""
+        state = self.executions.get(key, {}).get(attempt_id) if attempt_id else None
+        down = self.gateway.unreachable_at
+        if state is None or not down or state.finished_at is None:
+            return False
+        return (state.started_at or 0.0) <= down <= state.finished_at + GATEWAY_DOWN_GRACE_S
 
     async def _set_status(
         self, key: RolloutKey, status: str, attempt_id: str | None, reason: str | None, cause: str | None = None
