@@ -123,6 +123,10 @@ class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     `lora_rank > 0` trains a LoRA adapter (peft) on `lora_target_modules` instead of every weight;
     the adapter is what is saved and served. `lora_adapters` maps an agent role to the adapter
     that trains its calls (several roles may share one; empty: one adapter, `default`, for all).
+    `pack_sequences` puts a micro-batch's samples back to back in one row (positions restart per
+    sample; flash-attn varlen where installed, else sdpa with a block-diagonal mask) instead of
+    padded rows; `logprob_chunk_tokens` positions at a time go through the output projection
+    (`trainer.logprobs`).
     """
 
     kind: BackendKind = "cpu"
@@ -135,6 +139,8 @@ class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     lora_adapters: dict[str, str] = {}
+    pack_sequences: bool = True
+    logprob_chunk_tokens: int = 1024
 
 
 EngineKind = Literal["embedded", "vllm"]
@@ -342,6 +348,7 @@ def _check_backend_and_engine(config: TrainConfig) -> None:
         "'verl' needs verl installed beside Rollwire: pip install 'rollwire[verl]'",
     )
     need(backend.threads is None or backend.threads >= 1, "backend.threads", "must be at least 1")
+    need(backend.logprob_chunk_tokens >= 1, "backend.logprob_chunk_tokens", "must be at least 1")
     need(backend.lora_rank >= 0, "backend.lora_rank", "must be >= 0 (0 trains every weight)")
     need(backend.lora_alpha > 0, "backend.lora_alpha", "must be positive")
     need(bool(backend.lora_target_modules), "backend.lora_target_modules", "must name at least one module")
