@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -78,8 +79,11 @@ def test_no_shared_prefix_is_a_plain_forward() -> None:
     assert shared_prefix_length(ids[:1], mask[:1]) == 0
 
 
-def multi_turn_samples(seed: int) -> list[Sample]:
-    """Samples of 6 rollouts in 2 groups, each rollout two merged calls, with varied rewards."""
+def multi_turn_samples(seed: int, agent_of: Callable[[int], str] | None = None) -> list[Sample]:
+    """Samples of 6 rollouts in 2 groups, each rollout two merged calls, with varied rewards.
+
+    `agent_of(r)`, if given, names the agent that made rollout r's calls (recorded on each call).
+    """
     rng = random.Random(seed)
     system = [rng.randrange(1, VOCAB) for _ in range(20)]
     rollouts = []
@@ -95,6 +99,7 @@ def multi_turn_samples(seed: int) -> list[Sample]:
                     response_ids=response,
                     logprobs=[-rng.uniform(4.0, 7.0) for _ in response],
                     weights_version=0,
+                    agent=agent_of(r) if agent_of else None,
                 )
             )
             prompt = prompt + response + [rng.randrange(1, VOCAB) for _ in range(3)]
