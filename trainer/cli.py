@@ -59,6 +59,8 @@ def train(
             loaded = msgspec.structs.replace(loaded, run=msgspec.structs.replace(loaded.run, steps=steps))
     except ConfigError as exc:
         raise _fail(str(exc), 2) from None
+    if loaded.backend.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:  # local rank i trains on gpus[i]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in loaded.backend.gpus)
     if follows_rank0():
         _follow(loaded)
         return

@@ -148,7 +148,12 @@ async def connect_engine(config: TrainConfig, urls: ServiceUrls) -> ServingEngin
             extra_args=list(section.extra_args),
         )
         started = start_replicas(
-            settings, config.model.path, config.model.served_name, section.replicas, config.run_dir / "vllm"
+            settings,
+            config.model.path,
+            config.model.served_name,
+            section.replicas,
+            config.run_dir / "vllm",
+            gpus=list(section.gpus) or None,
         )
         replica_urls = [url for url, _ in started]
         processes = [process for _, process in started]

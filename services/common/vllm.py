@@ -98,9 +98,13 @@ def find_executable(executable: str) -> str:
 
 
 def start_replicas(
-    settings: VllmServeSettings, model: str, served_name: str, count: int, log_dir: Path
-) -> list[tuple[str, subprocess.Popen[bytes]]]:
-    """Start `count` replicas on consecutive ports (replica i sees GPU i); returns (base URL, process) pairs."""
+    settings: VllmServeSettings, model: str, served_name: str, count: int, log_dir: Path,
+    gpus: list[int] | None = None,
+) -> list[tuple[str, subprocess.Popen[bytes]]]:  # fmt: skip
+    """Start `count` replicas on consecutive ports; returns (base URL, process) pairs.
+
+    Replica i sees its even share of `gpus` (`[engine] gpus`: 4 GPUs over 2 replicas, two each), else GPU i.
+    """
     executable = find_executable(settings.executable)
     started = []
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -108,7 +112,11 @@ def start_replicas(
         port = settings.port + index
         argv, extra = serve_command(msgspec.structs.replace(settings, executable=executable), model, served_name, port)
         env = {**os.environ, **extra}
-        env.setdefault("CUDA_VISIBLE_DEVICES", str(index))
+        if gpus:
+            share = len(gpus) // count
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus[index * share : (index + 1) * share])
+        else:
+            env.setdefault("CUDA_VISIBLE_DEVICES", str(index))
         log = (log_dir / f"vllm-{index}.log").open("ab")
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         started.append((f"http://{settings.host}:{port}", process))

@@ -107,3 +107,22 @@ def test_rollwire_train_check_prints_the_arithmetic_and_exits_2(tmp_path: Path) 
         path.unlink()
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Adam 12.4" in done.stdout and "does not fit: training needs" in done.stdout
+
+
+def test_each_started_replica_sees_its_share_of_engine_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`[engine] gpus = [4, 5, 6, 7]` over 2 replicas: the first sees GPUs 4,5 and the second 6,7.
+
+    The `vllm` executable is a stand-in script that records the devices it was given (vLLM itself
+    needs GPUs); it follows `vllm serve`'s argv only in being started with it.
+    """
+    from services.common.vllm import VllmServeSettings, start_replicas
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fake = tmp_path / "vllm"
+    fake.write_text(f'#!/bin/sh\necho "$CUDA_VISIBLE_DEVICES" >> {tmp_path}/seen\n')
+    fake.chmod(0o755)
+    started = start_replicas(VllmServeSettings(executable=str(fake), port=18100), "m", "policy", 2, tmp_path / "logs",
+                             gpus=[4, 5, 6, 7])  # fmt: skip
+    for _, process in started:
+        process.wait(timeout=30)
+    assert sorted((tmp_path / "seen").read_text().split()) == ["4,5", "6,7"]
