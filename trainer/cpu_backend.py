@@ -77,7 +77,9 @@ class CpuBackend:
 
     def _load(self, path: Path) -> Any:
         dtype = _DTYPES[self.settings.dtype]
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)  # type: ignore[arg-type]
+        attention = attention_implementation(self.device, packed=self.settings.pack_sequences)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
+        return model.to(self.device)
 
     def _logprobs(self, model: Any, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return policy_logprobs(model, batch, chunk_tokens=self.settings.logprob_chunk_tokens)
@@ -208,6 +210,18 @@ class CpuBackend:
     def parameters_snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of every trained parameter (tests compare before and after an update)."""
         return {name: p.detach().clone() for name, p in self.trained_parameters().items()}
+
+
+def attention_implementation(device: torch.device, *, packed: bool) -> str:
+    """flash-attn 2 (its varlen kernels run packed rows) on CUDA where installed, else PyTorch's sdpa
+    (packed rows get a block-diagonal causal mask from their restarting positions)."""
+    if device.type != "cuda" or not packed:
+        return "sdpa"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "sdpa"
+    return "flash_attention_2"
 
 
 def replace_dir_clean(staging: Path) -> None:

@@ -163,3 +163,19 @@ def test_several_updates_per_step_clip(tmp_path: Path, updates: int) -> None:
     metrics = backend.update(multi_turn_samples(2))
     assert metrics.optimizer_steps == updates
     assert metrics.clip_fraction > 0.0  # the second pass is off-policy and some ratios leave the clip range
+
+
+def test_packed_micro_batches_equal_padded_ones(tmp_path: Path) -> None:
+    """Samples back to back in one row (positions restarting per sample) give the padded rows' loss and gradient."""
+    model = small_model(tmp_path)
+    algorithm = AlgorithmSection(lr=1e-2, micro_batch_tokens=8192, loss=LossSection(kl_coef=0.05))
+    samples = multi_turn_samples(0)
+    packed = CpuBackend(model, algorithm, settings=BackendSection(threads=1, pack_sequences=True))
+    padded = CpuBackend(model, algorithm, settings=BackendSection(threads=1, pack_sequences=False))
+    assert packed.batch(samples).input_ids.shape == (1, sum(len(s.tokens) for s in samples))
+    packed_loss, packed_grads = packed.loss_and_gradients(samples)
+    padded_loss, padded_grads = padded.loss_and_gradients(samples)
+    assert packed_loss == pytest.approx(padded_loss, rel=1e-5)
+    assert set(packed_grads) == set(padded_grads)
+    for name, grad in padded_grads.items():
+        assert float((packed_grads[name] - grad).norm()) <= 1e-5 * float(grad.norm()) + 1e-9, name
