@@ -79,7 +79,7 @@ class CpuBackend:
         dtype = _DTYPES[self.settings.dtype]
         attention = attention_implementation(self.device, packed=self.settings.pack_sequences)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
-        return model.to(self.device)
+        return model.to(self.device)  # type: ignore[arg-type]
 
     def _logprobs(self, model: Any, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return policy_logprobs(model, batch, chunk_tokens=self.settings.logprob_chunk_tokens)
