@@ -5,7 +5,8 @@
     [agent]      command (argv), env, timeout_s, concurrency, max_attempts
     [model]      path (a saved transformers model directory), served_name, prompt_mode, reasoning_parser
     [backend]    kind ("cpu" | "verl"), threads, dtype, gradient_checkpointing, lora_rank, lora_alpha,
-                 lora_target_modules, lora_adapters (agent role -> adapter name)
+                 lora_target_modules, lora_adapters (agent role -> adapter name), pack_sequences,
+                 logprob_chunk_tokens, gpus (the training ranks' GPUs), gpu_memory_gb
     [engine]     kind ("embedded" | "vllm"); vllm: executable, urls (attach) or replicas (start), port,
                  dtype, gpu_memory_utilization, extra_args
     [algorithm]  lr, weight_decay, grad_clip, updates_per_step, micro_batch_tokens, loss_temperature
@@ -123,6 +124,10 @@ class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     `lora_rank > 0` trains a LoRA adapter (peft) on `lora_target_modules` instead of every weight;
     the adapter is what is saved and served. `lora_adapters` maps an agent role to the adapter
     that trains its calls (several roles may share one; empty: one adapter, `default`, for all).
+    `pack_sequences` puts a micro-batch's samples back to back in one row (positions restart per
+    sample; flash-attn varlen where installed, else sdpa with a block-diagonal mask) instead of
+    padded rows; `logprob_chunk_tokens` positions at a time go through the output projection
+    (`trainer.logprobs`).
     """
 
     kind: BackendKind = "cpu"
@@ -135,6 +140,12 @@ class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     lora_adapters: dict[str, str] = {}
+    pack_sequences: bool = True
+    logprob_chunk_tokens: int = 1024
+    gpus: list[int] = []
+    """GPU indices of the training ranks, one rank each (empty: a CPU run; the layout is not checked)."""
+    gpu_memory_gb: float = 0.0
+    """One GPU's memory: with `gpus`, the layout is checked against it (`trainer.layout`)."""
 
 
 EngineKind = Literal["embedded", "vllm"]
@@ -156,6 +167,8 @@ class EngineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     gpu_memory_utilization: float = 0.85
     extra_args: list[str] = []
     startup_timeout_s: float = 900.0
+    gpus: list[int] = []
+    """GPU indices the vLLM replicas use, split evenly over `replicas` (each one's tensor-parallel size)."""
 
 
 class LossSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -342,6 +355,9 @@ def _check_backend_and_engine(config: TrainConfig) -> None:
         "'verl' needs verl installed beside Rollwire: pip install 'rollwire[verl]'",
     )
     need(backend.threads is None or backend.threads >= 1, "backend.threads", "must be at least 1")
+    need(all(g >= 0 for g in backend.gpus), "backend.gpus", "must be GPU indices (>= 0)")
+    need(not backend.gpus or len(set(backend.gpus)) == len(backend.gpus), "backend.gpus", "must not repeat a GPU")
+    need(backend.logprob_chunk_tokens >= 1, "backend.logprob_chunk_tokens", "must be at least 1")
     need(backend.lora_rank >= 0, "backend.lora_rank", "must be >= 0 (0 trains every weight)")
     need(backend.lora_alpha > 0, "backend.lora_alpha", "must be positive")
     need(bool(backend.lora_target_modules), "backend.lora_target_modules", "must name at least one module")
@@ -495,7 +511,20 @@ def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None
             stack=msgspec.structs.replace(config.stack, data_dir=_resolve(base_dir, config.stack.data_dir)),
         )
         config = _resolve_models(config, base_dir)
+    _check_layout(config)
     return config
+
+
+def _check_layout(config: TrainConfig) -> None:
+    """A declared GPU layout (`backend.gpus`) that cannot fit is refused, naming the numbers."""
+    if not config.backend.gpus:
+        return
+    from trainer.layout import check_layout
+
+    _, problems = check_layout(config)
+    if problems:
+        raise ConfigError("the GPU layout does not fit (`rollwire train --check` shows the arithmetic): "
+                          + "; ".join(problems))  # fmt: skip
 
 
 def _resolve_models(config: TrainConfig, base_dir: Path) -> TrainConfig:
