@@ -17,7 +17,8 @@ final loss and mean reward of its last step.
 (groups of 8 rollouts, 256 in flight, `--calls` calls each), with a `train_step` record on every
 rollout (`--groups-per-step` groups a step), read step by step by `StepReader` with each step
 built by the adapter: the growth of this process's memory (sampled every 20 ms; the nats-server
-it starts is left out: it caches the stream) and the most calls held, for the whole run and for a run a tenth its size. Bounded by a step, both grow alike.
+it starts is left out: it caches the stream) and the most calls held, for the whole run and for
+a run a tenth its size. Bounded by a step, both grow alike.
 """
 
 from __future__ import annotations
