@@ -192,7 +192,7 @@ def test_fields_at_their_default_are_absent_but_the_envelope_is_always_there(eve
     data = json.loads(encode(event))
     required = {f.name for f in msgspec.structs.fields(event_type) if f.required}
     assert set(data) == {*ENVELOPE_KEYS, "rollout_id", *required}
-    assert data["schema_version"] == SCHEMA_VERSION == 4
+    assert data["schema_version"] == SCHEMA_VERSION == 5
     assert decode(encode(event)) == event == from_dict(data)
     assert set(to_dict(event)) == {"type", *event_type.__struct_fields__} - {
         f.name for f in msgspec.structs.fields(event_type) if f.default is msgspec.UNSET
