@@ -25,6 +25,7 @@ and the projector (the `runs` and `models` rows). The rules, once:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 
@@ -102,6 +103,8 @@ class RunView(msgspec.Struct, frozen=True, kw_only=True):
     name: str = ""
     spec: RunSpec | None = None
     spec_error: str | None = None
+    invalid_config: dict[str, Any] = {}
+    """An invalid older spec's mapping, as recorded (what a reader shows beside `spec_error`)."""
     started_seq: int | None = None
     started_at: float | None = None
     models: dict[str, ModelView] = {}
@@ -112,6 +115,12 @@ class RunView(msgspec.Struct, frozen=True, kw_only=True):
     def started(self) -> bool:
         """A `RunStarted` was folded (its spec valid or not)."""
         return self.started_seq is not None
+
+    def recorded_spec(self) -> dict[str, Any] | None:
+        """The spec as a JSON-ready mapping (an invalid older one as recorded); None before `RunStarted`."""
+        if self.spec is not None:
+            return msgspec.to_builtins(self.spec)
+        return dict(self.invalid_config) if self.started else None
 
     def live_models(self) -> list[ModelView]:
         """The run's registered, not removed, models in name order."""
@@ -165,7 +174,13 @@ def _started(base: RunView, event: RunStarted, seq: int) -> RunView:
     except InvalidRunSpec as exc:
         error = str(exc)
     return msgspec.structs.replace(
-        base, name=event.name, spec=spec, spec_error=error, started_seq=seq, started_at=event.time
+        base,
+        name=event.name,
+        spec=spec,
+        spec_error=error,
+        invalid_config={} if spec is not None else dict(event.config),
+        started_seq=seq,
+        started_at=event.time,
     )
 
 
