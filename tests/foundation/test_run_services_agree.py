@@ -62,7 +62,8 @@ def _gateway(delivered: list[StoredEvent]) -> tuple[Any, list[tuple[str, str]], 
 
 
 def _controller(delivered: list[StoredEvent]) -> Any:
-    controller = Controller(cast(Any, None), cast(Any, None), ControllerSettings(gateway_url="http://gateway", admin_token="t"))
+    settings = ControllerSettings(gateway_url="http://gateway", admin_token="t")
+    controller = Controller(cast(Any, None), cast(Any, None), settings)
     for stored in delivered:
         if isinstance(stored.event, RunStarted):  # the controller reads only run specs of the run subjects
             controller._apply(stored)
