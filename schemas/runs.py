@@ -1,4 +1,4 @@
-"""How a run's rollouts execute: the run spec the gateway records in `RunStarted.config`.
+"""How a run's rollouts execute: the run spec the gateway records in `RunStarted.spec`.
 
 A run declares its executor once (`POST /api/runs` or the trainer's config); one controller serves
 many runs by reading these specs from the stream.
