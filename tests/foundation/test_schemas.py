@@ -35,10 +35,11 @@ from schemas.bounds import check_int
 from schemas.export import JSON_DIR, stale_files
 from schemas.ids import check_recurring_id
 from schemas.refs import CallRef, pack
+from schemas.runs import RunSpec
 from schemas.transitions import IllegalTransition, check_transition
 
 EXAMPLES = [
-    RunStarted(run_id="r1", name="demo", config={"backend": "local"}),
+    RunStarted(run_id="r1", name="demo", spec=RunSpec(run_id="r1", command=["python", "a.py"], concurrency=2)),
     RolloutCreated(run_id="r1", rollout_id="ro1", input={"q": "2+2"}, group_id="task-7", metadata={"k": 1}),
     RolloutStatusChanged(
         run_id="r1", rollout_id="ro1", attempt_id="a1", status="failed", previous="running", reason="exit code 3"
