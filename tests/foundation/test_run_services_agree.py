@@ -21,6 +21,8 @@ from schemas.runs import RunSpec
 from services.common.eventstore import StoredEvent
 from services.controller.reconciler import Controller
 from services.controller.settings import ControllerSettings
+from services.controller.view import RunSpecError
+from services.gateway.errors import ApiError
 from services.gateway.state import GatewayState
 from services.projector.fold import Loaded, fold_batch
 from services.projector.incoming import Incoming
@@ -92,3 +94,19 @@ def test_gateway_controller_and_projector_agree(seed: int | None) -> None:
     assert projector_spec == msgspec.to_builtins(FIRST)
     assert gateway_models == projector_models == [("policy", "http://b/v1")]
     assert gateway_phase == projector_phase == ("rollout", 1)
+
+
+def test_an_invalid_stored_spec_is_surfaced_by_all_three_never_defaulted() -> None:
+    """An older event's spec that no `RunSpec` reads: the gateway refuses the run's calls (409, the
+    reason), the controller fails its rollouts with the reason, the projector shows it as recorded."""
+    event = RunStarted(run_id=RUN, name="old", config={"backend": "docker", "budget": {"calls": 1}})
+    delivered = [StoredEvent(seq=1, subject=event.subject, event=event)]
+    state = GatewayState(cast(Any, None))
+    state.apply(delivered[0])
+    with pytest.raises(ApiError) as refused:
+        state.spec(RUN)
+    assert refused.value.status == 409 and "backend" in str(refused.value)
+    controller_spec = _controller(delivered)
+    assert isinstance(controller_spec, RunSpecError) and "backend" in controller_spec.message
+    projector_spec, _, _ = _projector(delivered)
+    assert projector_spec == {"backend": "docker", "budget": {"calls": 1}}
