@@ -2,7 +2,8 @@
 
     [run]        name, out_dir, seed, steps, mode ("sync" | "async"), resume
     [data]       path (JSONL, one rollout input per line), tasks_per_step, rollouts_per_task, shuffle
-    [agent]      command (argv), env, timeout_s, concurrency, max_attempts
+    [agent]      command (argv), env, timeout_s, concurrency, max_attempts, ..., limits, budget,
+                 model_aliases: every field of the run spec's `schemas.runs.AgentSpec`
     [model]      path (a saved transformers model directory), served_name, prompt_mode, reasoning_parser
     [backend]    kind ("cpu" | "verl"), threads, dtype, gradient_checkpointing, lora_rank, lora_alpha,
                  lora_target_modules, lora_adapters (agent role -> adapter name), pack_sequences,
@@ -35,9 +36,9 @@ from typing import Any, Literal, get_args
 import msgspec
 
 from schemas.events import ReasoningParser
-from schemas.runs import PromptMode, RewardFrom
+from schemas.runs import PROMPT_MODE, AgentSpec, PromptMode
 from trainer.core import AdapterConfig, AdapterConfigError
-from trainer.run_sections import ExecBackend, FrozenSection, PolicySection, ValidationSection
+from trainer.run_sections import FrozenSection, PolicySection, ValidationSection
 
 Mode = Literal["sync", "async"]
 BackendKind = Literal["cpu", "verl"]
@@ -74,28 +75,18 @@ class DataSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     shuffle: bool = True
 
 
-class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`[agent]`: the harness command the controller runs once per rollout attempt.
+class AgentSection(AgentSpec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[agent]`: how the controller runs the harness once per rollout attempt, and what each attempt
+    may spend: every field of the run spec's `schemas.runs.AgentSpec`, with its defaults (`budget`,
+    `limits` and `model_aliases` included), and nothing else (the run spec takes them as they are).
 
     A leading `python` in `command` (and `evaluator_command`) stands for the Python running the
     trainer (its virtualenv). `{config_dir}` in `command`, `evaluator_command` and `env` values is
-    the config file's directory, so a config can name the scripts next to it. `evaluator_command`
-    runs after the agent exited 0, in its workspace, with an evaluator token; with
-    `reward_from = "evaluator"` only the evaluator's reward counts (the gateway refuses the agent's).
+    the config file's directory, so a config can name the scripts next to it. `job_template` is a
+    file (a Kubernetes Job template); the run spec carries its text. `evaluator_command` runs after
+    the agent exited 0, in its workspace, with an evaluator token; with `reward_from = "evaluator"`
+    only the evaluator's reward counts (the gateway refuses the agent's).
     """
-
-    command: list[str] = []
-    env: dict[str, str] = {}
-    timeout_s: float = 600.0
-    concurrency: int = 32
-    max_attempts: int = 1
-    retry_backoff_s: float = 1.0
-    backend: ExecBackend = "local"
-    job_template: str | None = None
-    """A Kubernetes Job template file (YAML with placeholders) for `backend = "kubernetes"`."""
-    image: str | None = None
-    evaluator_command: list[str] | None = None
-    reward_from: RewardFrom = "agent"
 
 
 class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -111,7 +102,7 @@ class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     path: str
     served_name: str = "policy"
     agents: list[str] = []
-    prompt_mode: PromptMode = "exact"
+    prompt_mode: PromptMode = PROMPT_MODE
     reasoning_parser: ReasoningParser | None = None
 
 
@@ -397,18 +388,10 @@ def _check_run_and_agent(config: TrainConfig) -> None:
     need(not k8s or bool(agent.job_template), "agent.job_template", 'is required with agent.backend = "kubernetes"')
     need(agent.retry_backoff_s >= 0, "agent.retry_backoff_s", "must be >= 0")
     _check_models(config)
-    need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
-    need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
-    need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
     need(
         config.agent.evaluator_command is None or bool(config.agent.evaluator_command),
         "agent.evaluator_command",
         "must name the program to run, as a list of strings, or be left out",
-    )
-    need(
-        config.agent.reward_from == "agent" or bool(config.agent.evaluator_command) or k8s,
-        "agent.reward_from",
-        "is 'evaluator' but agent.evaluator_command is not set",
     )
 
 
