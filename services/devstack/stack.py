@@ -12,6 +12,10 @@ Everything runs as child processes of one foreground command, with no Docker:
 
 Secrets (the admin token and the token-signing key) are generated once and kept in the data dir,
 so agents' tokens stay valid across restarts; `ROLLWIRE_ADMIN_TOKEN` / `ROLLWIRE_SECRET` override.
+So are the NATS users and the Postgres password (`credentials.py`): each service gets only its
+own, inside its NATS_URL / DATABASE_URL; what is printed and saved in `endpoints.json` has none.
+The data dir is 0700 (0711 when agents run as another user, see the controller's README) and its
+secrets 0600. Every child dies with `rollwire up`, even one killed by SIGKILL (`die_with_parent`).
 """
 
 from __future__ import annotations
@@ -44,8 +48,15 @@ from services.common.vllm import (
     tensor_parallel_size,
     visible_gpus,
 )
-from services.devstack import endpoints_file
-from services.devstack.embedded import EmbeddedServerError, NatsServer, PostgresServer, free_port, port_in_use
+from services.devstack import credentials, endpoints_file
+from services.devstack.embedded import (
+    EmbeddedServerError,
+    NatsServer,
+    PostgresServer,
+    die_with_parent,
+    free_port,
+    port_in_use,
+)
 from services.devstack.supervise import Supervisor, Unit
 
 DEFAULT_NATS_PORT = 14222
@@ -130,6 +141,8 @@ class Endpoints:
     engine_url: str | None = None
     admin_token: str = ""
     lines: list[str] = field(default_factory=list)
+    monitor_nats_url: str = ""
+    """The read-only NATS user's URL (for `rollwire tail`, monitors); empty with `--external`."""
 
 
 def _read_or_create_secret(path: Path, env: str) -> tuple[str, bool]:
@@ -139,9 +152,30 @@ def _read_or_create_secret(path: Path, env: str) -> tuple[str, bool]:
     if path.exists():
         return path.read_text().strip(), False
     value = secrets.token_urlsafe(32)
-    path.write_text(value)
-    path.chmod(0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(value)
     return value, True
+
+
+def _child_setup() -> None:
+    """A `preexec_fn` for every child: die with `rollwire up`, create files only its user can read."""
+    os.umask(0o077)
+    die_with_parent()
+
+
+def restrict_data_dir(data_dir: Path) -> None:
+    """Make the data dir private: 0700 (0711 as root, where agents run as another user and must reach
+    their workspaces through it), its secrets 0600, its logs and servers' directories 0700."""
+    data_dir.chmod(0o711 if os.geteuid() == 0 else 0o700)
+    for name in ("admin_token", "secret", credentials.FILE, endpoints_file.NAME, "stack.lock"):
+        with contextlib.suppress(FileNotFoundError):
+            (data_dir / name).chmod(0o600)
+    for name in ("logs", "nats"):
+        with contextlib.suppress(FileNotFoundError):
+            (data_dir / name).chmod(0o700)
+    with contextlib.suppress(FileNotFoundError):  # as root, Postgres runs as its own user through it
+        (data_dir / "postgres").chmod(0o711 if os.geteuid() == 0 else 0o700)
 
 
 class Stack:
@@ -157,16 +191,18 @@ class Stack:
         self.children: list[ChildService] = []
         self.endpoints: Endpoints | None = None
         self._env: dict[str, str] = {}
+        self._credentials = credentials.Credentials(nats={}, postgres="")
 
     # ---- start -----------------------------------------------------------------------------
 
     def start(self) -> Endpoints:
         """Start everything and return the endpoints; raises StackError with one readable line."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock()
         try:
             endpoints = self._start_locked()
             endpoints_file.write(self.data_dir, endpoints.lines)
+            restrict_data_dir(self.data_dir)
             return endpoints
         except BaseException:
             self.stop()
@@ -174,16 +210,18 @@ class Stack:
 
     def _lock(self) -> None:
         lock_path = self.data_dir / "stack.lock"
-        handle = open(lock_path, "a+")
+        handle = os.fdopen(os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
             owner = handle.read().strip() or "unknown"
             handle.close()
+            gateway = endpoints_file.read(self.data_dir).get("gateway")
             raise StackError(
-                f"data dir {self.data_dir} is in use by another running stack (pid {owner}); "
-                "stop it or pass another --data-dir",
+                f"data dir {self.data_dir} is in use by another running stack (`rollwire up`, pid {owner}"
+                + (f", gateway {gateway}" if gateway else "")
+                + "); stop it or pass another --data-dir",
                 exit_code=2,
             ) from None
         handle.seek(0)
@@ -222,23 +260,28 @@ class Stack:
             database_url = os.environ.get("DATABASE_URL", "")
             if not nats_url or not database_url:
                 raise StackError("--external needs NATS_URL and DATABASE_URL of running servers", exit_code=2)
+            service_urls = {name: {"NATS_URL": nats_url} for name in ("gateway", "projector", "controller")}
+            service_urls["projector"]["DATABASE_URL"] = database_url
+            trainer_url = monitor_url = nats_url
         else:
-            try:
-                self.nats = NatsServer(self.data_dir / "nats", ports["nats"]).start()
-                self.postgres = PostgresServer(
-                    self.data_dir / "postgres", ports["postgres"], durable=self.config.durable_postgres
-                ).start()
-            except EmbeddedServerError as exc:
-                raise StackError(str(exc)) from None
-            nats_url, database_url = self.nats.url, self.postgres.url
-        endpoints = Endpoints(nats_url=nats_url, database_url=database_url, admin_token=admin_token)
-        endpoints.lines += [f"nats: {nats_url}", f"postgres: {database_url}"]
+            service_urls, database_url = self._start_servers(ports)
+            assert self.nats is not None
+            nats_url = self.nats.url
+            trainer_url = self._credentials.nats_url(nats_url, "trainer")
+            monitor_url = self._credentials.nats_url(nats_url, "monitor")
+        endpoints = Endpoints(
+            nats_url=trainer_url, database_url=database_url, admin_token=admin_token, monitor_nats_url=monitor_url
+        )
+        endpoints.lines += [
+            f"nats: {credentials.without_userinfo(nats_url)}",
+            f"postgres: {credentials.without_userinfo(database_url)}",
+        ]
+        if not self.config.external:
+            endpoints.lines.append(f"credentials: {self.data_dir / credentials.FILE}")
         if generated:
             endpoints.lines.append(f"admin token: {admin_token} (saved in {self.data_dir / 'admin_token'})")
         env = {
-            **os.environ,
-            "NATS_URL": nats_url,
-            "DATABASE_URL": database_url,
+            **{k: v for k, v in os.environ.items() if k not in ("NATS_URL", "DATABASE_URL")},
             "ROLLWIRE_ADMIN_TOKEN": admin_token,
             "ROLLWIRE_SECRET": signing_key,
             "ROLLWIRE_DATA_DIR": str(self.data_dir),
@@ -250,6 +293,7 @@ class Stack:
             env["ROLLWIRE_PROJECTOR_URL"] = f"http://127.0.0.1:{ports['projector']}"
         self._env = env
         for spec in self._service_specs(ports):
+            spec.env = {**service_urls.get(spec.name, {}), **spec.env}
             self._start_child(spec, env)
             if spec.endpoint:
                 endpoints.lines.append(spec.endpoint)
@@ -263,6 +307,30 @@ class Stack:
             self._register_vllm(endpoints)
         self.endpoints = endpoints
         return endpoints
+
+    def _start_servers(self, ports: dict[str, int]) -> tuple[dict[str, dict[str, str]], str]:
+        """Start nats-server (a user per service) and Postgres (a password); each service's URLs, and Postgres'."""
+        self._credentials = credentials.load_or_create(self.data_dir)
+        try:
+            self.nats = NatsServer(
+                self.data_dir / "nats", ports["nats"],
+                authorization=credentials.nats_authorization(self._credentials), tied=True,
+            ).start()  # fmt: skip
+            self.postgres = PostgresServer(
+                self.data_dir / "postgres", ports["postgres"], durable=self.config.durable_postgres,
+                password=self._credentials.postgres, tied=True,
+            ).start()  # fmt: skip
+        except EmbeddedServerError as exc:
+            raise StackError(str(exc)) from None
+        database_url = self._credentials.postgres_url(self.postgres.url)
+        urls = {
+            name: {"NATS_URL": self._credentials.nats_url(self.nats.url, name)} for name in ("gateway", "controller")
+        }
+        urls["projector"] = {
+            "NATS_URL": self._credentials.nats_url(self.nats.url, "projector"),
+            "DATABASE_URL": database_url,
+        }
+        return urls, database_url
 
     def _service_specs(self, ports: dict[str, int]) -> list[ChildService]:
         """The services to start, in order, for the names in the config."""
@@ -376,6 +444,7 @@ class Stack:
             stderr=subprocess.STDOUT,
             env={**env, **spec.env},
             start_new_session=True,
+            preexec_fn=_child_setup,
         )
 
     def units(self) -> list[Unit]:

@@ -1,0 +1,126 @@
+"""The local stack's credentials: a NATS user per service and a Postgres password, in the data dir.
+
+`rollwire up` generates them once into `<data-dir>/credentials.json` (mode 0600, in a 0700 data
+dir) and gives each service only its own, inside the URL it already reads:
+
+    gateway     NATS_URL=nats://gateway:PW@127.0.0.1:14222     publishes events (the only writer
+                                                                 besides the trainer)
+    projector   NATS_URL=nats://projector:PW@...  DATABASE_URL=postgresql://postgres:PW@...
+    controller  NATS_URL=nats://controller:PW@...              reads events, never publishes them
+    trainer     the embedded trainer's own user: appends its train steps and phases
+    monitor     read-only, for `rollwire tail`, monitors and dashboards
+
+Agents get none of them. The per-user permissions (`NATS_PERMISSIONS`) are enforced by
+nats-server: a reader's publish to `rl.>` is refused ("Permissions Violation"), a connection
+without a user or with a wrong password is refused ("Authorization Violation").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
+
+FILE = "credentials.json"
+
+_JS_READ = [
+    "$JS.API.INFO",
+    "$JS.API.STREAM.INFO.>",
+    "$JS.API.STREAM.NAMES",
+    "$JS.API.STREAM.LIST",
+    "$JS.API.STREAM.MSG.GET.>",
+    "$JS.API.DIRECT.GET.>",
+    "$JS.API.CONSUMER.CREATE.>",
+    "$JS.API.CONSUMER.DURABLE.CREATE.>",
+    "$JS.API.CONSUMER.INFO.>",
+    "$JS.API.CONSUMER.MSG.NEXT.>",
+    "$JS.API.CONSUMER.DELETE.>",
+    "$JS.API.CONSUMER.NAMES.>",
+    "$JS.API.CONSUMER.LIST.>",
+    "$JS.ACK.>",
+    "$JS.FC.>",
+    "_INBOX.>",
+]
+"""What a reader may publish: JetStream requests that read, its consumers' acks, its inboxes."""
+
+_SERVICE_READ = [*_JS_READ, "$JS.API.STREAM.CREATE.>", "$JS.API.STREAM.UPDATE.>"]
+"""A reading service also ensures the stream's settings at start (`EventStore.connect`), never an event."""
+
+NATS_PERMISSIONS: dict[str, dict[str, object]] = {
+    "gateway": {"publish": [">"], "subscribe": [">"]},
+    "trainer": {"publish": [">"], "subscribe": [">"]},
+    "projector": {"publish": {"allow": _SERVICE_READ, "deny": ["rl.>", "$KV.>"]}, "subscribe": [">"]},
+    "controller": {"publish": {"allow": _SERVICE_READ, "deny": ["rl.>", "$KV.>"]}, "subscribe": [">"]},
+    "monitor": {"publish": {"allow": _JS_READ, "deny": ["rl.>", "$KV.>"]}, "subscribe": [">"]},
+}
+"""Each NATS user's permissions, in nats-server's configuration syntax."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The passwords of one data dir: one per NATS user, one for Postgres' `postgres` role."""
+
+    nats: dict[str, str]
+    postgres: str
+
+    def nats_url(self, url: str, user: str) -> str:
+        """`url` (nats://host:port) with `user`'s name and password in it."""
+        return with_userinfo(url, user, self.nats[user])
+
+    def postgres_url(self, url: str) -> str:
+        """`url` (postgresql://postgres@host:port/db) with the password in it."""
+        return with_userinfo(url, "postgres", self.postgres)
+
+
+def with_userinfo(url: str, user: str, password: str) -> str:
+    """`url` with `user:password@` in front of its host (any userinfo it had is replaced)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def without_userinfo(url: str) -> str:
+    """`url` with no user or password: what may be printed or written to `endpoints.json`."""
+    parts = urlsplit(url)
+    user = parts.username
+    host = parts.netloc.rpartition("@")[2]
+    keep = f"{user}@" if user and parts.scheme.startswith("postgres") else ""
+    return urlunsplit((parts.scheme, keep + host, parts.path, parts.query, parts.fragment))
+
+
+def load_or_create(data_dir: Path) -> Credentials:
+    """The data dir's credentials, generated (and saved with mode 0600) the first time, and for new users."""
+    path = data_dir / FILE
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    nats = {str(k): str(v) for k, v in dict(stored.get("nats") or {}).items()}
+    changed = False
+    for user in NATS_PERMISSIONS:
+        if not nats.get(user):
+            nats[user] = secrets.token_urlsafe(24)
+            changed = True
+    postgres = str(stored.get("postgres") or "")
+    if not postgres:
+        postgres, changed = secrets.token_urlsafe(24), True
+    if changed:
+        staging = path.with_name(f".{FILE}.partial")
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            json.dump({"nats": nats, "postgres": postgres}, handle, indent=2)
+        os.replace(staging, path)
+    return Credentials(nats=nats, postgres=postgres)
+
+
+def nats_authorization(credentials: Credentials) -> str:
+    """nats-server's `authorization { users = [...] }` block for these credentials."""
+    users = [
+        {"user": user, "password": credentials.nats[user], "permissions": NATS_PERMISSIONS[user]}
+        for user in NATS_PERMISSIONS
+    ]
+    return "authorization {\n  users = " + json.dumps(users, indent=2) + "\n}\n"
