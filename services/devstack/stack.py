@@ -285,6 +285,7 @@ class Stack:
             "ROLLWIRE_ADMIN_TOKEN": admin_token,
             "ROLLWIRE_SECRET": signing_key,
             "ROLLWIRE_DATA_DIR": str(self.data_dir),
+            "ROLLWIRE_AGENT_ISOLATION": os.environ.get("ROLLWIRE_AGENT_ISOLATION", "auto"),
             "ROLLWIRE_GATEWAY_URL": f"http://127.0.0.1:{ports['gateway']}",
             "ROLLWIRE_PUBLIC_URL": f"http://127.0.0.1:{ports['gateway']}",
             "PYTHONUNBUFFERED": "1",
@@ -528,7 +529,7 @@ def run_foreground(config: StackConfig, say: Callable[[str], None] = print) -> i
         nonlocal stopping
         stopping = True
 
-    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     stack = Stack(config, say)
     try:
         endpoints = stack.start()
