@@ -57,6 +57,7 @@ from services.devstack.embedded import (
     free_port,
     port_in_use,
 )
+from services.devstack.store_watch import StoreWatch
 from services.devstack.supervise import Supervisor, Unit
 
 DEFAULT_NATS_PORT = 14222
@@ -537,11 +538,14 @@ def run_foreground(config: StackConfig, say: Callable[[str], None] = print) -> i
             say(line)
         say("ready")
         supervisor = Supervisor(stack.units(), say)
+        watch = StoreWatch(stack.nats, endpoints.nats_url, say) if stack.nats is not None else None
         while not stopping:
             reason = supervisor.tick()
             if reason is not None:
                 say(reason)
                 return 1
+            if watch is not None:
+                watch.tick()
             time.sleep(0.2)
         say("stopping")
         return 0
