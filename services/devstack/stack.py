@@ -456,7 +456,7 @@ class Stack:
         for server in servers:
             name = "nats" if isinstance(server, NatsServer) else "postgres"
             log = server.data_dir / f"{name}.log"
-            out.append(Unit(name, partial(_proc_of, server), partial(_restart_server, server), log))
+            out.append(Unit(name, partial(_proc_of, server), partial(_restart_server, server, self.data_dir), log))
         for child in self.children:
             log = self.data_dir / "logs" / f"{child.name}.log"
             out.append(Unit(child.name, partial(_proc_of, child), partial(self._spawn, child, self._env), log))
@@ -517,9 +517,10 @@ def _proc_of(owner: NatsServer | PostgresServer | ChildService) -> subprocess.Po
     return owner.proc
 
 
-def _restart_server(server: NatsServer | PostgresServer) -> None:
+def _restart_server(server: NatsServer | PostgresServer, data_dir: Path) -> None:
     server.proc = None  # it died: start it again on its port and data dir
     server.start()
+    restrict_data_dir(data_dir)  # as root, starting Postgres opens its parents for its own user
 
 
 def run_foreground(config: StackConfig, say: Callable[[str], None] = print) -> int:
