@@ -25,7 +25,6 @@ import fcntl
 import hashlib
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -53,12 +52,10 @@ from services.devstack.embedded import (
     EmbeddedServerError,
     NatsServer,
     PostgresServer,
-    die_with_parent,
     free_port,
     port_in_use,
 )
-from services.devstack.store_watch import StoreWatch
-from services.devstack.supervise import Supervisor, Unit
+from services.devstack.supervise import Unit
 
 DEFAULT_NATS_PORT = 14222
 DEFAULT_PG_PORT = 15432
@@ -146,39 +143,6 @@ class Endpoints:
     """The read-only NATS user's URL (for `rollwire tail`, monitors); empty with `--external`."""
 
 
-def _read_or_create_secret(path: Path, env: str) -> tuple[str, bool]:
-    """The secret from `env`, else from `path`, else a new one written to `path` (True = generated)."""
-    if os.environ.get(env):
-        return os.environ[env], False
-    if path.exists():
-        return path.read_text().strip(), False
-    value = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(value)
-    return value, True
-
-
-def _child_setup() -> None:
-    """A `preexec_fn` for every child: die with `rollwire up`, create files only its user can read."""
-    os.umask(0o077)
-    die_with_parent()
-
-
-def restrict_data_dir(data_dir: Path) -> None:
-    """Make the data dir private: 0700 (0711 as root, where agents run as another user and must reach
-    their workspaces through it), its secrets 0600, its logs and servers' directories 0700."""
-    data_dir.chmod(0o711 if os.geteuid() == 0 else 0o700)
-    for name in ("admin_token", "secret", credentials.FILE, endpoints_file.NAME, "stack.lock"):
-        with contextlib.suppress(FileNotFoundError):
-            (data_dir / name).chmod(0o600)
-    for name in ("logs", "nats"):
-        with contextlib.suppress(FileNotFoundError):
-            (data_dir / name).chmod(0o700)
-    with contextlib.suppress(FileNotFoundError):  # as root, Postgres runs as its own user through it
-        (data_dir / "postgres").chmod(0o711 if os.geteuid() == 0 else 0o700)
-
-
 class Stack:
     """Start and stop the whole local stack (see the module docstring)."""
 
@@ -203,7 +167,7 @@ class Stack:
         try:
             endpoints = self._start_locked()
             endpoints_file.write(self.data_dir, endpoints.lines)
-            restrict_data_dir(self.data_dir)
+            credentials.restrict_data_dir(self.data_dir)
             return endpoints
         except BaseException:
             self.stop()
@@ -254,8 +218,10 @@ class Stack:
 
     def _start_locked(self) -> Endpoints:
         ports = self._ports()
-        admin_token, generated = _read_or_create_secret(self.data_dir / "admin_token", "ROLLWIRE_ADMIN_TOKEN")
-        signing_key, _ = _read_or_create_secret(self.data_dir / "secret", "ROLLWIRE_SECRET")
+        admin_token, generated = credentials.read_or_create_secret(
+            self.data_dir / "admin_token", "ROLLWIRE_ADMIN_TOKEN"
+        )
+        signing_key, _ = credentials.read_or_create_secret(self.data_dir / "secret", "ROLLWIRE_SECRET")
         if self.config.external:
             nats_url = os.environ.get("NATS_URL", "")
             database_url = os.environ.get("DATABASE_URL", "")
@@ -446,7 +412,7 @@ class Stack:
             stderr=subprocess.STDOUT,
             env={**env, **spec.env},
             start_new_session=True,
-            preexec_fn=_child_setup,
+            preexec_fn=credentials.child_setup,
         )
 
     def units(self) -> list[Unit]:
@@ -520,37 +486,4 @@ def _proc_of(owner: NatsServer | PostgresServer | ChildService) -> subprocess.Po
 def _restart_server(server: NatsServer | PostgresServer, data_dir: Path) -> None:
     server.proc = None  # it died: start it again on its port and data dir
     server.start()
-    restrict_data_dir(data_dir)  # as root, starting Postgres opens its parents for its own user
-
-
-def run_foreground(config: StackConfig, say: Callable[[str], None] = print) -> int:
-    """`rollwire up`: start the stack, print its endpoints and `ready`, run until a signal."""
-    stopping = False
-
-    def _on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    stack = Stack(config, say)
-    try:
-        endpoints = stack.start()
-        for line in endpoints.lines:
-            say(line)
-        say("ready")
-        supervisor = Supervisor(stack.units(), say)
-        watch = StoreWatch(stack.nats, endpoints.nats_url, say) if stack.nats is not None else None
-        while not stopping:
-            reason = supervisor.tick()
-            if reason is not None:
-                say(reason)
-                return 1
-            if watch is not None:
-                watch.tick()
-            time.sleep(0.2)
-        say("stopping")
-        return 0
-    finally:
-        stack.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    credentials.restrict_data_dir(data_dir)  # as root, starting Postgres opens its parents for its own user
