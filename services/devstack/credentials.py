@@ -180,3 +180,23 @@ def restrict_data_dir(data_dir: Path) -> None:
             (data_dir / name).chmod(0o700)
     with contextlib.suppress(FileNotFoundError):  # as root, Postgres runs as its own user through it
         (data_dir / "postgres").chmod(0o711 if os.geteuid() == 0 else 0o700)
+
+
+def local_credentials(url: str, user: str = "monitor", data_dir: Path | None = None) -> str:
+    """`url` with `user`'s password when it names none and is the NATS of the stack running in the data dir.
+
+    So `rollwire tail`, `replay`, `runs` and the monitors keep working against `rollwire up` with
+    no credentials to pass: the operator can read the data dir, agents cannot. Any other URL is
+    returned as it is. The data dir is `$ROLLWIRE_DATA_DIR`, else `./.rollwire`.
+    """
+    if urlsplit(url).username:
+        return url
+    directory = data_dir or Path(os.environ.get("ROLLWIRE_DATA_DIR") or ".rollwire")
+    running = endpoints_file.read(directory).get("nats")
+    if running is None or urlsplit(running).netloc != urlsplit(url).netloc:
+        return url
+    try:
+        password = json.loads((directory / FILE).read_text())["nats"][user]
+    except (OSError, ValueError, KeyError, TypeError):
+        return url
+    return with_userinfo(url, user, str(password))
