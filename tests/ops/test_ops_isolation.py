@@ -8,9 +8,9 @@ Postgres login, and the engine's `/reload` and generation routes. Then it makes 
 and reports a reward of 0.5 through its token, as any agent does.
 
 Measured on the tree before isolation (data dir readable, NATS and Postgres open, agents as the
-stack's user): admin token, endpoints.json, /proc, NATS without credentials, Postgres and the
-engine's two routes all ESCAPED (7 of 10). Now: the engine's routes only (an API key on the
-engine is a change of its own), and only where no engine key is set.
+stack's user): admin token, endpoints.json, /proc (a service's environment), NATS without and
+with guessed credentials, Postgres and the engine's two routes ESCAPED: 8 of 10. Now 2: the
+engine's routes (an API key on the engine is a change of its own).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -149,6 +150,15 @@ class LocalBackend:
             self.isolation = local_isolation.resolve(isolation, python)
         except local_isolation.IsolationError as exc:
             raise PermanentBackendError(str(exc)) from None
+        if isolation != "none":
+            logging.getLogger("rollwire.controller").log(
+                logging.WARNING if self.isolation == "none" else logging.INFO,
+                "local agents: isolation %s%s",
+                self.isolation,
+                " (no root and no user namespaces here: agents can read what this user reads)"
+                if self.isolation == "none"
+                else "",
+            )
         """How agents are kept from the stack's secrets (`local_isolation`): user, namespace or none."""
         self.hidden = tuple(Path(path).resolve() for path in hidden) or (self.root,)
         """What a `namespace`-isolated agent cannot see (default: this backend's root)."""
