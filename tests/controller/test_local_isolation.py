@@ -129,3 +129,11 @@ def test_the_namespace_sandbox_hides_the_data_dir_and_other_processes(data_dir: 
     assert json.loads((workspace / "found.json").read_text())["secret"] is False
     pid, processes = json.loads(result.stdout.strip().splitlines()[-1])
     assert processes <= 4 and pid < 10  # its own PID namespace: /proc shows the sandbox only
+
+
+def test_an_agent_in_namespace_mode_finds_an_empty_data_dir(data_dir: Path) -> None:
+    """The backend's and the supervisor's wiring of the sandbox (as an unprivileged user in real use)."""
+    if not local_isolation.namespaces_work():
+        pytest.skip("this kernel refuses user namespaces")
+    found = asyncio.run(_run_snoop(data_dir, "namespace"))
+    assert found["input"] == {"q": 1} and found["secret"] is False
