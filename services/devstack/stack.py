@@ -112,6 +112,8 @@ class StackConfig:
     engine_kind: str = "embedded"  # or "vllm": `vllm_replicas` `vllm serve` processes (services.common.vllm)
     vllm: VllmServeSettings = field(default_factory=VllmServeSettings)
     vllm_replicas: int = 1
+    agent_isolation: str = "auto"
+    """How the controller keeps local agents from the data dir (`ROLLWIRE_AGENT_ISOLATION` overrides)."""
 
 
 @dataclass
@@ -252,7 +254,7 @@ class Stack:
             "ROLLWIRE_ADMIN_TOKEN": admin_token,
             "ROLLWIRE_SECRET": signing_key,
             "ROLLWIRE_DATA_DIR": str(self.data_dir),
-            "ROLLWIRE_AGENT_ISOLATION": os.environ.get("ROLLWIRE_AGENT_ISOLATION", "auto"),
+            "ROLLWIRE_AGENT_ISOLATION": os.environ.get("ROLLWIRE_AGENT_ISOLATION", self.config.agent_isolation),
             "ROLLWIRE_GATEWAY_URL": f"http://127.0.0.1:{ports['gateway']}",
             "ROLLWIRE_PUBLIC_URL": f"http://127.0.0.1:{ports['gateway']}",
             "PYTHONUNBUFFERED": "1",
