@@ -36,7 +36,7 @@ NATS_URL = typer.Option(
     None,
     "--nats-url",
     envvar="NATS_URL",
-    help="The NATS server (default: the one `rollwire up` started in --data-dir, per its endpoints.json, read-only with its monitor user).",
+    help="The NATS server (default: the one `rollwire up` started in --data-dir, as its read-only monitor user).",
 )
 DATA_DIR = typer.Option(
     Path(".rollwire"), "--data-dir", envvar="ROLLWIRE_DATA_DIR", help="The data dir of `rollwire up`."
