@@ -138,7 +138,7 @@ def test_tail_and_runs_find_the_stack_in_its_data_dir(tmp_path: Path) -> None:
     proc, endpoints = start_up(data)
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "ROLLWIRE_DATA_DIR")}
     try:
-        asyncio.run(append_and_count(endpoints["nats"], "found-by-data-dir", append=True))
+        asyncio.run(append_and_count(trainer_url(data, endpoints), "found-by-data-dir", append=True))
         listed = subprocess.run(
             [*ROLLWIRE, "runs", "--data-dir", str(data)], capture_output=True, text=True, timeout=60, env=env
         )
