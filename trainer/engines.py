@@ -17,12 +17,16 @@ The loop calls `load` inside the phase gate, so no call runs while any replica c
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import os
+import secrets
 import subprocess
 from pathlib import Path
 from typing import Protocol
 
 from services.common.vllm import VllmReplicas, VllmServeSettings, start_replicas
+from services.common.vllm_install import ensure_vllm
 from trainer.backend import ADAPTERS_DIR
 from trainer.clients import EngineClient, GatewayClient, ServiceUrls
 from trainer.config import TrainConfig
@@ -75,8 +79,10 @@ class VllmEngine:
         *,
         adapters: list[str] | None = None,
         processes: list[subprocess.Popen[bytes]] | None = None,
+        api_key: str = "",
     ) -> None:
-        self.replicas = VllmReplicas(urls)
+        self.replicas = VllmReplicas(urls, api_key=api_key)
+        self.api_key = api_key
         self.served_name = served_name
         self.adapters = adapters or []
         self.processes = processes or []
@@ -114,6 +120,8 @@ async def register_replicas(
     one replica per rollout (a hash of its id), so a rollout keeps its replica's prefix cache.
     """
     endpoints = await engine.endpoints()
+    if isinstance(engine, VllmEngine) and engine.api_key:
+        rendering = {**rendering, "api_key": engine.api_key}  # the proxy sends it; agents never see it
     for index, (base_url, served) in enumerate(endpoints):
         await gateway.register_model(
             run_id,
@@ -136,25 +144,30 @@ async def connect_engine(config: TrainConfig, urls: ServiceUrls) -> ServingEngin
     lora = config.backend.lora_rank > 0
     adapters = adapter_names(config.backend) if lora else []
     processes: list[subprocess.Popen[bytes]] = []
-    replica_urls = list(section.urls)
+    replica_urls = list(section.urls) or list(urls.engine_urls)  # attached, or the embedded stack's
+    api_key = urls.engine_api_key if not section.urls else os.environ.get("ROLLWIRE_ENGINE_KEY", "")
     if not replica_urls:
+        api_key = secrets.token_urlsafe(32)
         settings = VllmServeSettings(
-            executable=section.executable,
+            executable=section.executable or str(await asyncio.to_thread(ensure_vllm)),
             port=section.port,
             dtype=section.dtype,
             gpu_memory_utilization=section.gpu_memory_utilization,
             max_lora_rank=config.backend.lora_rank,
             max_loras=max(len(adapters), 1),
             extra_args=list(section.extra_args),
+            api_key=api_key,
         )
         started = start_replicas(
             settings, config.model.path, config.model.served_name, section.replicas, config.run_dir / "vllm"
         )
         replica_urls = [url for url, _ in started]
         processes = [process for _, process in started]
-    engine = VllmEngine(replica_urls, config.model.served_name, adapters=adapters, processes=processes)
+    engine = VllmEngine(replica_urls, config.model.served_name, adapters=adapters, processes=processes, api_key=api_key)
     try:
         await engine.replicas.wait_ready(section.startup_timeout_s)
+        if not section.urls and urls.engine_urls:  # the stack's servers answer to their own name
+            engine.served_name = await engine.replicas.served_model()
     except BaseException:
         await engine.close()
         raise

@@ -51,9 +51,13 @@ def up(
     pg_port: int = typer.Option(DEFAULT_PG_PORT, help="Postgres port (0 = any free port)."),
     external: bool = typer.Option(False, help="Use the servers at NATS_URL and DATABASE_URL instead."),
     services: str = typer.Option("all", help="Comma-separated services to start, 'all' or 'none'."),
-    engine: str = typer.Option("embedded", help="embedded (CPU) or vllm (`vllm serve` replicas, one GPU each)."),
-    engine_model: str | None = typer.Option(None, help="The engine's model: a directory (or, for vLLM, a hub id)."),
-    vllm_executable: str = typer.Option("vllm", help="The vllm executable of vLLM's own environment."),
+    engine: str = typer.Option("vllm", help="vllm (vLLM servers, one GPU each where GPUs are) or embedded."),
+    engine_model: str | None = typer.Option(
+        None, help="The engine's model: a directory or, for vLLM, a hub id (default: the tiny model)."
+    ),
+    vllm_executable: str = typer.Option(
+        "", help="vLLM's Python (default: `rollwire vllm install`'s, installed when missing)."
+    ),
     replicas: int = typer.Option(1, help="vLLM replicas, on consecutive ports from --vllm-port."),
     vllm_port: int = typer.Option(8100, help="Port of the first vLLM replica."),
 ) -> None:
