@@ -104,11 +104,16 @@ def models_register(
         f"http://127.0.0.1:{DEFAULT_GATEWAY_PORT}", envvar="ROLLWIRE_GATEWAY_URL", help="The gateway."
     ),
     admin_token: str = typer.Option(..., envvar="ROLLWIRE_ADMIN_TOKEN", help="The gateway's admin token."),
+    api_key: str | None = typer.Option(
+        None,
+        envvar="ROLLWIRE_ENGINE_KEY",
+        help="The key the endpoint requires (the proxy sends it; agents never see it).",
+    ),
 ) -> None:
     """Route proxy calls for NAME to an OpenAI-compatible endpoint (a vLLM server, the embedded engine)."""
     from services.devstack.stack import register_model
 
-    register_model(gateway_url, admin_token, name, base_url, served_model=served_model, run_id=run_id)
+    register_model(gateway_url, admin_token, name, base_url, served_model=served_model, run_id=run_id, api_key=api_key)
     print(f"registered {name} -> {base_url}")
 
 
