@@ -119,6 +119,11 @@ def test_the_engine_tokenizer_is_scoped_to_the_engine_model(tmp_path: Path) -> N
     from services.devstack.stack import Stack, StackConfig
 
     model = tmp_path / "tiny-chat"
-    args = Stack(StackConfig(data_dir=tmp_path, engine_model=model), say=lambda _: None)._tokenizer_args()
+    embedded = StackConfig(data_dir=tmp_path, engine_model=model, engine_kind="embedded")
+    args = Stack(embedded, say=lambda _: None)._tokenizer_args()
     assert args == ["--tokenizer", f"tiny-chat={model}", "--tokenizer", f"tiny={model}"]
+    model.mkdir()  # vLLM (the default) answers to the served name only
+    assert Stack(StackConfig(data_dir=tmp_path, engine_model=model), say=lambda _: None)._tokenizer_args() == [
+        "--tokenizer", f"tiny={model}",
+    ]  # fmt: skip
     assert Stack(StackConfig(data_dir=tmp_path, services=("gateway",)), say=lambda _: None)._tokenizer_args() == []
