@@ -56,6 +56,7 @@ class VllmServeSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_loras: int = 1
     extra_args: list[str] = []
     api_key: str = ""  # required on every route (see `launch_args`); "" serves without one
+    tool_call_parser: str = "hermes"  # vLLM's parser of the model's tool calls (Qwen, the tiny model); "" = none
 
 
 # ---- launch: vLLM's Python, the API server module, the key on every route ---------------------
@@ -72,10 +73,13 @@ def launch_args(settings: VllmServeSettings, model: str) -> tuple[list[str], dic
     the processed ones (after temperature, top-p, top-k), the distribution the token was sampled
     from. With an API key, `rollwire_vllm_auth` (dependency-free, on vLLM's PYTHONPATH) refuses
     every route without it, `/pause` and `/collective_rpc` included; vLLM's `--api-key` covers
-    only `/v1`. The key travels in the environment (`VLLM_API_KEY`), not on the command line.
+    only `/v1`. Tool calls are parsed by `tool_call_parser` (vLLM refuses `tools` without one).
+    The key travels in the environment (`VLLM_API_KEY`), not on the command line.
     """
     argv = [settings.executable, "-m", API_SERVER_MODULE, "--model", model, "--logprobs-mode", "processed_logprobs"]
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true", "PYTHONPATH": str(PLUGINS_DIR)}
+    if settings.tool_call_parser:  # without it vLLM answers 400 to any call that offers tools
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", settings.tool_call_parser]
     if settings.api_key:
         argv += ["--middleware", AUTH_MIDDLEWARE]
         env["VLLM_API_KEY"] = settings.api_key
