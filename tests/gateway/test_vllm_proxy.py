@@ -16,6 +16,9 @@ import pytest
 from gw_harness import GatewayHandle
 from vllm_server import VllmServer
 
+# The first test to use the session's vLLM server waits for it to start: minutes on 2 loaded cores.
+pytestmark = pytest.mark.timeout(1200)
+
 SERVED = "tiny"
 HELLO: Any = [{"role": "user", "content": "Say something short."}]
 TOOLS: Any = [

@@ -15,6 +15,9 @@ from vllm_server import VllmServer
 
 from services.common.vllm import API_SERVER_MODULE, VllmReplicas, VllmServeSettings, serve_command
 
+# The first test to use the session's vLLM server waits for it to start: minutes on 2 loaded cores.
+pytestmark = pytest.mark.timeout(1200)
+
 # Every kind of route vLLM serves in development mode: OpenAI's, the RL control routes, the dev
 # routes (RPC, caches, sleep), the Prometheus metrics and the LoRA routes.
 GUARDED = (
