@@ -89,7 +89,7 @@ def test_sync_calls_match_the_engine(
             assert answer.choices[0].logprobs is None and "prompt_token_ids" not in (answer.model_extra or {})
             texts.append({c.index: c.message.content or "" for c in answer.choices})
     calls = sorted(_recorded(gateway, rollout["rollout_id"]), key=lambda c: c["seq"])
-    assert len(calls) == 1 + 2 + 1
+    assert len(calls) == 1 + 2 + 1, [(c["call_id"], c["choice_index"], c["status"], c.get("error")) for c in calls]
     grouped: list[list[dict[str, Any]]] = []
     for call in calls:
         if grouped and grouped[-1][0]["call_id"] == call["call_id"]:
