@@ -297,12 +297,12 @@ class Stack:
                 endpoint=f"controller: http://127.0.0.1:{ports['controller']}/metrics",
             ),
         }  # fmt: skip
+        # The projector before the gateway: the gateway's reads, and so its /healthz, depend on it.
+        order = ("engine", "projector", "gateway", "controller")
         if self.config.engine_kind == "vllm":
             del known["engine"]
             replicas = self._vllm_specs() if "engine" in self.config.services else []
-            return replicas + [known[name] for name in self.config.services if name in known]
-        # The projector before the gateway: the gateway's reads, and so its /healthz, depend on it.
-        order = ("engine", "projector", "gateway", "controller")
+            return replicas + [known[name] for name in order if name in self.config.services and name in known]
         return [known[name] for name in order if name in self.config.services]
 
     # ---- the engine: vLLM replicas ------------------------------------------------------------
