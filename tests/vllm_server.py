@@ -26,6 +26,7 @@ import pytest
 from services.common.vllm import VllmServeSettings, serve_command
 from services.common.vllm_install import vllm_home, vllm_python
 from services.devstack.embedded import free_port
+from services.devstack.stack import CPU_WORKAROUND_ARGS
 
 SERVED_NAME = "tiny"
 STARTUP_S = 900.0
@@ -54,9 +55,11 @@ def _unavailable(reason: str) -> None:
 
 
 def start_vllm(model_dir: Path, log: Path, api_key: str) -> tuple[subprocess.Popen[bytes], str]:
-    """Start vLLM serving `model_dir` as the stack does (CPU: float32, 1 GiB KV cache); return it and its URL."""
+    """Start vLLM serving `model_dir` as the stack does on CPU (float32, 1 GiB KV cache, whole-prompt prefill)."""
     port = free_port()
-    settings = VllmServeSettings(executable=str(vllm_python()), dtype="float32", api_key=api_key)
+    settings = VllmServeSettings(
+        executable=str(vllm_python()), dtype="float32", api_key=api_key, extra_args=list(CPU_WORKAROUND_ARGS)
+    )
     argv, extra = serve_command(settings, str(model_dir), SERVED_NAME, port)
     env = {**os.environ, **extra, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     with log.open("ab") as out:

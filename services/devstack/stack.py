@@ -44,6 +44,10 @@ DEFAULT_NATS_PORT = 14222
 DEFAULT_PG_PORT = 15432
 DEFAULT_GATEWAY_PORT = 18080
 DEFAULT_MODEL_NAME = "tiny"
+# vLLM 0.32's CPU build: a request with a seed whose prompt is prefilled in chunks kills the worker
+# (`_bookkeeping_sync` rewinds the request's generator with `set_offset`; "CPU Generator does not
+# use offset"), and every call after it is a 500. Whole-prompt prefill never rewinds.
+CPU_WORKAROUND_ARGS = ("--no-enable-chunked-prefill",)
 
 
 class StackError(RuntimeError):
@@ -329,6 +333,8 @@ class Stack:
         settings = msgspec.structs.replace(
             settings, executable=executable, api_key=self._engine_key, dtype=settings.dtype if cuda else "float32"
         )
+        if not cuda:  # see CPU_WORKAROUND_ARGS
+            settings = msgspec.structs.replace(settings, extra_args=[*CPU_WORKAROUND_ARGS, *settings.extra_args])
         model = str(self.config.engine_model or self._tiny_model())
         count = self.config.vllm_replicas
         self._vllm_ports = (
