@@ -61,6 +61,10 @@ DEFAULT_NATS_PORT = 14222
 DEFAULT_PG_PORT = 15432
 DEFAULT_GATEWAY_PORT = 18080
 DEFAULT_MODEL_NAME = "tiny"
+# vLLM 0.32's CPU build: a request with a seed whose prompt is prefilled in chunks kills the worker
+# (`_bookkeeping_sync` rewinds the request's generator with `set_offset`; "CPU Generator does not
+# use offset"), and every call after it is a 500. Whole-prompt prefill never rewinds.
+CPU_WORKAROUND_ARGS = ("--no-enable-chunked-prefill",)
 
 
 class StackError(RuntimeError):
@@ -73,7 +77,7 @@ class StackError(RuntimeError):
 
 def register_model(
     gateway_url: str, admin_token: str, name: str, base_url: str, *, served_model: str | None = None,
-    run_id: str | None = None, timeout_s: float = 30.0,
+    run_id: str | None = None, timeout_s: float = 30.0, api_key: str | None = None,
 ) -> None:  # fmt: skip
     """Register an OpenAI-compatible endpoint with the gateway (idempotent: same call, same result).
 
@@ -82,7 +86,10 @@ def register_model(
     body = {"name": name, "base_url": base_url, "served_model": served_model or name}
     if run_id:
         body["run_id"] = run_id
-    key = "register-" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+    key_body = dict(body)
+    if api_key:
+        body["api_key"] = api_key
+    key = "register-" + hashlib.sha256(json.dumps(key_body, sort_keys=True).encode()).hexdigest()[:32]
     try:
         response = httpx.post(
             f"{gateway_url.rstrip('/')}/api/models",
@@ -109,7 +116,7 @@ class StackConfig:
     services: tuple[str, ...] = ("engine", "gateway", "projector", "controller")
     engine_model: Path | None = None
     durable_postgres: bool = True
-    engine_kind: str = "embedded"  # or "vllm": `vllm_replicas` `vllm serve` processes (services.common.vllm)
+    engine_kind: str = "vllm"  # `vllm_replicas` vLLM servers (services.common.vllm), or "embedded"
     vllm: VllmServeSettings = field(default_factory=VllmServeSettings)
     vllm_replicas: int = 1
     agent_isolation: str = "auto"
@@ -140,6 +147,8 @@ class Endpoints:
     gateway_url: str | None = None
     engine_url: str | None = None
     admin_token: str = ""
+    engine_urls: list[str] = field(default_factory=list)  # every vLLM replica's /v1
+    engine_api_key: str = ""  # what vLLM requires on every route
     lines: list[str] = field(default_factory=list)
     monitor_nats_url: str = ""
     """The read-only NATS user's URL (for `rollwire tail`, monitors); empty with `--external`."""
@@ -159,6 +168,8 @@ class Stack:
         self.endpoints: Endpoints | None = None
         self._env: dict[str, str] = {}
         self._credentials = credentials.Credentials(nats={}, postgres="")
+        self._engine_key = ""
+        self._vllm_ports: list[int] = []
 
     # ---- start -----------------------------------------------------------------------------
 
@@ -271,10 +282,13 @@ class Stack:
             endpoints.gateway_url = f"http://127.0.0.1:{ports['gateway']}"
         if "engine" in self.config.services and self.config.engine_kind == "embedded":
             endpoints.engine_url = f"http://127.0.0.1:{ports['engine']}/v1"
-        if endpoints.gateway_url and endpoints.engine_url:
-            self._register_engine(endpoints)
-        if endpoints.gateway_url and self.config.engine_kind == "vllm" and "engine" in self.config.services:
-            self._register_vllm(endpoints)
+            if endpoints.gateway_url:
+                self._register_engine(endpoints)
+        if self.config.engine_kind == "vllm" and "engine" in self.config.services:
+            endpoints.engine_urls = [f"http://{self.config.vllm.host}:{port}/v1" for port in self._vllm_ports]
+            endpoints.engine_url, endpoints.engine_api_key = endpoints.engine_urls[0], self._engine_key
+            if endpoints.gateway_url:
+                self._register_vllm(endpoints)
         self.endpoints = endpoints
         return endpoints
 
@@ -333,45 +347,77 @@ class Stack:
                 endpoint=f"controller: http://127.0.0.1:{ports['controller']}/metrics",
             ),
         }  # fmt: skip
+        # The projector before the gateway: the gateway's reads, and so its /healthz, depend on it.
+        order = ("engine", "projector", "gateway", "controller")
         if self.config.engine_kind == "vllm":
             del known["engine"]
             replicas = self._vllm_specs() if "engine" in self.config.services else []
-            return replicas + [known[name] for name in self.config.services if name in known]
-        # The projector before the gateway: the gateway's reads, and so its /healthz, depend on it.
-        order = ("engine", "projector", "gateway", "controller")
+            return replicas + [known[name] for name in order if name in self.config.services and name in known]
         return [known[name] for name in order if name in self.config.services]
 
+    # ---- the engine: vLLM replicas ------------------------------------------------------------
+
     def _vllm_specs(self) -> list[ChildService]:
-        """One `vllm serve` per replica on consecutive ports, each on its own GPUs (`services.common.vllm`)."""
+        """One vLLM server per replica, each on its own GPUs, each requiring the stack's engine key.
+
+        vLLM is installed first when missing (`rollwire vllm install`); without a model the stack
+        serves the tiny default model; without CUDA the weights stay float32 (the trainer's dtype,
+        so recorded logprobs match its own) and the KV cache gets 1 GiB unless VLLM_CPU_KVCACHE_SPACE
+        says otherwise. Ports: consecutive from `vllm.port`, or free ones when it is 0.
+        """
+        from services.common.vllm_install import VllmInstallError, ensure_vllm, has_cuda_gpu
+
+        settings = self.config.vllm
         try:
-            executable = find_executable(self.config.vllm.executable)
-            tp = tensor_parallel_size(self.config.vllm.extra_args)
-            devices = replica_devices(self.config.vllm_replicas, tp, visible_gpus())
+            if not settings.executable:
+                settings = msgspec.structs.replace(settings, executable=str(ensure_vllm(self.say)))
+            executable = find_executable(settings.executable)
+        except (ReplicaError, VllmInstallError) as exc:
+            raise StackError(str(exc), 2) from None
+        cuda = has_cuda_gpu()
+        self._engine_key, _ = credentials.read_or_create_secret(self.data_dir / "engine_key", "ROLLWIRE_ENGINE_KEY")
+        settings = msgspec.structs.replace(
+            settings, executable=executable, api_key=self._engine_key, dtype=settings.dtype if cuda else "float32"
+        )
+        if not cuda:  # see CPU_WORKAROUND_ARGS
+            settings = msgspec.structs.replace(settings, extra_args=[*CPU_WORKAROUND_ARGS, *settings.extra_args])
+        model = str(self.config.engine_model or self._tiny_model())
+        count = self.config.vllm_replicas
+        self._vllm_ports = (
+            [settings.port + i for i in range(count)] if settings.port else [free_port() for _ in range(count)]
+        )
+        try:
+            devices = replica_devices(count, tensor_parallel_size(settings.extra_args), visible_gpus())
         except ReplicaError as exc:
             raise StackError(str(exc), 2) from None
-        settings = msgspec.structs.replace(self.config.vllm, executable=executable)
-        if self.config.engine_model is None:
-            raise StackError("--engine vllm needs --engine-model (a model directory or a Hugging Face id)", 2)
         specs = []
-        for index in range(self.config.vllm_replicas):
-            port = settings.port + index
-            argv, env = serve_command(settings, str(self.config.engine_model), DEFAULT_MODEL_NAME, port)
+        for index, port in enumerate(self._vllm_ports):
+            argv, env = serve_command(settings, model, DEFAULT_MODEL_NAME, port)
+            env = {**env, "CUDA_VISIBLE_DEVICES": devices[index]}
+            if not cuda:
+                env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
             specs.append(ChildService(
-                f"vllm-{index}", [], command=argv, env={**env, "CUDA_VISIBLE_DEVICES": devices[index]},
-                health_url=f"http://{settings.host}:{port}/health",
+                f"vllm-{index}", [], command=argv, env=env, health_url=f"http://{settings.host}:{port}/health",
                 endpoint=f"engine: http://{settings.host}:{port}/v1 (vLLM replica {index})", startup_s=900.0,
             ))  # fmt: skip
         return specs
 
     def _register_vllm(self, endpoints: Endpoints) -> None:
-        """Register every vLLM replica as a default model; the proxy keeps each rollout on one replica."""
+        """Register every vLLM replica (with its key) as a default model; a rollout sticks to one replica."""
         assert endpoints.gateway_url is not None
-        settings = self.config.vllm
-        for index in range(self.config.vllm_replicas):
+        for index, url in enumerate(endpoints.engine_urls):
             register_model(
-                endpoints.gateway_url, endpoints.admin_token, f"{DEFAULT_MODEL_NAME}-r{index}",
-                f"http://{settings.host}:{settings.port + index}/v1", served_model=DEFAULT_MODEL_NAME,
+                endpoints.gateway_url, endpoints.admin_token, f"{DEFAULT_MODEL_NAME}-r{index}", url,
+                served_model=DEFAULT_MODEL_NAME, api_key=self._engine_key,
             )  # fmt: skip
+
+    @staticmethod
+    def _tiny_model() -> Path:
+        from services.engine.tiny_model import ensure_tiny_model  # torch: only when the stack builds it
+
+        return ensure_tiny_model()
+
+    # ---- end of the engine ---------------------------------------------------------------------
 
     def _tokenizer_args(self) -> list[str]:
         """The engine model's tokenizer, scoped to that model, so the projection (and the viewer) has call text.
@@ -383,7 +429,8 @@ class Stack:
             return []
         model = self.config.engine_model
         if self.config.engine_kind == "vllm":
-            local = model is not None and Path(model).is_dir()
+            model = model if model is not None else self._tiny_model()
+            local = Path(model).is_dir()
             return ["--tokenizer", f"{DEFAULT_MODEL_NAME}={model}"] if local else []
         if model is None:
             from services.engine.tiny_model import tiny_model_dir  # torch: only with the engine

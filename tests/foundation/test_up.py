@@ -127,8 +127,13 @@ def test_the_engine_tokenizer_is_scoped_to_the_engine_model(tmp_path: Path) -> N
     from services.devstack.stack import Stack, StackConfig
 
     model = tmp_path / "tiny-chat"
-    args = Stack(StackConfig(data_dir=tmp_path, engine_model=model), say=lambda _: None)._tokenizer_args()
+    embedded = StackConfig(data_dir=tmp_path, engine_model=model, engine_kind="embedded")
+    args = Stack(embedded, say=lambda _: None)._tokenizer_args()
     assert args == ["--tokenizer", f"tiny-chat={model}", "--tokenizer", f"tiny={model}"]
+    model.mkdir()  # vLLM (the default) answers to the served name only
+    assert Stack(StackConfig(data_dir=tmp_path, engine_model=model), say=lambda _: None)._tokenizer_args() == [
+        "--tokenizer", f"tiny={model}",
+    ]  # fmt: skip
     assert Stack(StackConfig(data_dir=tmp_path, services=("gateway",)), say=lambda _: None)._tokenizer_args() == []
 
 
@@ -156,3 +161,14 @@ def test_tail_and_runs_find_the_stack_in_its_data_dir(tmp_path: Path) -> None:
             tail.wait(10)
     finally:
         stop(proc)
+
+
+def test_with_vllm_the_projector_starts_before_the_gateway(tmp_path: Path) -> None:
+    """The gateway's /healthz waits for the projector: started after it, `rollwire up` never got healthy."""
+    from services.common.vllm import VllmServeSettings
+    from services.devstack.stack import Stack, StackConfig
+
+    config = StackConfig(data_dir=tmp_path, engine_model=tmp_path, vllm=VllmServeSettings(executable=sys.executable))
+    stack = Stack(config, say=lambda _: None)
+    specs = stack._service_specs({"gateway": 1, "engine": 2, "projector": 3, "controller": 4})
+    assert [spec.name for spec in specs] == ["vllm-0", "projector", "gateway", "controller"]

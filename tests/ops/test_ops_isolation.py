@@ -10,7 +10,9 @@ and reports a reward of 0.5 through its token, as any agent does.
 Measured on the tree before isolation (data dir readable, NATS and Postgres open, agents as the
 stack's user): admin token, endpoints.json, /proc (a service's environment), NATS without and
 with guessed credentials, Postgres and the engine's two routes ESCAPED: 8 of 10. Now 2: the
-engine's routes (an API key on the engine is a change of its own).
+engine's routes, because this stack runs Rollwire's own CPU engine (`--engine embedded`, for the
+ops tests' engine metrics), which has no key. vLLM, the default engine, requires the stack's key
+on every route but `GET /health`: `tests/vllm/test_vllm_real.py` shows those routes refused.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ops_stack import Stack, running_stack
 
 AGENT = Path(__file__).with_name("escape_agent.py")
 ENGINE_ATTEMPTS = ("engine reload", "engine unrecorded generation")
-"""Closed by the engine's own API key, not by the local backend: reported, not asserted here."""
+"""Closed by vLLM's key (the default engine), not by the local backend: reported, not asserted here."""
 
 
 class _OwnTemp:
