@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from schemas import ModelRequestRecorded, encode
+from schemas.calls import CallRecord, decode_call
 from trainer.core import call_from_event, plain
-from trainer.core.calls import CallRecord, decode_call
 
 
 def test_call_record_fields_match_the_event() -> None:

@@ -10,7 +10,7 @@ import torch
 from gw_harness import GatewayHandle
 
 from schemas import ModelRequestRecorded
-from trainer.core.calls import Call, call_from_event
+from trainer.core.recorded import Call, call_from_event
 from trainer.forward import forward_logits
 from trainer.loss import token_logprobs
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trainer.core.calls import Call
+from trainer.core.recorded import Call
 from trainer.core.tokens import as_ids, same_ids
 
 

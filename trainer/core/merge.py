@@ -54,7 +54,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from trainer.core.calls import Call
+from trainer.core.recorded import Call
 from trainer.core.tokens import IdArray, Logprobs, TokenIds, as_floats, as_ids, joined, same_ids
 
 MergeMode = Literal["exact", "per-call"]
