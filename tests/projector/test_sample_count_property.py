@@ -72,9 +72,16 @@ def _events(history: list[tuple[list[int], list[int], bool, bool]]) -> list[AnyE
             else {"prompt_ids": stored, "response_ids": response, "logprobs": logprobs}
         )
         call = ModelRequestRecorded(
-            run_id=RUN, rollout_id=RID, attempt_id=AID, event_id=f"e{i}", call_id=f"c{i}", started_at=t - 0.5,
-            time=t, prompt_ref=CallRef(event_id=ref[0], tokens=len(ref[1])) if ref else None, **fields,  # type: ignore[arg-type]
-        )  # fmt: skip
+            run_id=RUN,
+            rollout_id=RID,
+            attempt_id=AID,
+            event_id=f"e{i}",
+            call_id=f"c{i}",
+            started_at=t - 0.5,
+            time=t,
+            prompt_ref=CallRef(event_id=ref[0], tokens=len(ref[1])) if ref else None,
+            **fields,  # type: ignore[arg-type]
+        )
         events.append(call)
         recorded.append((call.event_id, [*prompt, *response]))
     t += 1.0
