@@ -60,6 +60,11 @@ from schemas import RunStarted
 from schemas.rollout import fold
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStoreError, StoredEvent
+from services.common.gateway_api import (
+    GatewayConflict,
+    GatewayRejected,
+    GatewayUnavailable,
+)
 from services.common.retry import Backoff
 from services.controller.backends.base import (
     ExecutionState,
@@ -73,11 +78,6 @@ from services.controller.decide import (
     Kill,
     Start,
     decide,
-)
-from services.controller.gateway import (
-    GatewayConflict,
-    GatewayRejected,
-    GatewayUnavailable,
 )
 from services.controller.launch import UNAVAILABLE_BACKOFF, Launcher
 from services.controller.state import backend_id

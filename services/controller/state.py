@@ -16,6 +16,9 @@ from schemas.ids import ROLLOUT_ATTEMPT, ROLLOUT_CREATED, ROLLOUT_STATUS, RUN_SU
 from schemas.rollout import fold
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStore
+from services.common.gateway_api import (
+    GatewayClient,
+)
 from services.common.outage import Outage
 from services.controller import metrics
 from services.controller.backends.base import (
@@ -23,9 +26,6 @@ from services.controller.backends.base import (
     ExecutionKey,
     ExecutionState,
     RolloutKey,
-)
-from services.controller.gateway import (
-    GatewayClient,
 )
 from services.controller.settings import ControllerSettings
 from services.controller.view import Rollout, RunSpecError, compact

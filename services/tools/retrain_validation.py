@@ -21,8 +21,9 @@ from typing import Any
 import msgspec
 
 from services.common.eventstore import EventStore
+from services.common.gateway_api import GatewayClient
 from services.tools.source import ReplayError
-from trainer.clients import GatewayClient, ServiceUrls
+from trainer.clients import ServiceUrls, gateway_client
 from trainer.config import TrainConfig
 from trainer.engines import ServingEngine, connect_engine, register_replicas
 from trainer.policies import run_spec, trained_adapter, trained_models
@@ -73,7 +74,7 @@ class RetrainValidation:
     async def start(self) -> RetrainValidation:
         """Connect to the stack and declare the validation run."""
         self.store = await EventStore.connect(self.urls.nats_url)
-        self.gateway = GatewayClient(self.urls.gateway_url, self.urls.admin_token)
+        self.gateway = gateway_client(self.urls)
         self.engine = await connect_engine(self.config, self.urls)
         spec: dict[str, Any] = msgspec.to_builtins(run_spec(self.config, self.run_id))
         await self.gateway.start_run(spec)

@@ -17,10 +17,10 @@ from test_rollouts import rollout_events
 
 from schemas import AttemptStarted, Event, PhaseChanged, RolloutCreated, RolloutStatusChanged
 from services.common.eventstore import EventStore
+from services.common.gateway_api import GatewayClient
 from services.engine.background import BackgroundServer
 from services.gateway import GatewaySettings, create_app
 from trainer.checkpoint import InFlightGroup
-from trainer.clients import GatewayClient
 from trainer.core import AdapterConfig, NotTrainable, build_step, rollout_calls
 from trainer.loop import step_row
 from trainer.rollouts import StatusWatch, replay_group, update_spans
