@@ -87,7 +87,7 @@ class RequestRef(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     prefix: dict[str, int] = {}
 
 
-class CallRow(msgspec.Struct):
+class PreparedCall(msgspec.Struct):
     """A model call's column values that do not depend on the rest of the stream.
 
     `prompt_ids` and `prompt_text` are the call's full prompt (the sample count and the flags
@@ -123,7 +123,7 @@ class Incoming(msgspec.Struct):
     event: AnyEvent | None = None
     error: str | None = None
     body: str | None = None
-    call: CallRow | None = None
+    call: PreparedCall | None = None
 
 
 def event_type(event: Any) -> str:
@@ -204,7 +204,7 @@ def shared_prefix(text: str, base: str) -> int:
     return low
 
 
-def _reference(row: CallRow, wire: WireCall, seq: int, event: ModelRequestRecorded, refs: RefCache | None) -> None:
+def _reference(row: PreparedCall, wire: WireCall, seq: int, event: ModelRequestRecorded, refs: RefCache | None) -> None:
     """Point the row at the referenced call's row when that row is of the same rollout; keep this call's text."""
     ref = wire.prompt_ref
     rollout = (event.run_id, event.rollout_id)
@@ -227,11 +227,11 @@ def _call_row(
     cache: PromptCache | None,
     refs: RefCache | None = None,
     seq: int = 0,
-) -> CallRow:
+) -> PreparedCall:
     prompt, response, logprobs = _arrays(wire, event, cache, refs, seq)
     response_json = _json_object(wire.response, "response")
     decoded = detok.decode(event.model, unpack_int32(prompt), unpack_int32(response)) if detok else None
-    row = CallRow(
+    row = PreparedCall(
         prompt_ids=prompt,
         response_ids=response,
         logprobs=logprobs,

@@ -1,4 +1,4 @@
-"""The replay decodes calls as the adapter's slim `CallRecord`; it must give the same `Call` as the event."""
+"""The replay decodes calls as the adapter's slim `CallRecord`; it must give the same `CallTokens` as the event."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from trainer.core.config import AdapterConfig, AdapterConfigError, AdvantageLeve
 from trainer.core.dedup import dedup_calls
 from trainer.core.failures import POLICY_FAILURES, FailureKind, failure_kind
 from trainer.core.merge import MergeMode, MergeResult, Sample, merge_calls
-from trainer.core.recorded import Call, MalformedCall, call_from_event, context_call
+from trainer.core.recorded import CallTokens, MalformedCall, call_from_event, context_call
 from trainer.core.rows import SampleRow, sample_row
 from trainer.core.staleness import TRAIN_STEP_EVENT, drop_stale_calls
 from trainer.core.step import (
@@ -52,8 +52,8 @@ __all__ = [
     "AdapterConfig",
     "AdapterConfigError",
     "AdvantageLevel",
-    "Call",
     "CallRecord",
+    "CallTokens",
     "CollectedRollouts",
     "Drops",
     "Estimator",

@@ -6,7 +6,7 @@ kept: the attempt named by the rollout's final `succeeded` status event. Of that
 only those with `status == "ok"` (failed or aborted calls sampled nothing the harness used) and
 `mode == "train"` (validation calls never become training samples) are kept, in stream order.
 A call is read from a `ModelRequestRecorded` or from a `schemas.calls.CallRecord` (the same event
-with only the adapter's fields) as a `Call`, references resolved (`trainer.core.recorded`).
+with only the adapter's fields) as a `CallTokens`, references resolved (`trainer.core.recorded`).
 The reward is the last `RewardReported` of that attempt (or one reported for the rollout as a
 whole, without an attempt id); `None` when there is none, and `AdapterConfig.missing_reward`
 decides later whether such a rollout is dropped or filled.
@@ -36,7 +36,7 @@ from schemas.events import (
     RolloutStatusChanged,
 )
 from trainer.core.failures import FailureKind, endpoint_failed, failure_kind, held_by_updates
-from trainer.core.recorded import Call, resolved_calls
+from trainer.core.recorded import CallTokens, resolved_calls
 
 
 def same_model(endpoint: str, model: str) -> bool:
@@ -53,7 +53,7 @@ class Selection(msgspec.Struct, frozen=True, kw_only=True):
     agents: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
 
-    def trains(self, call: Call) -> bool:
+    def trains(self, call: CallTokens) -> bool:
         """True when the call is training data under this selection."""
         if self.agents and call.agent not in self.agents:
             return False
@@ -68,8 +68,8 @@ class RolloutCalls(msgspec.Struct, frozen=True, kw_only=True):
     group_id: str | None
     attempt_id: str | None
     reward: float | None
-    calls: list[Call]
-    context: list[Call] = []
+    calls: list[CallTokens]
+    context: list[CallTokens] = []
     """The attempt's other `ok` calls (not selected): never trained, kept for dedup and counts."""
     group_size: int | None = None
     """Rollouts declared in its group (`RolloutCreated.metadata["group_size"]`, set by the trainer)."""
@@ -163,8 +163,8 @@ def rollout_calls(
         raise NotTrainable(rollout_id, "val-mode")
     attempt, final = _final_attempt(ordered, rollout_id)
     select = select or Selection()
-    calls: list[Call] = []
-    context: list[Call] = []
+    calls: list[CallTokens] = []
+    context: list[CallTokens] = []
     reward: float | None = None
     used = [
         event

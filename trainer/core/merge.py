@@ -34,7 +34,7 @@ too long. Such a call closes the chain it would have extended (later calls open 
 dropped and counted: keeping it would need truncation, and truncating the front of a prompt
 trains on a context the model did not see.
 
-References. A call recorded as continuing an earlier one (`Call.prompt_ref`, `Call.ref_tokens`,
+References. A call recorded as continuing an earlier one (`CallTokens.prompt_ref`, `CallTokens.ref_tokens`,
 set from the recorded `prompt_ref`) whose shared length is the whole of that call's prompt +
 response extends the chain that call ended, if that chain is still open and ends there: the
 chain's tokens are exactly that call's prompt + response, so they are a prefix of the new prompt
@@ -54,7 +54,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from trainer.core.recorded import Call
+from trainer.core.recorded import CallTokens
 from trainer.core.tokens import IdArray, Logprobs, TokenIds, as_floats, as_ids, joined, same_ids
 
 MergeMode = Literal["exact", "per-call"]
@@ -114,15 +114,15 @@ class _Chain:
         "versions",
     )  # fmt: skip
 
-    def __init__(self, call: Call, touched: int) -> None:
+    def __init__(self, call: CallTokens, touched: int) -> None:
         self.call_ids: list[str] = []
-        self.spans: list[tuple[int, Call]] = []
+        self.spans: list[tuple[int, CallTokens]] = []
         self.versions: list[int] = []
         self.temperature = call.temperature
         self.extend(call, touched)
         self.first = int(self.prompt[0]) if len(self.prompt) else int(self.response[0]) if self.length else -1
 
-    def extend(self, call: Call, touched: int) -> None:
+    def extend(self, call: CallTokens, touched: int) -> None:
         """Take the call as the chain's new end: its unseen prompt suffix is an observation (mask 0),
         its response is sampled (mask 1); the arrays are built in `to_sample`."""
         self.prompt, self.response = as_ids(call.prompt_ids), as_ids(call.response_ids)
@@ -165,7 +165,7 @@ class _Chain:
         )
 
 
-def _longest_prefix_chain(chains: Sequence[_Chain], call: Call, known: _Chain | None = None) -> _Chain | None:
+def _longest_prefix_chain(chains: Sequence[_Chain], call: CallTokens, known: _Chain | None = None) -> _Chain | None:
     """The longest open chain (same temperature) whose whole token sequence is a prefix of the call's prompt.
 
     Ties go to the most recent chain. `known` is an open chain already known to be such a prefix
@@ -200,7 +200,7 @@ class _Ends:
         self.seen: set[str] = set()
         self.repeated: set[str] = set()
 
-    def referenced(self, call: Call) -> _Chain | None:
+    def referenced(self, call: CallTokens) -> _Chain | None:
         """The open chain the call's reference extends whole, else None (then only comparing decides)."""
         ref = call.prompt_ref
         if ref is None or ref in self.repeated:
@@ -232,7 +232,7 @@ class _Ends:
 
 
 def merge_calls(
-    calls: Sequence[Call],
+    calls: Sequence[CallTokens],
     *,
     rollout_id: str,
     group_id: str | None,

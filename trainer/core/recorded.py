@@ -1,4 +1,4 @@
-"""A recorded model call as the adapter reads it: `Call`, its tokens and logprobs as arrays.
+"""A recorded model call as the adapter reads it: `CallTokens`, its tokens and logprobs as arrays.
 
 A call is read from a `ModelRequestRecorded` or from a `schemas.calls.CallRecord` (the same event
 decoded with only the adapter's fields); the arrays are read straight from the packed bytes
@@ -21,7 +21,7 @@ class MalformedCall(ValueError):
     """A successful call whose record cannot be trained on (no prompt ids, or logprobs missing)."""
 
 
-class Call(msgspec.Struct, frozen=True, kw_only=True):
+class CallTokens(msgspec.Struct, frozen=True, kw_only=True):
     """One model call as the adapter sees it: the tokens consumed and sampled, and their logprobs.
 
     `logprobs[i]` is the behaviour log-probability of `response_ids[i]`; `choice_index` tells
@@ -54,7 +54,7 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
     set by `rollout_calls` from the recorded reference, and must agree with `prompt_ids` when set.
     """
 
-    def check_trainable(self) -> Call:
+    def check_trainable(self) -> CallTokens:
         """This call, or `MalformedCall` when it lacks prompt ids or one logprob per response token."""
         if not len(self.prompt_ids):
             raise MalformedCall(
@@ -69,7 +69,7 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
         return self
 
 
-def call_from_event(event: CallEvent) -> Call:
+def call_from_event(event: CallEvent) -> CallTokens:
     """The adapter's view of a recorded call (its ids and logprobs as arrays).
 
     Raises `MalformedCall` when the record lacks what training needs: prompt token ids, and one
@@ -78,7 +78,7 @@ def call_from_event(event: CallEvent) -> Call:
     return context_call(event).check_trainable()
 
 
-def context_call(event: CallEvent) -> Call:
+def context_call(event: CallEvent) -> CallTokens:
     """The adapter's view of a recorded call, unchecked (a context call need not be trainable).
 
     The call started at `started_at` (recorded since schema 2), else `latency_s` before it was
@@ -111,9 +111,11 @@ def calls_arrays(
         return [call_arrays(event) for event in events], None  # raises MalformedCall naming the call
 
 
-def _call(event: CallEvent, prompt: IdArray, response: IdArray, logprobs: FloatArray, ref: CallRef | None) -> Call:
+def _call(
+    event: CallEvent, prompt: IdArray, response: IdArray, logprobs: FloatArray, ref: CallRef | None
+) -> CallTokens:
     started = event.started_at if event.started_at is not None else event.time - event.latency_s
-    return Call(
+    return CallTokens(
         call_id=event.call_id,
         prompt_ids=prompt,
         response_ids=response,
@@ -132,10 +134,10 @@ def _call(event: CallEvent, prompt: IdArray, response: IdArray, logprobs: FloatA
     )
 
 
-def resolved_calls(events: Sequence[CallEvent]) -> Iterator[Call]:
+def resolved_calls(events: Sequence[CallEvent]) -> Iterator[CallTokens]:
     """The adapter's view of an attempt's `ok` calls, in stream order, each with its full prompt.
 
-    A call recorded as a reference keeps it (`Call.prompt_ref`, for `merge_calls`), except into
+    A call recorded as a reference keeps it (`CallTokens.prompt_ref`, for `merge_calls`), except into
     an event id the attempt recorded twice; a repeated event id is dropped from the later call.
     Raises `MalformedCall` for a reference to a call not among the earlier ones.
     """
