@@ -105,7 +105,7 @@ class UnitRows(msgspec.Struct, kw_only=True):
     skipped: dict[str, str] = {}
     """Rollouts of the unit the adapter could not take (`malformed-call`)."""
     counts: dict[str, int] = {}
-    """The failure policy's and the selection's counters (`StepStats` names)."""
+    """The failure rule's and the selection's counters (`StepStats` names)."""
 
 
 def unit_rows(
