@@ -24,7 +24,7 @@ from msgspec import NODEFAULT, UNSET, UnsetType
 from schemas.codec import MalformedEvent
 from schemas.events import ModelRequestRecorded
 
-BODIES = ("request", "response", "usage", "top_p", "top_k", "api", "continuity", "schema_version")
+BODIES = ("request", "response", "usage", "api", "continuity", "schema_version")
 """What the adapter never reads: the conversation's text, and how it was asked for."""
 
 

@@ -42,6 +42,8 @@ class CallTokens(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float | None = None
     ended_at: float | None = None
     temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     finish_reason: str | None = None
     event_id: str | None = None
     """The recorded event's id (None when unknown, or when the attempt recorded it twice)."""
@@ -127,6 +129,8 @@ def _call(
         started_at=started if event.time else None,
         ended_at=event.time or None,
         temperature=event.temperature,
+        top_p=event.top_p,
+        top_k=event.top_k,
         finish_reason=event.finish_reason,
         event_id=event.event_id,
         prompt_ref=ref.event_id if ref else None,
