@@ -35,9 +35,11 @@ def embedded_stack(data_dir: Path, model_dir: Path, say: Callable[[str], None]) 
     from services.devstack.stack import Stack, StackConfig
 
     with _engine_single_thread():
-        local = Stack(
-            StackConfig(data_dir=data_dir, nats_port=0, pg_port=0, gateway_port=0, engine_model=model_dir), say=say
-        )
+        # Isolation none: the trainer's agents start through a fork server of this process's user
+        # (trainer/quickstart/forkserver.py), whose socket an agent of another uid could not reach.
+        config = StackConfig(data_dir=data_dir, nats_port=0, pg_port=0, gateway_port=0, engine_model=model_dir)
+        config.agent_isolation = "none"
+        local = Stack(config, say=say)
         endpoints = local.start()
     try:
         for line in endpoints.lines:

@@ -57,7 +57,7 @@ def up(
 ) -> None:
     """Run the whole stack in the foreground: nats, Postgres and every service. Ctrl-C stops it."""
     from services.common.vllm import VllmServeSettings
-    from services.devstack.stack import run_foreground
+    from services.devstack.foreground import run_foreground
 
     if engine not in ("embedded", "vllm"):
         raise CliError(f"--engine {engine!r} is not allowed; choose one of: embedded, vllm", 2)

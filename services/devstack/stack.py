@@ -12,6 +12,10 @@ Everything runs as child processes of one foreground command, with no Docker:
 
 Secrets (the admin token and the token-signing key) are generated once and kept in the data dir,
 so agents' tokens stay valid across restarts; `ROLLWIRE_ADMIN_TOKEN` / `ROLLWIRE_SECRET` override.
+So are the NATS users and the Postgres password (`credentials.py`): each service gets only its
+own, inside its NATS_URL / DATABASE_URL; what is printed and saved in `endpoints.json` has none.
+The data dir is 0700 (0711 when agents run as another user, see the controller's README) and its
+secrets 0600. Every child dies with `rollwire up`, even one killed by SIGKILL (`die_with_parent`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import fcntl
 import hashlib
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -44,9 +47,15 @@ from services.common.vllm import (
     tensor_parallel_size,
     visible_gpus,
 )
-from services.devstack import endpoints_file
-from services.devstack.embedded import EmbeddedServerError, NatsServer, PostgresServer, free_port, port_in_use
-from services.devstack.supervise import Supervisor, Unit
+from services.devstack import credentials, endpoints_file
+from services.devstack.embedded import (
+    EmbeddedServerError,
+    NatsServer,
+    PostgresServer,
+    free_port,
+    port_in_use,
+)
+from services.devstack.supervise import Unit
 
 DEFAULT_NATS_PORT = 14222
 DEFAULT_PG_PORT = 15432
@@ -103,6 +112,8 @@ class StackConfig:
     engine_kind: str = "embedded"  # or "vllm": `vllm_replicas` `vllm serve` processes (services.common.vllm)
     vllm: VllmServeSettings = field(default_factory=VllmServeSettings)
     vllm_replicas: int = 1
+    agent_isolation: str = "auto"
+    """How the controller keeps local agents from the data dir (`ROLLWIRE_AGENT_ISOLATION` overrides)."""
 
 
 @dataclass
@@ -130,18 +141,8 @@ class Endpoints:
     engine_url: str | None = None
     admin_token: str = ""
     lines: list[str] = field(default_factory=list)
-
-
-def _read_or_create_secret(path: Path, env: str) -> tuple[str, bool]:
-    """The secret from `env`, else from `path`, else a new one written to `path` (True = generated)."""
-    if os.environ.get(env):
-        return os.environ[env], False
-    if path.exists():
-        return path.read_text().strip(), False
-    value = secrets.token_urlsafe(32)
-    path.write_text(value)
-    path.chmod(0o600)
-    return value, True
+    monitor_nats_url: str = ""
+    """The read-only NATS user's URL (for `rollwire tail`, monitors); empty with `--external`."""
 
 
 class Stack:
@@ -157,16 +158,18 @@ class Stack:
         self.children: list[ChildService] = []
         self.endpoints: Endpoints | None = None
         self._env: dict[str, str] = {}
+        self._credentials = credentials.Credentials(nats={}, postgres="")
 
     # ---- start -----------------------------------------------------------------------------
 
     def start(self) -> Endpoints:
         """Start everything and return the endpoints; raises StackError with one readable line."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock()
         try:
             endpoints = self._start_locked()
             endpoints_file.write(self.data_dir, endpoints.lines)
+            credentials.restrict_data_dir(self.data_dir)
             return endpoints
         except BaseException:
             self.stop()
@@ -174,16 +177,18 @@ class Stack:
 
     def _lock(self) -> None:
         lock_path = self.data_dir / "stack.lock"
-        handle = open(lock_path, "a+")
+        handle = os.fdopen(os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
             owner = handle.read().strip() or "unknown"
             handle.close()
+            gateway = endpoints_file.read(self.data_dir).get("gateway")
             raise StackError(
-                f"data dir {self.data_dir} is in use by another running stack (pid {owner}); "
-                "stop it or pass another --data-dir",
+                f"data dir {self.data_dir} is in use by another running stack (`rollwire up`, pid {owner}"
+                + (f", gateway {gateway}" if gateway else "")
+                + "); stop it or pass another --data-dir",
                 exit_code=2,
             ) from None
         handle.seek(0)
@@ -215,33 +220,41 @@ class Stack:
 
     def _start_locked(self) -> Endpoints:
         ports = self._ports()
-        admin_token, generated = _read_or_create_secret(self.data_dir / "admin_token", "ROLLWIRE_ADMIN_TOKEN")
-        signing_key, _ = _read_or_create_secret(self.data_dir / "secret", "ROLLWIRE_SECRET")
+        admin_token, generated = credentials.read_or_create_secret(
+            self.data_dir / "admin_token", "ROLLWIRE_ADMIN_TOKEN"
+        )
+        signing_key, _ = credentials.read_or_create_secret(self.data_dir / "secret", "ROLLWIRE_SECRET")
         if self.config.external:
             nats_url = os.environ.get("NATS_URL", "")
             database_url = os.environ.get("DATABASE_URL", "")
             if not nats_url or not database_url:
                 raise StackError("--external needs NATS_URL and DATABASE_URL of running servers", exit_code=2)
+            service_urls = {name: {"NATS_URL": nats_url} for name in ("gateway", "projector", "controller")}
+            service_urls["projector"]["DATABASE_URL"] = database_url
+            trainer_url = monitor_url = nats_url
         else:
-            try:
-                self.nats = NatsServer(self.data_dir / "nats", ports["nats"]).start()
-                self.postgres = PostgresServer(
-                    self.data_dir / "postgres", ports["postgres"], durable=self.config.durable_postgres
-                ).start()
-            except EmbeddedServerError as exc:
-                raise StackError(str(exc)) from None
-            nats_url, database_url = self.nats.url, self.postgres.url
-        endpoints = Endpoints(nats_url=nats_url, database_url=database_url, admin_token=admin_token)
-        endpoints.lines += [f"nats: {nats_url}", f"postgres: {database_url}"]
+            service_urls, database_url = self._start_servers(ports)
+            assert self.nats is not None
+            nats_url = self.nats.url
+            trainer_url = self._credentials.nats_url(nats_url, "trainer")
+            monitor_url = self._credentials.nats_url(nats_url, "monitor")
+        endpoints = Endpoints(
+            nats_url=trainer_url, database_url=database_url, admin_token=admin_token, monitor_nats_url=monitor_url
+        )
+        endpoints.lines += [
+            f"nats: {credentials.without_userinfo(nats_url)}",
+            f"postgres: {credentials.without_userinfo(database_url)}",
+        ]
+        if not self.config.external:
+            endpoints.lines.append(f"credentials: {self.data_dir / credentials.FILE}")
         if generated:
             endpoints.lines.append(f"admin token: {admin_token} (saved in {self.data_dir / 'admin_token'})")
         env = {
-            **os.environ,
-            "NATS_URL": nats_url,
-            "DATABASE_URL": database_url,
+            **{k: v for k, v in os.environ.items() if k not in ("NATS_URL", "DATABASE_URL")},
             "ROLLWIRE_ADMIN_TOKEN": admin_token,
             "ROLLWIRE_SECRET": signing_key,
             "ROLLWIRE_DATA_DIR": str(self.data_dir),
+            "ROLLWIRE_AGENT_ISOLATION": os.environ.get("ROLLWIRE_AGENT_ISOLATION", self.config.agent_isolation),
             "ROLLWIRE_GATEWAY_URL": f"http://127.0.0.1:{ports['gateway']}",
             "ROLLWIRE_PUBLIC_URL": f"http://127.0.0.1:{ports['gateway']}",
             "PYTHONUNBUFFERED": "1",
@@ -250,6 +263,7 @@ class Stack:
             env["ROLLWIRE_PROJECTOR_URL"] = f"http://127.0.0.1:{ports['projector']}"
         self._env = env
         for spec in self._service_specs(ports):
+            spec.env = {**service_urls.get(spec.name, {}), **spec.env}
             self._start_child(spec, env)
             if spec.endpoint:
                 endpoints.lines.append(spec.endpoint)
@@ -263,6 +277,30 @@ class Stack:
             self._register_vllm(endpoints)
         self.endpoints = endpoints
         return endpoints
+
+    def _start_servers(self, ports: dict[str, int]) -> tuple[dict[str, dict[str, str]], str]:
+        """Start nats-server (a user per service) and Postgres (a password); each service's URLs, and Postgres'."""
+        self._credentials = credentials.load_or_create(self.data_dir)
+        try:
+            self.nats = NatsServer(
+                self.data_dir / "nats", ports["nats"],
+                authorization=credentials.nats_authorization(self._credentials), tied=True,
+            ).start()  # fmt: skip
+            self.postgres = PostgresServer(
+                self.data_dir / "postgres", ports["postgres"], durable=self.config.durable_postgres,
+                password=self._credentials.postgres, tied=True,
+            ).start()  # fmt: skip
+        except EmbeddedServerError as exc:
+            raise StackError(str(exc)) from None
+        database_url = self._credentials.postgres_url(self.postgres.url)
+        urls = {
+            name: {"NATS_URL": self._credentials.nats_url(self.nats.url, name)} for name in ("gateway", "controller")
+        }
+        urls["projector"] = {
+            "NATS_URL": self._credentials.nats_url(self.nats.url, "projector"),
+            "DATABASE_URL": database_url,
+        }
+        return urls, database_url
 
     def _service_specs(self, ports: dict[str, int]) -> list[ChildService]:
         """The services to start, in order, for the names in the config."""
@@ -376,6 +414,7 @@ class Stack:
             stderr=subprocess.STDOUT,
             env={**env, **spec.env},
             start_new_session=True,
+            preexec_fn=credentials.child_setup,
         )
 
     def units(self) -> list[Unit]:
@@ -385,7 +424,7 @@ class Stack:
         for server in servers:
             name = "nats" if isinstance(server, NatsServer) else "postgres"
             log = server.data_dir / f"{name}.log"
-            out.append(Unit(name, partial(_proc_of, server), partial(_restart_server, server), log))
+            out.append(Unit(name, partial(_proc_of, server), partial(_restart_server, server, self.data_dir), log))
         for child in self.children:
             log = self.data_dir / "logs" / f"{child.name}.log"
             out.append(Unit(child.name, partial(_proc_of, child), partial(self._spawn, child, self._env), log))
@@ -446,36 +485,7 @@ def _proc_of(owner: NatsServer | PostgresServer | ChildService) -> subprocess.Po
     return owner.proc
 
 
-def _restart_server(server: NatsServer | PostgresServer) -> None:
+def _restart_server(server: NatsServer | PostgresServer, data_dir: Path) -> None:
     server.proc = None  # it died: start it again on its port and data dir
     server.start()
-
-
-def run_foreground(config: StackConfig, say: Callable[[str], None] = print) -> int:
-    """`rollwire up`: start the stack, print its endpoints and `ready`, run until a signal."""
-    stopping = False
-
-    def _on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    stack = Stack(config, say)
-    try:
-        endpoints = stack.start()
-        for line in endpoints.lines:
-            say(line)
-        say("ready")
-        supervisor = Supervisor(stack.units(), say)
-        while not stopping:
-            reason = supervisor.tick()
-            if reason is not None:
-                say(reason)
-                return 1
-            time.sleep(0.2)
-        say("stopping")
-        return 0
-    finally:
-        stack.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    credentials.restrict_data_dir(data_dir)  # as root, starting Postgres opens its parents for its own user

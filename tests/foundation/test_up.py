@@ -70,13 +70,20 @@ async def append_and_count(nats_url: str, run_id: str, append: bool) -> int:
         await store.close()
 
 
+def trainer_url(data_dir: Path, endpoints: dict[str, str]) -> str:
+    """The NATS URL of the stack's `trainer` user (a writer), from the data dir's credentials."""
+    from services.devstack.credentials import load_or_create
+
+    return load_or_create(data_dir).nats_url(endpoints["nats"], "trainer")
+
+
 def test_up_reports_ready_and_keeps_data_across_restart(tmp_path: Path) -> None:
     data = tmp_path / "stack"
     proc, endpoints = start_up(data)
     try:
         assert endpoints["nats"].startswith("nats://127.0.0.1:")
         assert endpoints["postgres"].startswith("postgresql://")
-        assert asyncio.run(append_and_count(endpoints["nats"], "persist", append=True)) == 1
+        assert asyncio.run(append_and_count(trainer_url(data, endpoints), "persist", append=True)) == 1
         second = subprocess.run(
             [*ROLLWIRE, "up", "--data-dir", str(data), "--nats-port", "0", "--pg-port", "0"],
             capture_output=True,
@@ -90,7 +97,7 @@ def test_up_reports_ready_and_keeps_data_across_restart(tmp_path: Path) -> None:
         stop(proc)
     proc, endpoints = start_up(data)
     try:
-        assert asyncio.run(append_and_count(endpoints["nats"], "persist", append=False)) == 1
+        assert asyncio.run(append_and_count(trainer_url(data, endpoints), "persist", append=False)) == 1
     finally:
         stop(proc)
 
@@ -131,7 +138,7 @@ def test_tail_and_runs_find_the_stack_in_its_data_dir(tmp_path: Path) -> None:
     proc, endpoints = start_up(data)
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "ROLLWIRE_DATA_DIR")}
     try:
-        asyncio.run(append_and_count(endpoints["nats"], "found-by-data-dir", append=True))
+        asyncio.run(append_and_count(trainer_url(data, endpoints), "found-by-data-dir", append=True))
         listed = subprocess.run(
             [*ROLLWIRE, "runs", "--data-dir", str(data)], capture_output=True, text=True, timeout=60, env=env
         )
