@@ -46,8 +46,8 @@ from services.gateway.continuity import plan  # noqa: E402
 from services.gateway.recording import RecordedCall  # noqa: E402
 from services.gateway.render import ChatRenderer  # noqa: E402
 from services.gateway.tokenin import chat_answer, completion_body  # noqa: E402
-from trainer.core.calls import call_from_event  # noqa: E402
 from trainer.core.merge import merge_calls  # noqa: E402
+from trainer.core.recorded import call_from_event  # noqa: E402
 
 _encode = msgspec.json.Encoder().encode
 

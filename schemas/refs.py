@@ -454,3 +454,61 @@ class Resolver:
         resolved = msgspec.structs.replace(call, **changes)  # type: ignore[type-var]
         self.remember(resolved, prompt, request)
         return resolved
+
+
+class ArrayResolver:
+    """`Resolver`'s array form: full prompts as int32 numpy arrays, for a bulk reader of one attempt's calls.
+
+    What the trainer (and the replay) use: the calls' arrays come from `unpack_arrays` or
+    `unpack_together`, and each call that references an earlier one gets that call's prompt +
+    response cut at `prompt_ref.tokens`, then its own ids (one array built, the earlier arrays
+    shared). `prompt` also says which reference the full prompt continues: None for an event id
+    the attempt recorded twice (ambiguous; the later one is the one resolved).
+
+    When the calls' ids were read as one array (`joined`: each call's recorded ids in turn, as
+    `unpack_together` returns it), a call that takes the whole of the call before it, as a
+    conversation's next turn does, finds its full prompt already there: a slice, no array built.
+    """
+
+    __slots__ = ("at", "joined", "repeated", "seen", "tail")
+
+    def __init__(self, joined: _IdArray | None = None) -> None:
+        self.seen: dict[str, tuple[_IdArray, _IdArray]] = {}
+        self.repeated: set[str] = set()
+        self.joined = joined
+        self.at = 0  # where the next call's recorded ids start in `joined`
+        # (event id, start) of the last call when its full prompt and response are joined[start:at]
+        self.tail: tuple[str, int] | None = None
+
+    def prompt(
+        self, event_id: str, ref: CallRef | UnsetType | None, prompt: _IdArray, response: _IdArray
+    ) -> tuple[_IdArray, CallRef | None]:
+        """A call's full prompt (its recorded `prompt` and `response` given, in stream order) and its usable reference.
+
+        Raises `UnresolvedReference` when the referenced call was not seen (and so not resolved).
+        """
+        start, tail = self.at, self.tail
+        self.at += len(prompt) + len(response)
+        self.tail = None
+        if ref:
+            earlier = self.seen.get(ref.event_id)
+            if earlier is None:
+                raise UnresolvedReference(
+                    f"the referenced call {ref.event_id} (stream sequence {ref.seq}) was not seen"
+                )
+            before, said = earlier
+            shared = ref.tokens
+            if self.joined is not None and tail == (ref.event_id, start - shared):
+                prompt = self.joined[start - shared : start + len(prompt)]
+                self.tail = (event_id, start - shared)
+            elif shared <= len(before):
+                prompt = np.concatenate((before[:shared], prompt))
+            else:
+                prompt = np.concatenate((before, said[: shared - len(before)], prompt))
+        elif self.joined is not None:
+            self.tail = (event_id, start)
+        usable = ref if ref and ref.event_id not in self.repeated else None
+        if event_id in self.seen:
+            self.repeated.add(event_id)
+        self.seen[event_id] = (prompt, response)
+        return prompt, usable

@@ -39,11 +39,11 @@ def train(
     """Train a model with RL through its agent harness, as CONFIG.toml describes."""
     import msgspec
 
+    from services.common.gateway_api import GatewayError
     from services.common.vllm import ReplicaError
     from services.common.vllm_install import VllmInstallError
     from services.devstack.stack import StackError
     from trainer.checkpoint import CheckpointError
-    from trainer.clients import GatewayError
     from trainer.config import load_config
     from trainer.dataset import DatasetError
     from trainer.display import StepDisplay
@@ -159,8 +159,8 @@ def quickstart(
     ),
 ) -> None:
     """Run RL on a tiny model on this CPU, end to end: stack, agents, updates, a reward curve."""
+    from services.common.gateway_api import GatewayError
     from services.devstack.stack import StackError
-    from trainer.clients import GatewayError
     from trainer.loop import TrainingError
     from trainer.quickstart.run import QuickstartOptions, run_quickstart
 

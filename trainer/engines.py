@@ -26,10 +26,11 @@ import subprocess
 from pathlib import Path
 from typing import Protocol
 
+from services.common.gateway_api import GatewayClient
 from services.common.vllm import ReplicaError, VllmReplicas, VllmServeSettings, start_replicas
 from services.common.vllm_install import ensure_vllm
 from trainer.backend import ADAPTERS_DIR
-from trainer.clients import EngineClient, GatewayClient, ServiceUrls
+from trainer.clients import RETRIES, EngineClient, ServiceUrls
 from trainer.config import TrainConfig
 from trainer.lora import adapter_names
 
@@ -59,7 +60,7 @@ class EmbeddedEngine:
 
     def __init__(self, engine_base: str) -> None:
         self.base = engine_base
-        self.client = EngineClient(engine_base)
+        self.client = EngineClient(engine_base, retries=RETRIES)
 
     async def endpoints(self) -> list[tuple[str, str | None]]:
         """The engine's `/v1` and the model name it answers to."""

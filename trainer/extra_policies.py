@@ -27,9 +27,9 @@ from typing import Any
 import httpx
 import msgspec
 
+from services.common.gateway_api import GatewayClient
 from services.devstack.embedded import free_port
 from trainer.backend import TrainingBackend, UpdateMetrics, build_backend
-from trainer.clients import GatewayClient
 from trainer.config import TrainConfig
 from trainer.core import AdapterConfig, RolloutCalls, StepBatch, build_step
 from trainer.engines import EmbeddedEngine, ServingEngine, VllmEngine, register_replicas, start_vllm

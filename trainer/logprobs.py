@@ -177,14 +177,14 @@ def output_head(model: Any) -> torch.nn.Module:
     head = model.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
         raise TypeError(f"{type(model).__name__} has no output projection with a weight")
-    return head  # type: ignore[no-any-return]
+    return head
 
 
 @contextmanager
 def returning_hidden(model: Any) -> Iterator[torch.nn.Module]:
     """Inside: the model's forward returns its last hidden states [B, T, H] as `logits`; yields the head."""
     head = output_head(model)
-    head.forward = lambda hidden: hidden  # type: ignore[method-assign]
+    head.forward = lambda hidden: hidden
     try:
         yield head
     finally:
@@ -207,7 +207,7 @@ def computing_in_head(model: Any, targets: torch.Tensor, sampling: TokenSampling
             out = torch.cat([out, out.new_zeros(flat.shape[0] - n, 2)])
         return out.unsqueeze(0).clone()  # not a view: FSDP2 hooks the output for its backward
 
-    head.forward = forward  # type: ignore[method-assign]
+    head.forward = forward
     try:
         yield
     finally:

@@ -40,9 +40,10 @@ import msgspec
 
 from schemas.events import TERMINAL_STATUSES, CustomEvent
 from services.common.eventstore import EventStore
+from services.common.gateway_api import GatewayClient, NewRollout
 from trainer.backend import TrainingBackend, UpdateMetrics, build_backend
 from trainer.checkpoint import InFlightGroup, RunDir, TrainerState
-from trainer.clients import GatewayClient, NewRollout, ServiceUrls
+from trainer.clients import ServiceUrls, gateway_client
 from trainer.config import TrainConfig, config_to_mapping
 from trainer.core import (
     TRAIN_STEP_EVENT,
@@ -211,7 +212,7 @@ class Trainer:
         """Train for the configured number of steps (continuing a checkpoint if there is one)."""
         state = await asyncio.to_thread(self._prepare)
         store = await EventStore.connect(self.urls.nats_url)
-        gateway = GatewayClient(self.urls.gateway_url, self.urls.admin_token)
+        gateway = gateway_client(self.urls)
         engine = await connect_engine(self.config, self.urls)
         watch = StatusWatch(store, self.run_id)
         rows: list[Row] = []

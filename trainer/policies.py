@@ -70,7 +70,7 @@ def trained_adapter(adapter: AdapterConfig, trained_models: Sequence[str]) -> Ad
 def failure_row(
     rollouts: Sequence[RolloutCalls], skipped: Sequence[str], batch: StepBatch, adapter: AdapterConfig
 ) -> Row:
-    """The failure policy's figures of a step, and the reward mean counting scored failures."""
+    """The failure rule's figures of a step, and the reward mean counting scored failures."""
     rewards = [r for r in (rollout_reward(x, adapter) for x in rollouts) if r is not None]
     stats = batch.stats
     return {

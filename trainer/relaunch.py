@@ -18,8 +18,8 @@ from typing import Any
 import msgspec
 
 from services.common.eventstore import EventStore
+from services.common.gateway_api import GatewayClient, NewRollout
 from trainer.checkpoint import InFlightGroup
-from trainer.clients import GatewayClient, NewRollout
 from trainer.rollouts import StatusWatch
 
 SUFFIX = "-relaunched"

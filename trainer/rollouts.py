@@ -26,12 +26,12 @@ from collections.abc import Iterable, Sequence
 import msgspec
 
 from schemas import CustomEvent, Event, PhaseChanged, RolloutStatusChanged, decode
+from schemas.calls import CallRecord, decode_call
 from schemas.events import TERMINAL_STATUSES
 from schemas.ids import MODEL_REQUEST, PHASE, ROLLOUT_ALL, ROLLOUT_STATUS, check_id
 from services.common.eventstore import EventStore
 from trainer.checkpoint import InFlightGroup
 from trainer.core import MalformedCall, NotTrainable, RolloutCalls, Selection, rollout_calls
-from trainer.core.calls import CallRecord, decode_call
 
 AGENT_METRICS_EVENT = "metrics"
 

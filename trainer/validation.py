@@ -17,8 +17,8 @@ from typing import Any
 
 from schemas import Event, RewardReported, RolloutStatusChanged
 from services.common.eventstore import EventStore
+from services.common.gateway_api import GatewayClient, NewRollout
 from trainer.checkpoint import InFlightGroup
-from trainer.clients import GatewayClient, NewRollout
 from trainer.core import AdapterConfig, failure_kind
 from trainer.dataset import load_jsonl
 from trainer.rollouts import StatusWatch

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,9 +34,9 @@ from typing import Any
 
 import httpx
 
-from services.common.retry import Backoff, RetryableStatus, check_status, retry_sync
-
-BACKOFF = Backoff(initial=0.2, maximum=5.0)
+BACKOFF_S = (0.2, 5.0)
+"""First delay between tries and the cap (doubling between them), in seconds."""
+RETRY_STATUSES = frozenset({502, 503, 504})
 
 
 class AgentkitError(RuntimeError):
@@ -97,17 +98,17 @@ class Attempt:
         """
         headers = {"Authorization": f"Bearer {self.token}", "Idempotency-Key": uuid.uuid4().hex}
 
-        def once() -> httpx.Response:
-            return check_status(httpx.post(self.events_url, json=body, headers=headers, timeout=timeout))
-
-        try:
-            response = retry_sync(
-                once, backoff=BACKOFF, transient=(httpx.TransportError, RetryableStatus), retries=retries
-            )
-        except httpx.TransportError as exc:
-            raise AgentkitError(f"could not reach the gateway at {self.events_url}: {exc}") from None
-        except RetryableStatus as exc:
-            response = exc.response
+        delay, cap = BACKOFF_S
+        for attempt in range(retries + 1):
+            try:
+                response = httpx.post(self.events_url, json=body, headers=headers, timeout=timeout)
+            except httpx.TransportError as exc:
+                if attempt == retries:
+                    raise AgentkitError(f"could not reach the gateway at {self.events_url}: {exc}") from None
+            else:
+                if response.status_code not in RETRY_STATUSES or attempt == retries:
+                    break
+            time.sleep(min(cap, delay * 2.0**attempt))
         if response.status_code >= 400:
             raise AgentkitError(
                 f"the gateway refused {body.get('type')} with {response.status_code}: {_error_text(response)}"

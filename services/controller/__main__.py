@@ -19,8 +19,8 @@ import time
 from services.common import httpserve
 from services.common.accesslog import AccessLogError, access_format
 from services.common.eventstore import EventStore, EventStoreError
+from services.common.gateway_api import GatewayClient
 from services.common.settings import run_async
-from services.controller.gateway import GatewayClient
 from services.controller.reconciler import Controller
 from services.controller.settings import ControllerSettings, SettingsError, parse
 
@@ -43,7 +43,7 @@ async def main(argv: list[str] | None = None) -> int:
     except EventStoreError as exc:
         print(f"rollwire controller: {exc}", file=sys.stderr)
         return 2
-    gateway = GatewayClient(settings.gateway_url, settings.admin_token)
+    gateway = GatewayClient(settings.gateway_url, settings.admin_token, timeout=30.0)
     try:
         deadline = time.monotonic() + GATEWAY_WAIT_S
         while not await gateway.healthy():

@@ -13,6 +13,10 @@ import msgspec
 
 from schemas.events import LOG_EVENT
 from schemas.runs import RunSpec
+from services.common.gateway_api import (
+    AttemptGrant,
+    GatewayConflict,
+)
 from services.common.retry import Backoff, retry_async
 from services.controller import metrics
 from services.controller.backends.base import (
@@ -34,10 +38,6 @@ from services.controller.decide import (
     Start,
     after_failure,
     timeout_s,
-)
-from services.controller.gateway import (
-    AttemptGrant,
-    GatewayConflict,
 )
 from services.controller.pool import BackendPool
 from services.controller.state import backend_id

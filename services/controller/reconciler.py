@@ -61,6 +61,11 @@ from schemas.rollout import fold
 from schemas.run import fold as fold_run
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStoreError, StoredEvent
+from services.common.gateway_api import (
+    GatewayConflict,
+    GatewayRejected,
+    GatewayUnavailable,
+)
 from services.common.retry import Backoff
 from services.controller.backends.base import (
     ExecutionState,
@@ -74,11 +79,6 @@ from services.controller.decide import (
     Kill,
     Start,
     decide,
-)
-from services.controller.gateway import (
-    GatewayConflict,
-    GatewayRejected,
-    GatewayUnavailable,
 )
 from services.controller.launch import UNAVAILABLE_BACKOFF, Launcher
 from services.controller.state import backend_id

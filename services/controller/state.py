@@ -17,6 +17,9 @@ from schemas.rollout import fold
 from schemas.run import RunView
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStore
+from services.common.gateway_api import (
+    GatewayClient,
+)
 from services.common.outage import Outage
 from services.controller import metrics
 from services.controller.backends.base import (
@@ -24,9 +27,6 @@ from services.controller.backends.base import (
     ExecutionKey,
     ExecutionState,
     RolloutKey,
-)
-from services.controller.gateway import (
-    GatewayClient,
 )
 from services.controller.settings import ControllerSettings
 from services.controller.view import Rollout, RunSpecError, compact

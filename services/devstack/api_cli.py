@@ -15,7 +15,8 @@ from typing import Any
 
 import typer
 
-from services.devstack.api_client import ApiCliError, GatewayApi, fields, resolve, table
+from services.common.gateway_api import SyncGatewayClient
+from services.devstack.api_client import ApiCliError, fields, resolve, table
 
 rollouts_app = typer.Typer(help="Rollouts: create, list, show, cancel.", no_args_is_help=True)
 attempts_app = typer.Typer(help="Attempts of a rollout.", no_args_is_help=True)
@@ -36,14 +37,14 @@ DataDir = typer.Option(
 AsJson = typer.Option(False, "--json", help="Print the gateway's JSON instead of a table.")
 
 
-def _session(gateway_url: str | None, admin_token: str | None, data_dir: Path) -> GatewayApi:
+def _session(gateway_url: str | None, admin_token: str | None, data_dir: Path) -> SyncGatewayClient:
     url, token = resolve(gateway_url, admin_token, data_dir)
-    return GatewayApi(url, token)
+    return SyncGatewayClient(url, token)
 
 
 def _run(
     gateway_url: str | None, admin_token: str | None, data_dir: Path, as_json: bool,
-    work: Callable[[GatewayApi], Any], render: Callable[[Any], str],
+    work: Callable[[SyncGatewayClient], Any], render: Callable[[Any], str],
 ) -> None:  # fmt: skip
     """Open a client, do the work, print the result (JSON or rendered), close."""
     api = _session(gateway_url, admin_token, data_dir)
@@ -101,7 +102,7 @@ def rollouts_create(
         raise ApiCliError("no rollout to create: give each input as a JSON argument or pass --file", 2)
     key = idempotency_key or f"cli-{uuid.uuid4().hex}"
 
-    def work(api: GatewayApi) -> Any:
+    def work(api: SyncGatewayClient) -> Any:
         return api.call("POST", "/api/rollouts", body={"rollouts": items}, key=key)
 
     _run(gateway_url, admin_token, data_dir, as_json, work, lambda r: table(r["rollouts"], ROLLOUT_COLUMNS))
@@ -135,7 +136,7 @@ def rollouts_list(
             text += f"\n(more: --cursor {rollouts[-1].get('cursor')})"
         return text
 
-    def work(api: GatewayApi) -> Any:
+    def work(api: SyncGatewayClient) -> Any:
         return api.call("GET", "/api/rollouts", params=query)
 
     _run(gateway_url, admin_token, data_dir, as_json, work, render)
@@ -149,7 +150,7 @@ def rollouts_show(
 ) -> None:  # fmt: skip
     """One rollout with its attempts and reward: `GET /api/rollouts/{id}`."""
 
-    def work(api: GatewayApi) -> Any:
+    def work(api: SyncGatewayClient) -> Any:
         rollout = api.call("GET", f"/api/rollouts/{rollout_id}")
         rollout.pop("rollout", None)  # the Agent Lightning copy of the same object
         return rollout
@@ -167,7 +168,7 @@ def rollouts_cancel(
     """Cancel a rollout (the controller stops its execution): `PATCH /api/rollouts/{id}` to `cancelled`."""
     body = {"status": "cancelled", "reason": reason}
 
-    def work(api: GatewayApi) -> Any:
+    def work(api: SyncGatewayClient) -> Any:
         answer = api.call("PATCH", f"/api/rollouts/{rollout_id}", body=body, key=f"cli-cancel-{uuid.uuid4().hex}")
         answer.pop("rollout", None)
         return answer
@@ -186,7 +187,7 @@ def attempts_start(
     body = {"executor": executor} if executor else {}
     keys = ("rollout_id", "run_id", "attempt_id", "sequence", "token", "proxy_base_url", "events_url")
 
-    def work(api: GatewayApi) -> Any:
+    def work(api: SyncGatewayClient) -> Any:
         path = f"/api/rollouts/{rollout_id}/attempts"
         return api.call("POST", path, body=body, key=f"cli-attempt-{uuid.uuid4().hex}")
 
@@ -209,7 +210,7 @@ def reward(
     if step is not None:
         body["step"] = step
 
-    def work(api: GatewayApi) -> Any:
+    def work(api: SyncGatewayClient) -> Any:
         attempt = attempt_id or api.call("GET", f"/api/rollouts/{rollout_id}").get("attempt_id")
         if not attempt:
             raise ApiCliError(f"rollout {rollout_id} has no attempt yet; start one with `rollwire attempts start`")

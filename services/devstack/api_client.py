@@ -1,5 +1,6 @@
-"""The HTTP client behind `rollwire rollouts|attempts|reward|models`: where the gateway is, the admin
-token, one request with errors as one line, and plain-text tables.
+"""What `rollwire rollouts|attempts|reward|models` need around the gateway's client: where the gateway
+is, the admin token, and plain-text tables. Requests go through `services.common.gateway_api`'s
+`SyncGatewayClient`; its errors (`GatewayError`) are one line, as the command prints them.
 
 The gateway URL is `--gateway-url` / `ROLLWIRE_GATEWAY_URL`, else the `gateway` of the stack
 running in the data dir (`<data-dir>/endpoints.json`, written by `rollwire up`), else
@@ -15,8 +16,6 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from services.devstack import endpoints_file
 
@@ -48,54 +47,6 @@ def resolve(gateway_url: str | None, admin_token: str | None, data_dir: Path) ->
                 2,
             ) from None
     return url.rstrip("/"), token
-
-
-class GatewayApi:
-    """Thin synchronous client of the gateway's HTTP API (admin token)."""
-
-    def __init__(self, url: str, token: str, timeout_s: float = TIMEOUT_S) -> None:
-        self.url = url
-        self.client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s)
-
-    def close(self) -> None:
-        """Close the connection pool."""
-        self.client.close()
-
-    def call(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: Any = None,
-        params: Mapping[str, Any] | None = None,
-        key: str | None = None,
-    ) -> Any:
-        """One request; the decoded JSON answer (None for an empty one). Raises ApiCliError on any failure."""
-        headers = {"Idempotency-Key": key} if key else {}
-        try:
-            response = self.client.request(method, path, json=body, params=params, headers=headers)
-        except httpx.HTTPError as exc:
-            raise ApiCliError(f"the gateway at {self.url} cannot be reached ({type(exc).__name__}: {exc})") from None
-        if response.status_code >= 400:
-            raise ApiCliError(f"{method} {path}: {response.status_code} {_error_text(response)}")
-        if not response.content:
-            return None
-        try:
-            return response.json()
-        except ValueError:
-            raise ApiCliError(f"{method} {path}: the gateway answered with something that is not JSON") from None
-
-
-def _error_text(response: httpx.Response) -> str:
-    """The gateway's `{"error": ...}` message (or OpenAI's `{"error": {"message"}}`), else the body's start."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip().replace("\n", " ")[:200] or response.reason_phrase
-    error = body.get("error") if isinstance(body, dict) else None
-    if isinstance(error, dict):
-        error = error.get("message")
-    return str(error) if error else json.dumps(body)[:200]
 
 
 def cell(value: Any, key: str = "", limit: int | None = MAX_CELL) -> str:

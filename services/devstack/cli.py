@@ -12,6 +12,7 @@ import typer
 
 from schemas import InvalidId, MalformedEvent
 from services.common.eventstore import EventStoreError
+from services.common.gateway_api import GatewayError
 from services.common.vllm_install import VllmInstallError
 from services.devstack import api_cli
 from services.devstack.api_client import ApiCliError
@@ -145,7 +146,7 @@ api_cli.register(app, models_app)
 
 KNOWN_ERRORS = (
     CliError, StackError, EventStoreError, EmbeddedServerError, InvalidId, MalformedEvent,
-    projector_cli.ProjectorCliError, ApiCliError, VllmInstallError,
+    projector_cli.ProjectorCliError, ApiCliError, GatewayError, VllmInstallError,
 )  # fmt: skip
 
 

@@ -8,6 +8,11 @@ per row and kept for the rows that continue it.
 
     resolver = await CallResolver.load(conn, rows)   # rows: records with `STORED_COLUMNS`
     full_prompt = resolver.prompt_ids(row["seq"])
+
+Why this is not `schemas.refs.Resolver`: it resolves stored rows, not events. A row points at an
+earlier row by its sequence (`base_seq`), its text continues that row's by characters
+(`base_text`), and the rows it depends on are fetched from Postgres in one query; the rule for ids
+and requests is the contract's (`schemas.refs.resolve_request`).
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import msgspec
-from msgspec import UNSET, Raw, UnsetType
+from msgspec import UNSET, Raw
 from nats.aio.msg import Msg
 
 from schemas import (
@@ -31,7 +31,7 @@ from schemas import (
     from_dict,
     to_dict,
 )
-from schemas.events import CallApi, CallStatus, Mode
+from schemas.calls import derive
 from schemas.refs import CallRef, PackedTokens, check_packed, floats_float64, ids_int32
 from services.projector.flags import call_flags
 from services.projector.packing import PromptCache, pack_float64_json, pack_int32_json, unpack_int32
@@ -45,43 +45,26 @@ TYPED_BODIES = frozenset({"model_request", "reward", "custom"})
 RAW_FIELDS = ("prompt_ids", "response_ids", "logprobs", "request", "response", "prompt_ref", "packed")
 
 
-class WireCall(msgspec.Struct, kw_only=True, tag_field="type", tag="model_request"):
+if TYPE_CHECKING:
+    _WireFields = msgspec.Struct
+else:  # every other field of the contract's, UNSET when the event omits it
+    _WireFields = derive("_WireFields", drop=RAW_FIELDS, unset=True)
+
+
+class WireCall(_WireFields, kw_only=True, tag_field="type", tag="model_request"):
     """A `ModelRequestRecorded` as decoded by the projector: the same fields, bulky ones raw.
 
-    Unset envelope fields take `ModelRequestRecorded`'s own defaults (see `envelope`).
+    The fields other than `RAW_FIELDS` are the contract's own (`schemas.calls.derive`), UNSET when
+    the event omits them: `envelope` gives them `ModelRequestRecorded`'s defaults.
     """
 
-    run_id: str
-    rollout_id: str | UnsetType | None = UNSET
-    attempt_id: str | UnsetType | None = UNSET
-    event_id: str | UnsetType = UNSET
-    schema_version: int | UnsetType = UNSET
-    time: float | UnsetType = UNSET
-    call_id: str
-    mode: Mode | UnsetType = UNSET
-    status: CallStatus | UnsetType = UNSET
-    choice_index: int | UnsetType = UNSET
-    model: str | UnsetType = UNSET
-    weights_version: int | UnsetType | None = UNSET
     prompt_ids: Raw = Raw(b"[]")
     response_ids: Raw = Raw(b"[]")
     logprobs: Raw = Raw(b"[]")
-    finish_reason: str | UnsetType | None = UNSET
     request: Raw = Raw(b"{}")
     response: Raw = Raw(b"{}")
-    usage: dict[str, int] | UnsetType = UNSET
-    latency_s: float | UnsetType = UNSET
-    error: str | UnsetType | None = UNSET
-    api: CallApi | UnsetType = UNSET
-    agent: str | UnsetType | None = UNSET
-    endpoint: str | UnsetType | None = UNSET
-    started_at: float | UnsetType | None = UNSET
-    temperature: float | UnsetType | None = UNSET
-    top_p: float | UnsetType | None = UNSET
-    top_k: int | UnsetType | None = UNSET
     prompt_ref: CallRef | None = None
     packed: PackedTokens | None = None
-    continuity: str | UnsetType | None = UNSET
 
     def envelope(self) -> ModelRequestRecorded:
         """The event without its raw fields (validates ids exactly as `schemas.decode` does)."""
@@ -104,7 +87,7 @@ class RequestRef(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     prefix: dict[str, int] = {}
 
 
-class CallRow(msgspec.Struct):
+class PreparedCall(msgspec.Struct):
     """A model call's column values that do not depend on the rest of the stream.
 
     `prompt_ids` and `prompt_text` are the call's full prompt (the sample count and the flags
@@ -140,7 +123,7 @@ class Incoming(msgspec.Struct):
     event: AnyEvent | None = None
     error: str | None = None
     body: str | None = None
-    call: CallRow | None = None
+    call: PreparedCall | None = None
 
 
 def event_type(event: Any) -> str:
@@ -221,7 +204,7 @@ def shared_prefix(text: str, base: str) -> int:
     return low
 
 
-def _reference(row: CallRow, wire: WireCall, seq: int, event: ModelRequestRecorded, refs: RefCache | None) -> None:
+def _reference(row: PreparedCall, wire: WireCall, seq: int, event: ModelRequestRecorded, refs: RefCache | None) -> None:
     """Point the row at the referenced call's row when that row is of the same rollout; keep this call's text."""
     ref = wire.prompt_ref
     rollout = (event.run_id, event.rollout_id)
@@ -244,11 +227,11 @@ def _call_row(
     cache: PromptCache | None,
     refs: RefCache | None = None,
     seq: int = 0,
-) -> CallRow:
+) -> PreparedCall:
     prompt, response, logprobs = _arrays(wire, event, cache, refs, seq)
     response_json = _json_object(wire.response, "response")
     decoded = detok.decode(event.model, unpack_int32(prompt), unpack_int32(response)) if detok else None
-    row = CallRow(
+    row = PreparedCall(
         prompt_ids=prompt,
         response_ids=response,
         logprobs=logprobs,

@@ -9,16 +9,23 @@ referenced call's row (`calls.py` resolves it on read). Before a batch is prepar
 sure every referenced call is known: one the cache lost (the projector restarted mid-attempt, or
 evicted it) is read back from the stream by its sequence (a direct get), recursively, so a
 reference never depends on the cache.
+
+Why this is not `schemas.refs.Resolver`: the rule is the same (the referenced prompt + response
+cut at `prompt_ref.tokens`, then the new ids), but the projector keeps what it stores, packed int32
+bytes and decoded text, across batches and runs, with each call's stream sequence and rollout (the
+row a later row points at), and reads a lost call back from the stream; the contract's resolvers
+hold one reader's calls in memory as lists or numpy arrays.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 from nats.aio.msg import Msg
 
+from schemas.calls import derive
 from schemas.refs import CallRef, PackedTokens, ids_int32
 from services.common.bytecache import ByteLRU
 from services.common.eventstore import EventStore
@@ -31,17 +38,24 @@ class RefError(ValueError):
     """A referenced call cannot be found: the event's prompt cannot be resolved."""
 
 
-class _Refs(msgspec.Struct, gc=False):
-    """The fields of a `model_request` that resolving reads."""
+if TYPE_CHECKING:
+    _RefFields = msgspec.Struct
+else:  # the contract's own fields (`schemas.calls.derive`)
+    _RefFields = derive("_RefFields", keep=("run_id", "rollout_id", "event_id", "status"), gc=False)
 
-    run_id: str = ""
-    rollout_id: str | None = None
-    event_id: str = ""
-    status: str = "ok"
+
+class _Refs(_RefFields, kw_only=True, gc=False):
+    """The fields of a `model_request` that resolving reads: the id arrays left as raw JSON."""
+
     prompt_ids: msgspec.Raw = msgspec.Raw(b"[]")
     response_ids: msgspec.Raw = msgspec.Raw(b"[]")
     prompt_ref: CallRef | None = None
     packed: PackedTokens | None = None
+    if TYPE_CHECKING:
+        run_id: str
+        rollout_id: str | None
+        event_id: str
+        status: str
 
 
 _decode_refs = msgspec.json.Decoder(_Refs).decode

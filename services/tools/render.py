@@ -10,7 +10,7 @@ import msgspec
 
 from services.tools.compare import RolloutShift
 from services.tools.replay import ReplayReport
-from services.tools.report import RunSummary, SchemeReport
+from services.tools.report import ReplaySummary, SchemeReport
 
 FORMATS = ("table", "json", "csv")
 CSV_COLUMNS = (
@@ -71,11 +71,11 @@ def _grid(header: Sequence[str], rows: Iterable[Sequence[str]], indent: str = " 
     return lines
 
 
-def _distribution(summary: RunSummary) -> str:
+def _distribution(summary: ReplaySummary) -> str:
     return " ".join(f"{k}:{v}" for k, v in summary.samples_per_rollout.items()) or "-"
 
 
-_SUMMARY: list[tuple[str, Callable[[RunSummary], str]]] = [
+_SUMMARY: list[tuple[str, Callable[[ReplaySummary], str]]] = [
     ("rollouts", lambda s: str(s.rollouts)),
     ("dropped (no reward)", lambda s: str(s.rollouts_dropped_no_reward)),
     ("groups", lambda s: str(s.groups)),

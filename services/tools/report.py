@@ -27,6 +27,7 @@ from trainer.core import (
     RolloutCalls,
     Sample,
     SampleRow,
+    StepFigures,
     loss_weights,
     merge_rollouts,
     merge_settings,
@@ -62,37 +63,14 @@ class GroupRow(msgspec.Struct, frozen=True, kw_only=True):
     baseline: float
 
 
-class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
-    """The replay's figures. Names and definitions follow the trainer's `StepStats`."""
+class ReplaySummary(StepFigures, frozen=True, kw_only=True):
+    """The replay's figures: the trainer's (`StepFigures`) over the whole run, and how they spread."""
 
-    rollouts: int
     rollouts_skipped: dict[str, int]
     """Rollouts that give no training data, by the adapter's reason (not-succeeded, val-mode, ...)."""
-    rollouts_dropped_no_reward: int
-    rollouts_without_samples: int
-    ungrouped_rollouts: int
-    groups: int
     steps: list[int]
-    calls: int
-    calls_deduped: int
-    calls_too_long: int
-    samples: int
-    merge_ratio: float
-    samples_per_rollout_mean: float
-    samples_per_rollout_max: int
     samples_per_rollout: dict[str, int]
     """Distribution: number of samples → number of rollouts with that many (keys are strings in JSON)."""
-    single_sample_rollouts: int
-    tokens: int
-    response_tokens: int
-    reward_mean: float
-    min_weights_version: int | None
-    max_weights_version: int | None
-    calls_context: int = 0
-    rollouts_failed_scored: int = 0
-    rollouts_failed_dropped: int = 0
-    groups_skipped: int = 0
-    rollouts_in_skipped_groups: int = 0
 
 
 class SchemeReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -100,7 +78,7 @@ class SchemeReport(msgspec.Struct, frozen=True, kw_only=True):
 
     name: str
     config: AdapterConfig
-    summary: RunSummary
+    summary: ReplaySummary
     groups: list[GroupRow]
     rollouts: list[RolloutRow]
     samples: list[SampleRow]
@@ -127,7 +105,7 @@ class UnitRows(msgspec.Struct, kw_only=True):
     skipped: dict[str, str] = {}
     """Rollouts of the unit the adapter could not take (`malformed-call`)."""
     counts: dict[str, int] = {}
-    """The failure policy's and the selection's counters (`StepStats` names)."""
+    """The failure rule's and the selection's counters (`StepStats` names)."""
 
 
 def unit_rows(
@@ -260,10 +238,12 @@ class SchemeAccumulator:
             samples=samples,
         )
 
-    def _summary(self, rollouts: list[RolloutRow], samples: list[SampleRow], skipped: Mapping[str, str]) -> RunSummary:
+    def _summary(
+        self, rollouts: list[RolloutRow], samples: list[SampleRow], skipped: Mapping[str, str]
+    ) -> ReplaySummary:
         counts = [r.samples for r in rollouts]
         merged_calls = sum(s.calls for s in samples)
-        return RunSummary(
+        return ReplaySummary(
             rollouts=len(rollouts),
             rollouts_skipped=dict(sorted(Counter(skipped.values()).items())),
             rollouts_dropped_no_reward=self.dropped,

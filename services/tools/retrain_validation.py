@@ -21,8 +21,9 @@ from typing import Any
 import msgspec
 
 from services.common.eventstore import EventStore
+from services.common.gateway_api import GatewayClient
 from services.tools.source import ReplayError
-from trainer.clients import GatewayClient, ServiceUrls
+from trainer.clients import ServiceUrls, gateway_client
 from trainer.config import TrainConfig
 from trainer.engines import ServingEngine, connect_engine, register_replicas
 from trainer.policies import run_spec, trained_adapter, trained_models
@@ -48,7 +49,14 @@ def stack_urls(config: TrainConfig, nats_url: str, given: dict[str, str | None] 
         raise ReplayError(
             f"validation needs a running stack (`rollwire up`): set {', '.join(names.get(k, k) for k in missing)}"
         )
-    return ServiceUrls(**{k: str(v) for k, v in values.items()})
+    found = {k: str(v) for k, v in values.items()}
+    return ServiceUrls(
+        gateway_url=found["gateway_url"],
+        nats_url=found["nats_url"],
+        engine_url=found["engine_url"],
+        admin_token=found["admin_token"],
+        engine_api_key=os.environ.get("ROLLWIRE_ENGINE_KEY", ""),
+    )
 
 
 def validation_run_id(run_id: str, scheme: str) -> str:
@@ -73,7 +81,7 @@ class RetrainValidation:
     async def start(self) -> RetrainValidation:
         """Connect to the stack and declare the validation run."""
         self.store = await EventStore.connect(self.urls.nats_url)
-        self.gateway = GatewayClient(self.urls.gateway_url, self.urls.admin_token)
+        self.gateway = gateway_client(self.urls)
         self.engine = await connect_engine(self.config, self.urls)
         spec: dict[str, Any] = msgspec.to_builtins(run_spec(self.config, self.run_id))
         await self.gateway.start_run(spec)

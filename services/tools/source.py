@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 
+from schemas.calls import decode_call
 from schemas.events import AnyEvent, CustomEvent, RewardReported, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, REWARD, ROLLOUT_ATTEMPT, RUN_ALL, check_id
 from schemas.run import InvalidRunSpec, spec_of
@@ -52,7 +53,7 @@ from trainer.core import (
     drop_stale_calls,
     rollout_calls,
 )
-from trainer.core.calls import decode_call, final_attempt
+from trainer.core.calls import final_attempt
 
 _by_sequence = itemgetter(0)
 """The stream sequence of a `(sequence, event)` pair."""

@@ -21,8 +21,8 @@ import pytest
 from controller_rig import ADMIN
 
 from services.common.eventstore import EventStore
+from services.common.gateway_api import GatewayClient
 from services.controller.backends.base import ExecutionKey
-from services.controller.gateway import GatewayClient
 from services.controller.reconciler import Controller
 from services.controller.settings import ControllerSettings
 

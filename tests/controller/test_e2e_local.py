@@ -163,7 +163,7 @@ _PRINT_EVICTED = "import sys; print('Evicted: the pod was OOMKilled, ImagePullBa
 def test_the_failure_cause_comes_from_the_controller_not_the_log(
     rig: Rig, command: list[str], evaluator: list[str] | None, kind: str
 ) -> None:
-    """The final status carries the controller's `cause`, which the trainer's failure policy reads."""
+    """The final status carries the controller's `cause`, which the trainer's failure rule reads."""
     rig.start_run(command=command, evaluator_command=evaluator, reward_from="evaluator" if evaluator else "agent")
     rig.start_controller()
     (rid,) = rig.create({"question": "?"})

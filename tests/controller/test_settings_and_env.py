@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from schemas.runs import RunSpec
-from services.controller.gateway import AttemptGrant
+from services.common.gateway_api import AttemptGrant
 from services.controller.launch import attempt_env, evaluator_env
 from services.controller.settings import SettingsError, parse
 from services.controller.state import backend_id, subjects

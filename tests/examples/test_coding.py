@@ -22,10 +22,11 @@ from examples.coding.testrun import run_tests
 from schemas import CustomEvent, RewardReported
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStore
+from services.common.gateway_api import GatewayClient, NewRollout
 from services.controller.backends.base import ExecutionKey, LaunchSpec
 from services.controller.backends.k8s_template import JobTemplate, validate_manifest
 from services.tools.monitor import Monitor
-from trainer.clients import GatewayClient, NewRollout, ServiceUrls
+from trainer.clients import ServiceUrls
 from trainer.config import load_config
 
 REPO = EXAMPLES.parent

@@ -14,8 +14,8 @@ from template_vllm import TemplateVLLM, qwen3_style_dir
 from schemas import ModelRequestRecorded
 from services.engine.tiny_model import build_tiny_model
 from services.engine.tokenizer import load_tokenizer
-from trainer.core.calls import call_from_event
 from trainer.core.merge import merge_calls
+from trainer.core.recorded import call_from_event
 
 ARGUMENTS = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
 TOOLS: Any = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ARGUMENTS}}]

@@ -16,8 +16,8 @@ import pytest
 from fake_vllm import FakeVLLM
 from gw_harness import ADMIN, GatewayHandle, Served
 
+from services.common.gateway_api import GatewayClient
 from services.common.vllm import RELOAD_SEQUENCE, ReplicaError, VllmServeSettings, serve_command
-from trainer.clients import GatewayClient
 from trainer.engines import VllmEngine, register_replicas
 
 SERVED = "policy"

@@ -1,12 +1,12 @@
-"""The replay decodes calls as the adapter's slim `CallRecord`; it must give the same `Call` as the event."""
+"""The replay decodes calls as the adapter's slim `CallRecord`; it must give the same `CallTokens` as the event."""
 
 from __future__ import annotations
 
 import msgspec
 
 from schemas import ModelRequestRecorded, encode
+from schemas.calls import BODIES, CallRecord, decode_call
 from trainer.core import call_from_event, plain
-from trainer.core.calls import CallRecord, decode_call
 
 
 def test_call_record_fields_match_the_event() -> None:
@@ -25,3 +25,9 @@ def test_decoded_record_gives_the_same_call() -> None:
     record = decode_call(encode(event))
     assert (record.rollout_id, record.attempt_id, record.status, record.mode) == ("ro1", "a1", "ok", "train")
     assert plain(call_from_event(record)) == plain(call_from_event(event))
+
+
+def test_every_contract_field_but_the_bodies_reaches_the_record() -> None:
+    """A field added to `ModelRequestRecorded` reaches `CallRecord` with no other edit."""
+    event_fields = {f.name for f in msgspec.structs.fields(ModelRequestRecorded)}
+    assert {f.name for f in msgspec.structs.fields(CallRecord)} == event_fields - set(BODIES)

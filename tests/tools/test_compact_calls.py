@@ -12,6 +12,7 @@ import pytest
 from agentrun import agent_run
 
 from schemas import SCHEMA_VERSION, Event, ModelRequestRecorded, PackedTokens, Resolver, decode, encode
+from schemas.calls import CallRecord
 from schemas.codec import MalformedEvent
 from schemas.refs import (
     _packed_alike,
@@ -31,7 +32,6 @@ from services.common.eventstore import Appended, EventStore
 from services.gateway.recording import CallChains, compact_request
 from services.tools.replay import ReplayReport, replay_run
 from trainer.core import AdapterConfig, build_step, collect_rollouts, merge_rollout, plain, rollout_calls
-from trainer.core.calls import CallRecord
 from trainer.rollouts import rollout_history
 
 SCHEMES = ["merge=exact", "per-call+token-mean", "rloo+rollout-mean"]

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from trainer.config import AlgorithmSection, BackendSection, LossSection
-from trainer.core import AdapterConfig, Call, RolloutCalls, Sample, build_step
+from trainer.core import AdapterConfig, CallTokens, RolloutCalls, Sample, build_step
 from trainer.cpu_backend import CpuBackend
 from trainer.forward import forward_logits, shared_prefix_length
 
@@ -93,7 +93,7 @@ def multi_turn_samples(seed: int, agent_of: Callable[[int], str] | None = None) 
         for c in range(2):
             response = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 6))]
             calls.append(
-                Call(
+                CallTokens(
                     call_id=f"r{r}c{c}",
                     prompt_ids=prompt,
                     response_ids=response,

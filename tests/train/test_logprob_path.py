@@ -22,7 +22,7 @@ from test_forward_backend import small_model
 
 from services.engine.sampling import SamplingParams, sample_token, sampled_logprobs
 from trainer.config import AlgorithmSection, BackendSection, LossSection
-from trainer.core import AdapterConfig, Call, RolloutCalls, Sample, build_step
+from trainer.core import AdapterConfig, CallTokens, RolloutCalls, Sample, build_step
 from trainer.cpu_backend import CpuBackend
 
 REAL_VOCAB = 151_936  # Qwen2's
@@ -55,7 +55,7 @@ def on_policy_samples(model_dir: Path, params: SamplingParams, *, agent: str | N
                 token = sample_token(row, params, generator)
                 logprobs.append(float(sampled_logprobs(row, params)[token]))
                 ids.append(token)
-        call = Call(call_id=f"r{r}", prompt_ids=prompt, response_ids=ids[len(prompt):], logprobs=logprobs,
+        call = CallTokens(call_id=f"r{r}", prompt_ids=prompt, response_ids=ids[len(prompt):], logprobs=logprobs,
                     weights_version=0, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                     agent=agent)  # fmt: skip
         made.append(RolloutCalls(run_id="t", rollout_id=f"r{r}", group_id="g0", attempt_id="a", calls=[call],
@@ -144,7 +144,7 @@ def long_samples(vocab: int) -> list[Sample]:
     for r in range(2):
         prompt = [rng.randrange(1, vocab) for _ in range(200)]
         response = [rng.randrange(1, vocab) for _ in range(1000)]
-        call = Call(call_id=f"r{r}", prompt_ids=prompt, response_ids=response, logprobs=[-11.9] * len(response),
+        call = CallTokens(call_id=f"r{r}", prompt_ids=prompt, response_ids=response, logprobs=[-11.9] * len(response),
                     weights_version=0)  # fmt: skip
         made.append(RolloutCalls(run_id="t", rollout_id=f"r{r}", group_id="g", attempt_id="a", calls=[call],
                                  reward=float(r)))  # fmt: skip

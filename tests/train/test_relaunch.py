@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 
 from services.common.eventstore import EventStore
+from services.common.gateway_api import GatewayClient, NewRollout
 from services.engine.background import BackgroundServer
 from services.gateway import GatewaySettings, create_app
 from trainer.checkpoint import InFlightGroup
-from trainer.clients import GatewayClient, NewRollout
 from trainer.relaunch import wait_relaunching
 from trainer.rollouts import StatusWatch, replay_group
 

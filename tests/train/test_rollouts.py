@@ -14,7 +14,7 @@ from schemas import (
 )
 from services.common.eventstore import EventStore
 from trainer.checkpoint import InFlightGroup
-from trainer.core import Call, RolloutCalls, drop_stale_calls
+from trainer.core import CallTokens, RolloutCalls, drop_stale_calls
 from trainer.rollouts import StatusWatch, replay_group
 
 
@@ -84,8 +84,8 @@ async def test_wait_groups_wakes_on_status_events_and_replay_builds_calls(store:
 
 
 def test_drop_stale_calls_keeps_fresh_and_unversioned_calls() -> None:
-    def call(i: int, version: int | None) -> Call:
-        return Call(call_id=f"c{i}", prompt_ids=[1], response_ids=[2], logprobs=[-1.0], weights_version=version)
+    def call(i: int, version: int | None) -> CallTokens:
+        return CallTokens(call_id=f"c{i}", prompt_ids=[1], response_ids=[2], logprobs=[-1.0], weights_version=version)
 
     rollout = RolloutCalls(
         run_id="r",

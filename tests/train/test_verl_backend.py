@@ -20,7 +20,7 @@ from test_forward_backend import VOCAB, multi_turn_samples, small_model
 
 from trainer import lora
 from trainer.config import AlgorithmSection, BackendSection, LossSection
-from trainer.core import AdapterConfig, Call, RolloutCalls, Sample, build_step
+from trainer.core import AdapterConfig, CallTokens, RolloutCalls, Sample, build_step
 from trainer.core.weights import Norm
 from trainer.cpu_backend import CpuBackend
 
@@ -95,7 +95,9 @@ def varied_length_samples(seed: int, rollouts: int = 32) -> list[Sample]:
         prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(10, 200))]
         response = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 40))]
         logprobs = [-rng.uniform(4.0, 7.0) for _ in response]
-        call = Call(call_id=f"r{r}c0", prompt_ids=prompt, response_ids=response, logprobs=logprobs, weights_version=0)
+        call = CallTokens(
+            call_id=f"r{r}c0", prompt_ids=prompt, response_ids=response, logprobs=logprobs, weights_version=0
+        )
         made.append(RolloutCalls(run_id="t", rollout_id=f"r{r}", group_id=f"g{r % 4}", attempt_id="a",
                                  reward=float(r % 3 == 0), calls=[call]))  # fmt: skip
     return build_step(made, AdapterConfig()).samples

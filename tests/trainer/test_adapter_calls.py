@@ -13,7 +13,7 @@ from schemas import (
     RolloutStatusChanged,
 )
 from trainer.core import (
-    Call,
+    CallTokens,
     MalformedCall,
     NotTrainable,
     call_from_event,
@@ -143,4 +143,4 @@ def test_untrainable_call_records_are_named() -> None:
     with pytest.raises(MalformedCall, match="no prompt token ids"):
         call_from_event(_call("ro1", "a1", "c1", []))
     with pytest.raises(MalformedCall, match="one logprob per sampled token"):
-        Call(call_id="c2", prompt_ids=[1], response_ids=[2, 3], logprobs=[-1.0]).check_trainable()
+        CallTokens(call_id="c2", prompt_ids=[1], response_ids=[2, 3], logprobs=[-1.0]).check_trainable()

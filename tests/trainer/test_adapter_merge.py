@@ -7,17 +7,17 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.core import Call, Sample, dedup_calls, merge_calls, plain
+from trainer.core import CallTokens, Sample, dedup_calls, merge_calls, plain
 
 PROPERTY = settings(max_examples=150, derandomize=True, deadline=None)
 
 _ids = iter(range(10**9))
 
 
-def call(prompt: list[int], response: list[int], version: int | None = None, choice: int = 0) -> Call:
+def call(prompt: list[int], response: list[int], version: int | None = None, choice: int = 0) -> CallTokens:
     """A call whose logprobs are distinct per call and position, so misplacement is visible."""
     cid = next(_ids)
-    return Call(
+    return CallTokens(
         call_id=f"c{cid}",
         prompt_ids=list(prompt),
         response_ids=list(response),
@@ -27,11 +27,11 @@ def call(prompt: list[int], response: list[int], version: int | None = None, cho
     )
 
 
-def merge(calls: list[Call], **kw: object) -> list[Sample]:
+def merge(calls: list[CallTokens], **kw: object) -> list[Sample]:
     return merge_calls(dedup_calls(calls), rollout_id="ro", group_id="g", **kw).samples  # type: ignore[arg-type]
 
 
-def assert_exact(calls: list[Call], samples: list[Sample]) -> None:
+def assert_exact(calls: list[CallTokens], samples: list[Sample]) -> None:
     """Every kept call sits verbatim at the start of exactly one sample; masks cover exactly responses."""
     by_id = {c.call_id: c for c in calls}
     placed = [cid for s in samples for cid in s.call_ids]
@@ -55,12 +55,12 @@ def assert_exact(calls: list[Call], samples: list[Sample]) -> None:
         assert order == sorted(order), "calls keep their order within a sample"
 
 
-def random_rollout(rng: random.Random, vocab: int = 6) -> list[Call]:
+def random_rollout(rng: random.Random, vocab: int = 6) -> list[CallTokens]:
     """Calls from a few conversations: continuations, drifted re-encodings, forks, retries, new ones.
 
     The vocabulary is tiny on purpose, so accidental prefix matches between conversations happen.
     """
-    calls: list[Call] = []
+    calls: list[CallTokens] = []
     states: list[list[int]] = []
 
     def tokens(lo: int, hi: int) -> list[int]:
@@ -130,7 +130,7 @@ def test_linear_conversation_is_one_sample(turns: list[tuple[list[int], list[int
 @given(st.integers(2, 5), st.randoms(use_true_random=False))
 def test_interleaved_sub_agents_merge_into_one_sample_each(agents: int, rng: random.Random) -> None:
     system = [0, 0, 1]  # a shared system prompt; each sub-agent's task starts with its own token
-    conversations: list[list[Call]] = []
+    conversations: list[list[CallTokens]] = []
     for a in range(agents):
         prompt = [*system, 100 + a, *[rng.randrange(5) for _ in range(3)]]
         convo = []

@@ -1,7 +1,7 @@
 """Merging through recorded references gives the samples that comparing token arrays gives.
 
 A version-2 call that continues an earlier one is recorded as a `prompt_ref` and its new ids;
-`rollout_calls` resolves it and keeps the reference on the `Call`, and `merge_calls` extends the
+`rollout_calls` resolves it and keeps the reference on the `CallTokens`, and `merge_calls` extends the
 chain the reference names without comparing tokens. Each history below is recorded both ways (in
 full, and compacted as a writer does it, through the wire encoding), and every scheme must give
 the same samples: from the compact history, from the full one, and from the compact one with the

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from trainer.core import (
     AdapterConfig,
     AdapterConfigError,
-    Call,
+    CallTokens,
     RolloutCalls,
     build_step,
     build_steps,
@@ -36,7 +36,7 @@ def rollout(
 ) -> RolloutCalls:
     """A rollout whose calls never chain (each prompt starts with its own token): one sample per call."""
     calls = [
-        Call(
+        CallTokens(
             call_id=f"{rollout_id}-{i}",
             prompt_ids=[1000 + i, 7],
             response_ids=[5] * n,
@@ -134,7 +134,7 @@ def test_missing_reward_drop_or_fill() -> None:
 
 def test_stats() -> None:
     r3 = rollout("r3", [5, 6], 0.0)  # its second call is too long for max_length=7
-    retry = Call(call_id="r3-retry", prompt_ids=[1000, 7], response_ids=[9], logprobs=[-1.0])  # retries r3-0
+    retry = CallTokens(call_id="r3-retry", prompt_ids=[1000, 7], response_ids=[9], logprobs=[-1.0])  # retries r3-0
     r3 = msgspec.structs.replace(r3, calls=[*r3.calls, retry])
     step = build_step([rollout("r1", [3, 3, 3], 1.0), rollout("r2", [], 0.0), r3], AdapterConfig(max_length=7))
     st_ = step.stats
@@ -217,8 +217,8 @@ def test_micro_batches_cover_every_sample_once_within_budget(sizes: list[int], w
 def test_configs_equal_in_merge_settings_merge_alike_and_the_settings_name_every_merge_input() -> None:
     """`merge_settings` is what lets compared schemes share one merge: every config change that changes
     `merge_rollouts`' result changes it, and the advantage and loss settings leave it as it is."""
-    first = Call(call_id="c1", prompt_ids=[1, 2], response_ids=[3, 4], logprobs=[-0.1, -0.2])
-    second = Call(call_id="c2", prompt_ids=[1, 2, 3, 4, 9], response_ids=[5] * 6, logprobs=[-0.3] * 6)
+    first = CallTokens(call_id="c1", prompt_ids=[1, 2], response_ids=[3, 4], logprobs=[-0.1, -0.2])
+    second = CallTokens(call_id="c2", prompt_ids=[1, 2, 3, 4, 9], response_ids=[5] * 6, logprobs=[-0.3] * 6)
     batch = [
         RolloutCalls(run_id="r", rollout_id="chained", group_id="g", attempt_id="a", reward=1.0, calls=[first, second]),
         rollout("no-reward", [2], None),

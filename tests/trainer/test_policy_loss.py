@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 import torch
 import transformers
 
-from trainer.core import AdapterConfig, Call, RolloutCalls, Sample, build_step, plain
+from trainer.core import AdapterConfig, CallTokens, RolloutCalls, Sample, build_step, plain
 from trainer.loss import PolicyBatch, PolicyLossConfig, collate, policy_loss, token_entropy, token_logprobs
 
 VOCAB = 300
@@ -45,7 +45,7 @@ def eight_samples() -> list[Sample]:
                 prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 8))]
             response = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 6))]
             logprobs = [-rng.uniform(0.5, 9.0) for _ in response]  # ratios far from 1: clips active
-            calls.append(Call(call_id=f"r{r}c{c}", prompt_ids=prompt, response_ids=response, logprobs=logprobs))
+            calls.append(CallTokens(call_id=f"r{r}c{c}", prompt_ids=prompt, response_ids=response, logprobs=logprobs))
             prompt = prompt + response + [rng.randrange(1, VOCAB) for _ in range(rng.randint(0, 4))]
         rollouts.append(
             RolloutCalls(
@@ -220,9 +220,9 @@ def test_the_loss_recomputes_logprobs_at_each_samples_own_temperature() -> None:
 
 def test_a_call_at_another_temperature_starts_its_own_sample() -> None:
     calls = [
-        Call(call_id="a", prompt_ids=[1, 2], response_ids=[3], logprobs=[-1.0], temperature=0.7),
-        Call(call_id="b", prompt_ids=[1, 2, 3, 4], response_ids=[5], logprobs=[-1.0], temperature=1.0),
-        Call(call_id="c", prompt_ids=[1, 2, 3, 4, 5, 6], response_ids=[7], logprobs=[-1.0], temperature=1.0),
+        CallTokens(call_id="a", prompt_ids=[1, 2], response_ids=[3], logprobs=[-1.0], temperature=0.7),
+        CallTokens(call_id="b", prompt_ids=[1, 2, 3, 4], response_ids=[5], logprobs=[-1.0], temperature=1.0),
+        CallTokens(call_id="c", prompt_ids=[1, 2, 3, 4, 5, 6], response_ids=[7], logprobs=[-1.0], temperature=1.0),
     ]
     rollout = RolloutCalls(run_id="r", rollout_id="ro", group_id=None, attempt_id=None, reward=1.0, calls=calls)
     batch = build_step([rollout], AdapterConfig())

@@ -13,7 +13,7 @@ import torch
 
 from services.tools.retrain_schemes import parse_scheme
 from trainer.config import LossSection
-from trainer.core import AdapterConfig, AdapterConfigError, Call, RolloutCalls, Sample, build_step
+from trainer.core import AdapterConfig, AdapterConfigError, CallTokens, RolloutCalls, Sample, build_step
 from trainer.loss import PolicyLossConfig, collate, policy_loss
 from trainer.retrain import decoupled_samples
 
@@ -78,7 +78,7 @@ def test_loss_at_the_steps_start_is_w_times_advantage_and_the_stale_token_keeps_
 
 def _rollout(rid: str, reward: float, response: int) -> RolloutCalls:
     """One rollout of group g: one call, a 2-token prompt and `response` sampled tokens (logprob ln 0.5)."""
-    call = Call(call_id=f"{rid}-c", prompt_ids=[1, 2], response_ids=[3] * response,
+    call = CallTokens(call_id=f"{rid}-c", prompt_ids=[1, 2], response_ids=[3] * response,
                 logprobs=[math.log(0.5)] * response)  # fmt: skip
     return RolloutCalls(run_id="run", rollout_id=rid, group_id="g", attempt_id="a", reward=reward, calls=[call])
 

@@ -20,7 +20,7 @@ import torch
 from gw_harness import ADMIN, GatewayHandle
 from vllm_rig import SERVED, start_run
 
-from trainer.clients import GatewayClient
+from services.common.gateway_api import GatewayClient
 from trainer.engines import VllmEngine, register_replicas
 from trainer.lora import save_adapter
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from gw_harness import ADMIN, GatewayHandle
 
+from services.common.gateway_api import GatewayClient
 from services.devstack.embedded import free_port
-from trainer.clients import GatewayClient
 from trainer.config import config_from_mapping
 from trainer.core import AdapterConfig
 from trainer.extra_policies import OtherModels

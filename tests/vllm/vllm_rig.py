@@ -10,7 +10,7 @@ import torch
 from gw_harness import GatewayHandle
 
 from schemas import ModelRequestRecorded
-from trainer.core.calls import Call, call_from_event
+from trainer.core.recorded import CallTokens, call_from_event
 from trainer.forward import forward_logits
 from trainer.loss import token_logprobs
 
@@ -32,7 +32,7 @@ def recorded(gateway: GatewayHandle, rollout_id: str) -> list[ModelRequestRecord
     return [msgspec.convert(item, ModelRequestRecorded) for item in items]
 
 
-def recorded_calls(gateway: GatewayHandle, rollout_id: str) -> list[Call]:
+def recorded_calls(gateway: GatewayHandle, rollout_id: str) -> list[CallTokens]:
     """The rollout's calls as the trainer reads them (ids and logprobs as arrays)."""
     return [call_from_event(event) for event in recorded(gateway, rollout_id)]
 

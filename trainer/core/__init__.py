@@ -7,20 +7,16 @@ No I/O and no torch here: the live trainer and the replay tool feed the same fun
 `RolloutCalls` and `AdapterConfig`, so a past run's samples can be recomputed under another scheme.
 """
 
+from schemas.calls import CallRecord
 from trainer.core.advantages import Estimator, group_advantages, group_baselines
 from trainer.core.batching import pack_bins, partition_balanced, plan_micro_batches, plan_steps
 from trainer.core.calls import (
     SKIP_REASONS,
-    Call,
-    CallRecord,
     CollectedRollouts,
-    MalformedCall,
     NotTrainable,
     RolloutCalls,
     Selection,
-    call_from_event,
     collect_rollouts,
-    context_call,
     events_by_rollout,
     rollout_calls,
 )
@@ -28,12 +24,14 @@ from trainer.core.config import AdapterConfig, AdapterConfigError, AdvantageLeve
 from trainer.core.dedup import dedup_calls
 from trainer.core.failures import POLICY_FAILURES, FailureKind, failure_kind
 from trainer.core.merge import MergeMode, MergeResult, Sample, merge_calls
+from trainer.core.recorded import CallTokens, MalformedCall, call_from_event, context_call
 from trainer.core.rows import SampleRow, sample_row
 from trainer.core.staleness import TRAIN_STEP_EVENT, drop_stale_calls
 from trainer.core.step import (
     Drops,
     MergedRollout,
     StepBatch,
+    StepFigures,
     StepStats,
     build_step,
     build_steps,
@@ -54,8 +52,8 @@ __all__ = [
     "AdapterConfig",
     "AdapterConfigError",
     "AdvantageLevel",
-    "Call",
     "CallRecord",
+    "CallTokens",
     "CollectedRollouts",
     "Drops",
     "Estimator",
@@ -71,6 +69,7 @@ __all__ = [
     "SampleRow",
     "Selection",
     "StepBatch",
+    "StepFigures",
     "StepStats",
     "as_floats",
     "as_ids",

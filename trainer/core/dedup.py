@@ -15,7 +15,7 @@ when all of this holds (DESIGN §3):
   but they are one sample, and only the later one is kept (a sequential retry whose answer equals
   the first is trained once).
 
-Times come from the events (`Call.started_at`, `Call.ended_at`); a call without them is taken to
+Times come from the events (`CallTokens.started_at`, `CallTokens.ended_at`); a call without them is taken to
 have ended before the next one started (stream order). The "extends" check also looks at
 `context` calls: a trained call whose answer only a frozen helper consumed was still used. The
 retry is dropped; the kept call stays at its own position in the call order.
@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trainer.core.calls import Call
+from trainer.core.recorded import CallTokens
 from trainer.core.tokens import as_ids, same_ids
 
 
-def _bucket_key(call: Call) -> tuple[int, int, int, int, int]:
+def _bucket_key(call: CallTokens) -> tuple[int, int, int, int, int]:
     # A cheap pre-key (length and three sampled tokens): only calls sharing it are compared in full,
     # so a 4k-token prompt is never hashed or copied just to find that it is unique.
     ids = call.prompt_ids
@@ -39,14 +39,14 @@ def _bucket_key(call: Call) -> tuple[int, int, int, int, int]:
     return (call.choice_index, n, int(ids[0]), int(ids[n // 2]), int(ids[-1]))
 
 
-def _ended_before(earlier: Call, later: Call) -> bool:
+def _ended_before(earlier: CallTokens, later: CallTokens) -> bool:
     """True when `earlier` had ended before `later` started (unknown times: stream order says yes)."""
     if earlier.ended_at is None or later.started_at is None:
         return True
     return earlier.ended_at <= later.started_at
 
 
-def _extended(call: Call, others: Sequence[Call]) -> bool:
+def _extended(call: CallTokens, others: Sequence[CallTokens]) -> bool:
     """True when some other call's prompt starts with this call's prompt + response."""
     prompt, response = as_ids(call.prompt_ids), as_ids(call.response_ids)
     n = len(prompt) + len(response)
@@ -59,11 +59,11 @@ def _extended(call: Call, others: Sequence[Call]) -> bool:
     return False
 
 
-def dedup_calls(calls: Sequence[Call], context: Sequence[Call] = ()) -> list[Call]:
+def dedup_calls(calls: Sequence[CallTokens], context: Sequence[CallTokens] = ()) -> list[CallTokens]:
     """The calls with every retried one removed (see the module docstring), in their own order."""
     buckets: dict[tuple[int, int, int, int, int], list[int]] = {}
     superseded: set[int] = set()
-    everything: list[Call] | None = None
+    everything: list[CallTokens] | None = None
     for i in range(len(calls) - 1, -1, -1):
         later = buckets.setdefault(_bucket_key(calls[i]), [])
         call = calls[i]

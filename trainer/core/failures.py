@@ -1,4 +1,4 @@
-"""Why a rollout failed, and whether the policy caused it: the failure policy's one decision.
+"""Why a rollout failed, and whether the policy caused it: the failure rule's one decision.
 
 A failed rollout is evidence about the policy when the policy made it fail: the agent ran past its
 timeout (a loop of tool calls, an answer that never ends), exited with an error (a malformed tool

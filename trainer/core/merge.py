@@ -36,7 +36,7 @@ too long. Such a call closes the chain it would have extended (later calls open 
 dropped and counted: keeping it would need truncation, and truncating the front of a prompt
 trains on a context the model did not see.
 
-References. A call recorded as continuing an earlier one (`Call.prompt_ref`, `Call.ref_tokens`,
+References. A call recorded as continuing an earlier one (`CallTokens.prompt_ref`, `CallTokens.ref_tokens`,
 set from the recorded `prompt_ref`) whose shared length is the whole of that call's prompt +
 response extends the chain that call ended, if that chain is still open and ends there: the
 chain's tokens are exactly that call's prompt + response, so they are a prefix of the new prompt
@@ -56,7 +56,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from trainer.core.calls import Call
+from trainer.core.recorded import CallTokens
 from trainer.core.tokens import IdArray, Logprobs, TokenIds, as_floats, as_ids, joined, same_ids
 
 MergeMode = Literal["exact", "per-call"]
@@ -121,15 +121,15 @@ class _Chain:
         "call_ids", "end", "first", "key", "last", "length", "prompt", "response", "spans", "touched", "versions",
     )  # fmt: skip
 
-    def __init__(self, call: Call, touched: int) -> None:
+    def __init__(self, call: CallTokens, touched: int) -> None:
         self.call_ids: list[str] = []
-        self.spans: list[tuple[int, Call]] = []
+        self.spans: list[tuple[int, CallTokens]] = []
         self.versions: list[int] = []
         self.key = chain_key(call)
         self.extend(call, touched)
         self.first = int(self.prompt[0]) if len(self.prompt) else int(self.response[0]) if self.length else -1
 
-    def extend(self, call: Call, touched: int) -> None:
+    def extend(self, call: CallTokens, touched: int) -> None:
         """Take the call as the chain's new end: its unseen prompt suffix is an observation (mask 0),
         its response is sampled (mask 1); the arrays are built in `to_sample`."""
         self.prompt, self.response = as_ids(call.prompt_ids), as_ids(call.response_ids)
@@ -175,14 +175,14 @@ class _Chain:
         )
 
 
-def chain_key(call: Call) -> tuple[float | None, float | None, int | None, str | None]:
+def chain_key(call: CallTokens) -> tuple[float | None, float | None, int | None, str | None]:
     """What calls of one sample share: temperature, top_p, top_k (off spelled None) and agent."""
     top_p = call.top_p if call.top_p is not None and call.top_p < 1.0 else None
     top_k = call.top_k if call.top_k is not None and call.top_k > 0 else None
     return (call.temperature, top_p, top_k, call.agent)
 
 
-def _longest_prefix_chain(chains: Sequence[_Chain], call: Call, known: _Chain | None = None) -> _Chain | None:
+def _longest_prefix_chain(chains: Sequence[_Chain], call: CallTokens, known: _Chain | None = None) -> _Chain | None:
     """The longest open chain (same `chain_key`) whose whole token sequence is a prefix of the call's prompt.
 
     Ties go to the most recent chain. `known` is an open chain already known to be such a prefix
@@ -218,7 +218,7 @@ class _Ends:
         self.seen: set[str] = set()
         self.repeated: set[str] = set()
 
-    def referenced(self, call: Call) -> _Chain | None:
+    def referenced(self, call: CallTokens) -> _Chain | None:
         """The open chain the call's reference extends whole, else None (then only comparing decides)."""
         ref = call.prompt_ref
         if ref is None or ref in self.repeated:
@@ -250,7 +250,7 @@ class _Ends:
 
 
 def merge_calls(
-    calls: Sequence[Call],
+    calls: Sequence[CallTokens],
     *,
     rollout_id: str,
     group_id: str | None,

@@ -44,12 +44,12 @@ class MergedRollout(msgspec.Struct, frozen=True, kw_only=True):
         return sum(len(s.tokens) for s in self.samples)
 
 
-class StepStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Figures of one step, for logs and for comparing schemes on replay.
+class StepFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """The figures of a set of rollouts turned into samples: one step's (`StepStats`), a replay's
+    (`services.tools.report.ReplaySummary`). Declared once, so both speak of the same things.
 
-    `group_baselines` is each declared group's mean reward at the configured level (over rollouts,
-    or over samples); rollouts without a group id are their own group and counted as `ungrouped`.
-    `rollouts_dropped_no_reward` counts batch-level drops and appears on the first step only.
+    Rollouts without a group id are their own group and counted as `ungrouped`.
+    `rollouts_dropped_no_reward` counts batch-level drops (a step's: on the first step only).
     """
 
     rollouts: int
@@ -68,7 +68,6 @@ class StepStats(msgspec.Struct, frozen=True, kw_only=True):
     tokens: int
     response_tokens: int
     reward_mean: float
-    group_baselines: dict[str, float]
     min_weights_version: int | None
     max_weights_version: int | None
     calls_context: int = 0
@@ -78,6 +77,16 @@ class StepStats(msgspec.Struct, frozen=True, kw_only=True):
     rollouts_failed_dropped: int = 0
     groups_skipped: int = 0
     rollouts_in_skipped_groups: int = 0
+
+
+class StepStats(StepFigures, frozen=True, kw_only=True):
+    """Figures of one step, for logs and for comparing schemes on replay.
+
+    `group_baselines` is each declared group's mean reward at the configured level (over rollouts,
+    or over samples).
+    """
+
+    group_baselines: dict[str, float]
 
 
 class StepBatch(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,4 +1,4 @@
-"""The failure policy and the validation pass against a real NATS (and, for validation, a real gateway).
+"""The failure rule and the validation pass against a real NATS (and, for validation, a real gateway).
 
 A group with a timed-out rollout gets the configured reward in its baseline; an image-pull failure
 is dropped; both show in the step's metrics row. Validation rollouts are declared in `val` mode,
@@ -17,17 +17,17 @@ from test_rollouts import rollout_events
 
 from schemas import AttemptStarted, Event, PhaseChanged, RolloutCreated, RolloutStatusChanged
 from services.common.eventstore import EventStore
+from services.common.gateway_api import GatewayClient
 from services.engine.background import BackgroundServer
 from services.gateway import GatewaySettings, create_app
 from trainer.checkpoint import InFlightGroup
-from trainer.clients import GatewayClient
 from trainer.core import AdapterConfig, NotTrainable, build_step, rollout_calls
 from trainer.loop import step_row
 from trainer.rollouts import StatusWatch, replay_group, update_spans
 from trainer.run_sections import ValidationSection
 from trainer.validation import VAL_REWARD, ValidationPass, val_reward
 
-ADMIN = "failure-policy-admin"
+ADMIN = "failure-rule-admin"
 
 
 def _failed(run_id: str, rollout_id: str, reason: str) -> list[Event]:
