@@ -121,6 +121,20 @@ class PipelinedAcks:
             raise
         return token, future
 
+    async def request(self, subject: str, data: bytes, headers: dict[str, str], timeout: float) -> Ack:
+        """Publish one message and wait for its ack (raises JetStream's refusal as `APIError`,
+        `TimeoutError` when none comes in `timeout` seconds).
+
+        The hot path's single publishes (an event, a key-value compare-and-set): nats-py's
+        `js.publish` costs a `wait_for`, a `json.loads` and a dataclass per ack; this shares the one
+        reply subscription and decodes the ack with msgspec."""
+        token, future = await self.send(subject, data, headers)
+        try:
+            async with asyncio.timeout(timeout):
+                return await future
+        finally:
+            self.forget([token], [future])
+
     def forget(self, tokens: list[str], futures: Sequence[asyncio.Future[Ack]] = ()) -> None:
         """Stop waiting for these (answered or abandoned); the abandoned futures' errors are dropped."""
         for token in tokens:

@@ -96,10 +96,9 @@ class CallReaper:
 
     async def _put(self, call_id: str, marker: CallMarker) -> int | None:
         try:
-            ack = await self.store.js.publish(f"$KV.{CALLS}.{call_id}", _encode(marker), timeout=5.0)
-        except (nats.errors.Error, OSError):
+            return await self.store.kv_write(CALLS, call_id, _encode(marker))
+        except (nats.errors.Error, OSError):  # OSError: a TimeoutError too
             return None  # not stored: no reaper can see the call, so its owner records it unclaimed
-        return ack.seq
 
     async def claim(self, call_id: str) -> bool:
         """Claim the call's marker before recording the call: False when a reaper claimed it first.
@@ -117,7 +116,7 @@ class CallReaper:
             return True
         claimed = msgspec.structs.replace(marker, state="ending", by=self.instance)
         try:
-            await self.calls.update(call_id, _encode(claimed), last=revision)
+            await self.store.kv_write(CALLS, call_id, _encode(claimed), last=revision)
         except nats.js.errors.KeyWrongLastSequenceError:
             self.lost += 1
             log.warning("call %s was recorded aborted by another gateway while this one was stalled", call_id)

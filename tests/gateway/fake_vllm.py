@@ -325,7 +325,11 @@ class FakeVLLM:
                 }
             )  # fmt: skip
         completion = sum(len(c["token_ids"]) for c in choices)
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": completion,
+            "total_tokens": len(prompt) + completion,
+        }
         return {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()), "model": self.model,
                 "choices": choices, "usage": usage}  # fmt: skip
 
