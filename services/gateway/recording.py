@@ -56,8 +56,9 @@ def _shared(prompt: Any, tokens: Any) -> int:
     n = min(len(prompt), len(tokens))
     if n == 0:
         return 0
-    differ = np.flatnonzero(prompt[:n] != tokens[:n])
-    return int(differ[0]) if len(differ) else n
+    differ = prompt[:n] != tokens[:n]
+    first = int(differ.argmax())  # the first True; 0 also when none differ
+    return first if differ[first] else n
 
 
 def _ids(values: Sequence[int]) -> Any | None:
@@ -126,6 +127,8 @@ class CallChains:
                 n = _shared(prompt, recorded.tokens)
                 if n > shared:
                     base, shared = recorded, n
+                if shared == len(prompt):  # no earlier call can share more than the whole prompt
+                    break
         if base is None or shared < MIN_SHARED:
             return [_packed(event, event.prompt_ids, event.request, UNSET) for event in events]
         self.referenced += 1
