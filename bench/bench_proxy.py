@@ -372,7 +372,8 @@ async def measure(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     scale = args.scale * (0.2 if args.quick else 1.0)
     sections = set(args.sections.split(","))
     stack.start_run(RUN, args.budget)
-    direct = Target("direct", stack.fake_port, [("/v1/chat/completions", {})])
+    # The direct path is measured on the fake upstream's own CPU: the yardstick of the proxy's CPU per call.
+    direct = Target("direct", stack.fake_port, [("/v1/chat/completions", {})], stack.fake.pid)
     rollwire = Target("rollwire", stack.gw_port, stack.rollwire_routes(32), stack.gateway.pid)
     if not args.no_agl and "main" in sections:
         stack.start_agl()
