@@ -292,11 +292,16 @@ class EventStore:
         self.refusing = None
         return Appended(seq=seq, duplicate=duplicate)
 
-    async def kv_write(self, bucket: str, key: str, value: bytes, last: int | None = None, timeout: float = 5.0) -> int:
-        """Put a key-value entry; with `last`, only if its revision is still `last` (0: only if it has none).
-        Its new revision. Raises as `KeyValue.put`/`update` do (`KeyWrongLastSequenceError` when it
-        changed, nats-py's `TimeoutError`), at the cost of one pipelined publish (`PipelinedAcks.request`)."""
+    async def kv_write(
+        self, bucket: str, key: str, value: bytes, last: int | None = None, *, delete: bool = False, timeout: float = 5
+    ) -> int:
+        """Put a key-value entry (with `delete`, delete it); with `last`, only if its revision is still
+        `last` (0: only if it has none). Its new revision. Raises as `KeyValue.put`/`update`/`delete` do
+        (`KeyWrongLastSequenceError` when it changed, nats-py's `TimeoutError`), at the cost of one
+        pipelined publish (`PipelinedAcks.request`)."""
         headers = {} if last is None else {"Nats-Expected-Last-Subject-Sequence": str(last)}
+        if delete:
+            headers["KV-Operation"] = "DEL"
         try:
             seq, _ = await self._acks.request(f"$KV.{bucket}.{key}", value, headers, timeout)
         except nats.js.errors.APIError as exc:

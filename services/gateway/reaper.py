@@ -16,13 +16,14 @@ tokens for such a call are lost (the gateway held them), but the call, its rollo
 it ended are on the stream.
 
 One terminal record per call, whatever the timing: the marker decides who records. Before its
-record, the owner claims the marker (`claim`: a compare-and-set from the revision it wrote to
-`state: ending`); before its `aborted` record, a reaper does the same (to `state: reaped`). Exactly
-one of the two compare-and-sets succeeds, and the loser appends nothing: a gateway paused past
+record, the owner claims the marker (`claim`: a compare-and-set delete from the revision it wrote,
+so the claim is also the marker's delete, one write instead of two); before its `aborted` record, a
+reaper claims it by a compare-and-set to `state: reaped`. Exactly one of the two compare-and-sets
+succeeds, and the loser appends nothing: a gateway paused past
 three heartbeats (SIGSTOP, a long GC pause, a frozen VM) whose call was reaped meanwhile answers
 503 instead of recording `ok` after the `aborted` (two terminal records before). A marker a reaper
 claimed but whose `aborted` it did not append (it died in between) is finished by any live
-gateway (same event id). A marker its owner claimed is left to the owner: if it dies in the
+gateway (same event id). A call its owner claimed has no marker left: if the owner dies in the
 instant between its claim and its append, the call stays unrecorded, as a call without a marker.
 """
 
@@ -61,7 +62,8 @@ class CallMarker(msgspec.Struct, frozen=True, gc=False):
     model: str
     seen: float = 0.0  # when this gateway first saw it (monotonic; not stored)
     state: str = "open"
-    """`open`, `ending` (its owner claimed it to record the call) or `reaped` (a reaper claimed it)."""
+    """`open`, `reaped` (a reaper claimed it) or `ending` (its owner claimed it, as gateways did before an
+    owner's claim deleted the marker; still honoured while such gateways run beside this one)."""
     by: str = ""
     """The gateway whose claim set `state` (the reaper's instance id for `reaped`)."""
     revision: int = 0  # the marker's revision in the bucket (not stored)
@@ -86,6 +88,8 @@ class CallReaper:
         self.mine: dict[str, tuple[CallMarker, asyncio.Task[int | None]]] = {}
         """This gateway's open calls: each marker and the put that stores it (its revision, None if lost)."""
         self.lost = 0  # claims this gateway lost to a reaper (its call was recorded `aborted`)
+        self.claimed: set[str] = set()
+        """Calls whose claim deleted their marker (until they end)."""
         self.outage = Outage(log, "the call reaper's store")
 
     def started(self, run_id: str, rollout_id: str, attempt_id: str, call_id: str, mode: str, model: str) -> None:
@@ -110,19 +114,19 @@ class CallReaper:
         mine = self.mine.pop(call_id, None)
         if mine is None:
             return True
-        marker, put = mine
+        put = mine[1]
         revision = await put
         if revision is None or self.calls is None:
             return True
-        claimed = msgspec.structs.replace(marker, state="ending", by=self.instance)
-        try:
-            await self.store.kv_write(CALLS, call_id, _encode(claimed), last=revision)
+        try:  # claimed by deleting it: a reaper's claim from the revision it read then fails
+            await self.store.kv_write(CALLS, call_id, b"", last=revision, delete=True)
         except nats.js.errors.KeyWrongLastSequenceError:
             self.lost += 1
             log.warning("call %s was recorded aborted by another gateway while this one was stalled", call_id)
             return False
         except (nats.errors.Error, OSError):
             return True  # the store is unreachable: the record's own append fails and says so
+        self.claimed.add(call_id)
         return True
 
     def ended(self, call_id: str) -> None:
@@ -130,6 +134,9 @@ class CallReaper:
         mine = self.mine.pop(call_id, None)
         if mine is not None:  # not claimed (nothing recorded): delete it once its put is done
             mine[1].add_done_callback(lambda _: self._publish(call_id, b"", {"KV-Operation": "DEL"}))
+            return
+        if call_id in self.claimed:  # its claim deleted it
+            self.claimed.discard(call_id)
             return
         self._publish(call_id, b"", {"KV-Operation": "DEL"})
 
