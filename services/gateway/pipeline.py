@@ -235,9 +235,13 @@ class Pipeline:
         """Append the call's terminal events, once per call (raises `EventStoreUnavailable`, `CallReaped`,
         or `OutOfBounds` after recording as failed an answer the contract cannot hold)."""
         call.note(outcome)  # what the engine spent counts, whoever records the call
-        if self.gw.reaper is not None and not await self.gw.reaper.claim(call.call_id):
+        verdict = await self.gw.reaper.send_claim(call.call_id) if self.gw.reaper is not None else None
+        try:
+            events, why = self._bounded(call, outcome)  # built while the claim travels; nothing is sent
+        finally:
+            won = True if verdict is None else await verdict
+        if not won:
             raise CallReaped(call.call_id)  # a reaper recorded it `aborted`: one terminal record per call
-        events, why = self._bounded(call, outcome)
         if why is None:
             try:
                 await self._append_or_cut(call, events, outcome.status == "ok")

@@ -34,6 +34,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
@@ -107,19 +108,30 @@ class CallReaper:
     async def claim(self, call_id: str) -> bool:
         """Claim the call's marker before recording the call: False when a reaper claimed it first.
 
-        A compare-and-set from the revision this gateway wrote: it fails only when the marker
+        A compare-and-set delete from the revision this gateway wrote: it fails only when the marker
         changed since, which only a reaper does (then its `aborted` is the call's record, and the
         caller appends nothing). A marker that was never stored cannot be reaped: True.
         """
+        return await (await self.send_claim(call_id))
+
+    async def send_claim(self, call_id: str) -> Awaitable[bool]:
+        """`claim` in two steps: send the claim now and return what awaits its verdict (await it always),
+        so that the call's record is built while the claim travels."""
         mine = self.mine.pop(call_id, None)
         if mine is None:
-            return True
-        put = mine[1]
-        revision = await put
+            return _won()
+        revision = await mine[1]
         if revision is None or self.calls is None:
-            return True
+            return _won()
         try:  # claimed by deleting it: a reaper's claim from the revision it read then fails
-            await self.store.kv_write(CALLS, call_id, b"", last=revision, delete=True)
+            pending = await self.store.kv_send(CALLS, call_id, b"", last=revision, delete=True)
+        except (nats.errors.Error, OSError):
+            return _won()  # the store is unreachable: the record's own append fails and says so
+        return self._verdict(call_id, pending)
+
+    async def _verdict(self, call_id: str, pending: Awaitable[int]) -> bool:
+        try:
+            await pending
         except nats.js.errors.KeyWrongLastSequenceError:
             self.lost += 1
             log.warning("call %s was recorded aborted by another gateway while this one was stalled", call_id)
@@ -263,6 +275,10 @@ def _aborted(call_id: str, call: CallMarker, interval_s: float) -> ModelRequestR
             f"no heartbeat for {3 * interval_s:g}s"
         ),
     )
+
+
+async def _won() -> bool:
+    return True
 
 
 def _quiet(task: asyncio.Task[Any]) -> None:
