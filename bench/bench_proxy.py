@@ -532,10 +532,10 @@ def summarize(table: dict[tuple[str, int, int], Result]) -> dict[str, Any]:
             row["cpu_us_per_call"] = proxy.cpu_s / len(proxy.latencies) * 1e6
             row["throughput_vs_direct"] = rate("rollwire", 32, prompt) / rate("direct", 32, prompt)
             line += f" proxy CPU {row['cpu_us_per_call']:.0f} us/call at 32 in flight;"
-            line += f" throughput {row['throughput_vs_direct']:.2f}x direct;"
+            line += f" throughput {row['throughput_vs_direct']:.2f}x direct"
         if ("rollwire", 1, prompt) in table:
             row["added_p50_ms"] = p50("rollwire", 1, prompt) - p50("direct", 1, prompt)
-            line += f" p50 at 1 in flight {row['added_p50_ms']:+.2f} ms"
+            line += f"; p50 at 1 in flight {row['added_p50_ms']:+.2f} ms"
         if ("agent-lightning", 32, prompt) in table:
             row["vs_agent_lightning"] = rate("rollwire", 32, prompt) / rate("agent-lightning", 32, prompt)
             line += f"; {row['vs_agent_lightning']:.2f}x Agent Lightning"
