@@ -298,37 +298,15 @@ class EventStore:
         """Put a key-value entry (with `delete`, delete it); with `last`, only if its revision is still
         `last` (0: only if it has none). Its new revision. Raises as `KeyValue.put`/`update`/`delete` do
         (`KeyWrongLastSequenceError` when it changed, nats-py's `TimeoutError`), at the cost of one
-        pipelined publish (`PipelinedAcks`)."""
-        return await (await self.kv_send(bucket, key, value, last, delete=delete, timeout=timeout))
+        pipelined publish (`PipelinedAcks.kv_send`)."""
+        return await (await self._acks.kv_send(bucket, key, value, last, delete=delete, timeout=timeout))
 
     async def kv_send(
         self, bucket: str, key: str, value: bytes, last: int | None = None, *, delete: bool = False, timeout: float = 5
     ) -> Awaitable[int]:
         """`kv_write` in two steps: send the write now, and return what awaits its outcome (await it
         always), so that the caller can work while it travels."""
-        headers = {} if last is None else {"Nats-Expected-Last-Subject-Sequence": str(last)}
-        if delete:
-            headers["KV-Operation"] = "DEL"
-        token, future = await self._acks.send(f"$KV.{bucket}.{key}", value, headers)
-        return self._kv_ack(token, future, timeout)
-
-    async def _kv_ack(self, token: str, future: asyncio.Future[tuple[int, bool]], timeout: float) -> int:
-        try:
-            async with asyncio.timeout(timeout):
-                seq, _ = await future
-        except nats.js.errors.APIError as exc:
-            if exc.err_code in (10071, 10164):  # the stream's wrong-last-sequence errors
-                raise nats.js.errors.KeyWrongLastSequenceError(description=exc.description) from None
-            raise
-        except nats.errors.Error:
-            raise
-        except TimeoutError:
-            raise nats.errors.TimeoutError() from None
-        except ValueError as exc:  # an ack that is not one
-            raise nats.errors.Error(str(exc)) from None
-        finally:
-            self._acks.forget([token], [future])
-        return seq
+        return await self._acks.kv_send(bucket, key, value, last, delete=delete, timeout=timeout)
 
     async def append_many(self, events: Iterable[Event]) -> list[Appended]:
         """Append many events pipelined (publish all, then await every ack), in order.

@@ -282,10 +282,14 @@ class Pipeline:
     async def _append(self, call: Call, events: list[ModelRequestRecorded]) -> None:
         store, chains = self.gw.store, self.gw.chains
         stored = chains.compact(events)
-        if len(stored) == 1:
-            appended = [await store.append(stored[0])]
-        else:
-            appended = await store.append_many(stored)
+        try:
+            if len(stored) == 1:
+                appended = [await store.append(stored[0])]
+            else:
+                appended = await store.append_many(stored)
+        except BaseException:
+            chains.drop(events)
+            raise
         chains.remember(events, appended)
         call.seqs = [a.seq for a in appended]
         call.record_bytes = sum(len(encode(e)) for e in stored if e.status != "ok")

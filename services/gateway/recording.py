@@ -126,7 +126,7 @@ class CallChains:
         shared = 0
         prompt = _ids(first.prompt_ids)
         if prompt is not None and first.status == "ok":
-            if len(self._prompts) >= 1024:  # calls whose append failed never came to `remember`
+            if len(self._prompts) >= 256:  # a bound: every call's append ends in `remember` or `drop`
                 self._prompts.clear()
             self._prompts[id(first.prompt_ids)] = (first.prompt_ids, prompt)
             for recorded in reversed(self.attempts.get(_key(first)) or []):
@@ -160,6 +160,11 @@ class CallChains:
             if tokens is None:
                 continue
             self.add(_key(event), event, ack.seq, tokens)
+
+    def drop(self, events: list[ModelRequestRecorded]) -> None:
+        """Forget what `compact` made for events whose append failed (they are not remembered)."""
+        if events:
+            self._prompts.pop(id(events[0].prompt_ids), None)
 
     def add(self, key: AttemptKey, event: ModelRequestRecorded, seq: int, tokens: Any) -> None:
         """Keep one call (full prompt ids and request) of an attempt, the oldest of more than PER_ATTEMPT dropped."""
