@@ -34,6 +34,7 @@ def _quiet_transformers() -> None:
 def train(
     config: Path = typer.Argument(..., help="The run's TOML config (see examples/quickstart/train.toml)."),
     steps: int | None = typer.Option(None, help="Override run.steps."),
+    check: bool = typer.Option(False, "--check", help="Print the GPU layout's memory arithmetic and exit."),
 ) -> None:
     """Train a model with RL through its agent harness, as CONFIG.toml describes."""
     import msgspec
@@ -48,6 +49,9 @@ def train(
     from trainer.embedded import embedded_stack
     from trainer.loop import Trainer, TrainingError
 
+    if check:
+        _check_only(config)
+        return
     _quiet_transformers()
     try:
         loaded = load_config(config)
@@ -55,6 +59,8 @@ def train(
             loaded = msgspec.structs.replace(loaded, run=msgspec.structs.replace(loaded.run, steps=steps))
     except ConfigError as exc:
         raise _fail(str(exc), 2) from None
+    if loaded.backend.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:  # local rank i trains on gpus[i]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in loaded.backend.gpus)
     if follows_rank0():
         _follow(loaded)
         return
@@ -71,6 +77,33 @@ def train(
         print(f"{len(rows)} steps done; metrics in {loaded.run_dir / 'metrics.csv'}")
     except (StackError, GatewayError, DatasetError, TrainingError, CheckpointError, ConfigError, ReplicaError) as exc:
         raise _fail(str(exc)) from None
+
+
+def _check_only(config: Path) -> None:
+    """`rollwire train --check`: the layout's arithmetic, then exit 0 (fits) or 2 (does not, or a bad config)."""
+    import tomllib
+
+    import msgspec
+
+    from trainer.config import config_from_mapping
+    from trainer.layout import check_layout
+
+    try:
+        document = tomllib.loads(config.read_text(encoding="utf-8"))
+        backend = dict(document.get("backend", {}))
+        gpus = backend.pop("gpus", [])  # checked below, with the arithmetic, rather than refused while loading
+        loaded = config_from_mapping({**document, "backend": backend}, config.resolve().parent)
+        loaded = msgspec.structs.replace(loaded, backend=msgspec.structs.replace(loaded.backend, gpus=gpus))
+    except (OSError, tomllib.TOMLDecodeError, ConfigError) as exc:
+        raise _fail(f"{config}: {exc}", 2) from None
+    lines, problems = check_layout(loaded)
+    for line in lines:
+        print(line)
+    for problem in problems:
+        print(f"does not fit: {problem}")
+    if problems:
+        raise typer.Exit(2)
+    print("the layout fits")
 
 
 def follows_rank0() -> bool:

@@ -193,7 +193,9 @@ async def start_vllm(
             max_loras=max(len(adapters), 1),
             extra_args=list(section.extra_args),
         )
-        started = start_replicas(settings, model, served_name, section.replicas, log_dir, slot=slot)
+        started = start_replicas(
+            settings, model, served_name, section.replicas, log_dir, slot=slot, gpus=list(section.gpus)
+        )
         replica_urls = [url for url, _ in started]
         processes = [process for _, process in started]
     roles = config.backend.lora_adapters

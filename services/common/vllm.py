@@ -164,12 +164,21 @@ def find_executable(executable: str) -> str:
 
 
 def start_replicas(
-    settings: VllmServeSettings, model: str, served_name: str, count: int, log_dir: Path, *, slot: int = 0
+    settings: VllmServeSettings,
+    model: str,
+    served_name: str,
+    count: int,
+    log_dir: Path,
+    *,
+    slot: int = 0,
+    gpus: Sequence[int] = (),
 ) -> list[tuple[str, subprocess.Popen[bytes]]]:
-    """Start `count` replicas on consecutive ports, each on its own GPUs (the `slot`-th block of them);
-    returns (base URL, process) pairs."""
+    """Start `count` replicas on consecutive ports, each on its own GPUs (the `slot`-th block of `gpus`,
+    `[engine] gpus`, or of the machine's visible GPUs when none are configured); returns (base URL, process) pairs."""
     executable = find_executable(settings.executable)
-    devices = replica_devices(count, tensor_parallel_size(settings.extra_args), visible_gpus(), slot)
+    devices = replica_devices(
+        count, tensor_parallel_size(settings.extra_args), [str(g) for g in gpus] or visible_gpus(), slot
+    )
     started = []
     log_dir.mkdir(parents=True, exist_ok=True)
     for index in range(count):

@@ -30,7 +30,7 @@ import msgspec
 from schemas import ModelRequestRecorded, new_id
 from schemas.ids import MODEL_REQUEST
 from schemas.rollout import RolloutView
-from services.gateway.agents import AGENT_HEADER, agent_name, routed_model, split_agent
+from services.gateway.agents import AGENT_HEADER, agent_name, split_agent
 from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_json
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.commands import ended_attempt
@@ -211,8 +211,7 @@ class Proxy:
         else the run's; one endpoint per rollout of a pool.
         """
         models = self.models(view)
-        spec = self.gw.state.runs.get(view.run_id)
-        route = routed_model(spec[0] if spec else None, agent)
+        route = self.gw.state.spec(view.run_id).agent_models.get(agent) if agent is not None else None
         if route is not None:  # the run routes this agent to its model, whatever the request says
             if not any(m.name == route for m in models):
                 raise unavailable(f"run {view.run_id} routes agent {agent} to model {route}, which is not registered")
@@ -346,7 +345,7 @@ async def _count_tokens(proxy: Proxy, scope: Scope, receive: Receive, send: Send
     conv = messages.conversation({"max_tokens": 1, **request})
     model = proxy.choose(view, conv.model, route.agent)
     body = messages.count_body(conv, model.upstream_model)
-    settings = gw.run_settings.of(view.run_id, gw.state.runs.get(view.run_id))
+    settings = gw.state.spec(view.run_id)
     check_call(body, settings.limits)
     payload = _encode(body)
     if len(payload) > gw.store.max_payload:

@@ -246,7 +246,9 @@ def retrain(
         None, "--validation", help="Validation tasks (JSONL): fresh val rollouts on the re-trained weights."
     ),
     validation_every: int | None = typer.Option(None, "--validation-every", help="Validate every K steps."),
-    config: Path | None = typer.Option(None, "--config", help="A TOML file whose [retrain] table sets these options."),
+    config: Path | None = typer.Option(
+        None, "--config", help="A TOML file whose \\[retrain] table sets these options."
+    ),
     compare: list[str] | None = typer.Option(
         None, "--compare", help="Re-train output directories to plot beside their original runs."
     ),
