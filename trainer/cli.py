@@ -40,6 +40,7 @@ def train(
     import msgspec
 
     from services.common.vllm import ReplicaError
+    from services.common.vllm_install import VllmInstallError
     from services.devstack.stack import StackError
     from trainer.checkpoint import CheckpointError
     from trainer.clients import GatewayError
@@ -68,14 +69,19 @@ def train(
         with contextlib.ExitStack() as stack:
             if loaded.stack.embedded:
                 urls = stack.enter_context(
-                    embedded_stack(Path(loaded.stack.data_dir), Path(loaded.model.path), say=print)
+                    embedded_stack(
+                        Path(loaded.stack.data_dir), Path(loaded.model.path), say=print, engine=loaded.engine
+                    )
                 )
             else:
                 urls = _external_urls(loaded.stack)
             with StepDisplay(loaded.run.steps) as display:
                 rows = asyncio.run(Trainer(loaded, urls, on_step=display.step).run())
         print(f"{len(rows)} steps done; metrics in {loaded.run_dir / 'metrics.csv'}")
-    except (StackError, GatewayError, DatasetError, TrainingError, CheckpointError, ConfigError, ReplicaError) as exc:
+    except (
+        StackError, GatewayError, DatasetError, TrainingError, CheckpointError, ConfigError, ReplicaError,
+        VllmInstallError,
+    ) as exc:  # fmt: skip
         raise _fail(str(exc)) from None
 
 
@@ -133,7 +139,10 @@ def _external_urls(stack: StackSection) -> ServiceUrls:
             f"stack.embedded is false but {', '.join('stack.' + k for k in missing)} "
             "is not set (nor its environment variable)"
         )
-    return ServiceUrls(**{k: str(v) for k, v in values.items()})
+    return ServiceUrls(
+        gateway_url=str(values["gateway_url"]), nats_url=str(values["nats_url"]),
+        engine_url=str(values["engine_url"]), admin_token=str(values["admin_token"]),
+    )  # fmt: skip
 
 
 def quickstart(

@@ -8,7 +8,7 @@
     [backend]    kind ("cpu" | "verl"), threads, dtype, gradient_checkpointing, lora_rank, lora_alpha,
                  lora_target_modules, lora_adapters (agent role -> adapter name), pack_sequences,
                  logprob_chunk_tokens, gpus (the training ranks' GPUs), gpu_memory_gb
-    [engine]     kind ("embedded" | "vllm"); vllm: executable, urls (attach) or replicas (start), port,
+    [engine]     kind ("vllm" | "embedded"); vllm: executable, urls (attach) or replicas (start), port,
                  dtype, gpu_memory_utilization, extra_args
     [algorithm]  lr, weight_decay, grad_clip, updates_per_step, micro_batch_tokens, loss_temperature
     [algorithm.adapter]  the adapter's switches (`trainer.core.AdapterConfig`)
@@ -143,14 +143,15 @@ EngineKind = Literal["embedded", "vllm"]
 
 
 class EngineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`[engine]`: what serves the policy. `embedded` is Rollwire's CPU engine (the stack's);
-    `vllm` attaches to running `vllm serve` replicas (`urls`) or starts `replicas` of them from
-    `executable` (vLLM's own environment) on ports from `port`, one GPU each. Every replica is
+    """`[engine]`: what serves the policy. `vllm` (the default) attaches to running vLLM servers
+    (`urls`; their key in $ROLLWIRE_ENGINE_KEY), to the embedded stack's (`stack.embedded`), or
+    starts `replicas` of them from `executable` (vLLM's Python; "" = `rollwire vllm install`'s) on
+    ports from `port`, one GPU each. `embedded` is Rollwire's own CPU engine. Every replica is
     registered with the gateway and reloaded inside the phase gate (`services.common.vllm`).
     """
 
-    kind: EngineKind = "embedded"
-    executable: str = "vllm"
+    kind: EngineKind = "vllm"
+    executable: str = ""
     urls: list[str] = []
     replicas: int = 1
     port: int = 8100

@@ -124,6 +124,12 @@ def _api_of(path: str) -> Api:
 Handler = Callable[["Proxy", Scope, Receive, Send, Route], Awaitable[None]]
 
 
+def _replica_of(name: str, model: str) -> bool:
+    """Whether `name` is one replica's entry of `model` (`model-rN`, as the trainer registers replicas)."""
+    stem, _, index = name.rpartition("-r")
+    return stem == model and index.isdigit()
+
+
 class Proxy:
     """ASGI handler for `/proxy/...` (mounted in front of the API by `app.py`)."""
 
@@ -213,9 +219,10 @@ class Proxy:
         models = self.models(view)
         route = self.gw.state.spec(view.run_id).agent_models.get(agent) if agent is not None else None
         if route is not None:  # the run routes this agent to its model, whatever the request says
-            if not any(m.name == route for m in models):
+            routed = [m for m in models if m.name == route or _replica_of(m.name, route)]
+            if not routed:
                 raise unavailable(f"run {view.run_id} routes agent {agent} to model {route}, which is not registered")
-            requested = route
+            return sticky(view.rollout_id, routed).for_agent(agent)
         requested = self.gw.state.model_alias(view.run_id, requested)
         matching = [m for m in models if requested in (m.name, m.served_model)]
         # A rollout sticks to one endpoint (its prefix cache), the same through every gateway.

@@ -112,13 +112,13 @@ def test_rollwire_train_check_prints_the_arithmetic_and_exits_2(tmp_path: Path) 
 def test_each_started_replica_sees_its_share_of_engine_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`[engine] gpus = [4, 5, 6, 7]`, 2 replicas of tensor parallel 2: the first sees GPUs 4,5, the second 6,7.
 
-    The `vllm` executable is a stand-in script that records the devices it was given (vLLM itself
+    vLLM's Python is a stand-in script that records the devices it was given (vLLM itself
     needs GPUs); it follows `vllm serve`'s argv only in being started with it.
     """
     from services.common.vllm import VllmServeSettings, start_replicas
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    fake = tmp_path / "vllm"
+    fake = tmp_path / "python"  # vLLM's Python, started with `-m vllm.entrypoints.openai.api_server`
     fake.write_text(f'#!/bin/sh\necho "$CUDA_VISIBLE_DEVICES" >> {tmp_path}/seen\n')
     fake.chmod(0o755)
     settings = VllmServeSettings(executable=str(fake), port=18100, extra_args=["--tensor-parallel-size", "2"])
