@@ -295,7 +295,7 @@ async def front_ends(
                     calls = max(50, int((300 if concurrency == 1 else 2000) * scale * (0.5 if prompt > 1000 else 1)))
                     body = api_body(api, prompt)
                     await load(target, concurrency, max(50, calls // 10), body)
-                    case = f"{api}-{mode}-rollwire-c{concurrency}-p{prompt}"
+                    case = f"api-{api}-{mode}-rollwire-c{concurrency}-p{prompt}"
                     profiled.start()
                     result = await load(target, concurrency, calls, body)
                     profiled.stop(case)
@@ -305,7 +305,7 @@ async def front_ends(
         for concurrency in args.in_flight:
             calls = max(50, int((300 if concurrency == 1 else 2000) * scale * (0.5 if prompt > 1000 else 1)))
             result = await load(direct, concurrency, calls, chat_body(prompt))
-            cases[f"direct-c{concurrency}-p{prompt}"] = result.figures()
+            cases[f"api-direct-c{concurrency}-p{prompt}"] = result.figures()
             print(f"  {'direct':20s} in flight {concurrency:2d}  prompt {prompt:6d}  {result.row()}")
     print()
     return cases
