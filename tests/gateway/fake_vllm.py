@@ -308,9 +308,11 @@ class FakeVLLM:
         `CompletionResponse` (`vllm/entrypoints/openai/protocol.py`, v0.10.2 and later) has them."""
         prompt = [int(t) for t in request.get("prompt") or []]
         count = int(request.get("max_tokens") or 8)
-        choices = []
+        choices: list[dict[str, Any]] = []
+        completion = 0
         for index in range(int(request.get("n") or 1)):
             tokens, logprobs = sample(prompt, index, count)
+            completion += len(tokens)
             pieces = detokenize(tokens)
             choices.append(
                 {
@@ -324,7 +326,6 @@ class FakeVLLM:
                                  "text_offset": [0] * len(tokens)},
                 }
             )  # fmt: skip
-        completion = sum(len(c["token_ids"]) for c in choices)
         usage = {
             "prompt_tokens": len(prompt),
             "completion_tokens": completion,
