@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_proxy import Result, Stack, Target, load
+from bench_proxy import RUN, Result, Stack, Target, load
 
 ENDPOINTS = {
     "chat": "/openai/v1/chat/completions",
@@ -46,6 +46,7 @@ def body(api: str, text: str, stream: bool) -> bytes:
 
 def targets(stack: Stack) -> dict[str, Target]:
     """One target per front end, each on the same attempts' base paths."""
+    stack.start_run(RUN, budget=False)
     bases = [(path.removesuffix(ENDPOINTS["chat"]), headers) for path, headers in stack.rollwire_routes(8)]
     out = {api: Target(api, stack.gw_port, [(b + suffix, h) for b, h in bases], stack.gateway.pid)
            for api, suffix in ENDPOINTS.items()}  # fmt: skip

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Literal
 
@@ -50,6 +50,8 @@ HEADER_ALLOWANCE = 512
 """Bytes of a message's headers and framing kept free under the server's max_payload."""
 ACK_TIMEOUT_S = 30.0
 """Longest wait for JetStream's ack of a pipelined append; past it the append raises (retrying is safe)."""
+PUBLISH_TIMEOUT_S = 5.0
+"""How long one append waits for its ack (nats-py's `js.publish` default)."""
 
 
 class EventStoreError(RuntimeError):
@@ -274,23 +276,37 @@ class EventStore:
         """Append one event; returns its stream sequence, or the original's when it is a duplicate."""
         subject = event.subject
         data = self._checked(subject, encode(event))
+        headers = {**self._headers(event, expected_last_subject_seq), "Nats-Expected-Stream": self.stream}
         try:
-            ack = await self.js.publish(
-                subject,
-                data,
-                headers=self._headers(event, expected_last_subject_seq),
-                stream=self.stream,
-            )
+            seq, duplicate = await self._acks.request(subject, data, headers, PUBLISH_TIMEOUT_S)
         except nats.js.errors.APIError as exc:
             raise self._translate(exc, subject, expected_last_subject_seq) from None
         except nats.errors.OutboundBufferLimitError:
             raise self._not_sent(subject) from None
-        except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError):
+        except (TimeoutError, nats.errors.ConnectionClosedError, nats.js.errors.NoStreamResponseError):
             raise EventStoreUnavailable(
                 f"JetStream did not acknowledge {subject}; the event may or may not be stored"
             ) from None
+        except ValueError as exc:  # an ack that is not one
+            raise EventStoreError(str(exc)) from None
         self.refusing = None
-        return Appended(seq=ack.seq, duplicate=bool(ack.duplicate))
+        return Appended(seq=seq, duplicate=duplicate)
+
+    async def kv_write(
+        self, bucket: str, key: str, value: bytes, last: int | None = None, *, delete: bool = False, timeout: float = 5
+    ) -> int:
+        """Put a key-value entry (with `delete`, delete it); with `last`, only if its revision is still
+        `last` (0: only if it has none). Its new revision. Raises as `KeyValue.put`/`update`/`delete` do
+        (`KeyWrongLastSequenceError` when it changed, nats-py's `TimeoutError`), at the cost of one
+        pipelined publish (`PipelinedAcks.kv_send`)."""
+        return await (await self._acks.kv_send(bucket, key, value, last, delete=delete, timeout=timeout))
+
+    async def kv_send(
+        self, bucket: str, key: str, value: bytes, last: int | None = None, *, delete: bool = False, timeout: float = 5
+    ) -> Awaitable[int]:
+        """`kv_write` in two steps: send the write now, and return what awaits its outcome (await it
+        always), so that the caller can work while it travels."""
+        return await self._acks.kv_send(bucket, key, value, last, delete=delete, timeout=timeout)
 
     async def append_many(self, events: Iterable[Event]) -> list[Appended]:
         """Append many events pipelined (publish all, then await every ack), in order.

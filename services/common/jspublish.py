@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
 import msgspec
+import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -120,6 +121,49 @@ class PipelinedAcks:
             self.waiting.pop(token, None)
             raise
         return token, future
+
+    async def request(self, subject: str, data: bytes, headers: dict[str, str], timeout: float) -> Ack:
+        """Publish one message and wait for its ack (raises JetStream's refusal as `APIError`,
+        `TimeoutError` when none comes in `timeout` seconds).
+
+        The hot path's single publishes (an event, a key-value compare-and-set): nats-py's
+        `js.publish` costs a `wait_for`, a `json.loads` and a dataclass per ack; this shares the one
+        reply subscription and decodes the ack with msgspec."""
+        token, future = await self.send(subject, data, headers)
+        try:
+            async with asyncio.timeout(timeout):
+                return await future
+        finally:
+            self.forget([token], [future])
+
+    async def kv_send(
+        self, bucket: str, key: str, value: bytes, last: int | None = None, *, delete: bool = False, timeout: float = 5
+    ) -> Awaitable[int]:
+        """Send a key-value write (a delete with `delete`; with `last`, a compare-and-set on the entry's
+        revision) and return what awaits its new revision, raising as nats-py's `KeyValue` does."""
+        headers = {} if last is None else {"Nats-Expected-Last-Subject-Sequence": str(last)}
+        if delete:
+            headers["KV-Operation"] = "DEL"
+        token, future = await self.send(f"$KV.{bucket}.{key}", value, headers)
+        return self._kv_ack(token, future, timeout)
+
+    async def _kv_ack(self, token: str, future: asyncio.Future[Ack], timeout: float) -> int:
+        try:
+            async with asyncio.timeout(timeout):
+                seq, _ = await future
+        except nats.js.errors.APIError as exc:
+            if exc.err_code in (10071, 10164):  # the stream's wrong-last-sequence errors
+                raise nats.js.errors.KeyWrongLastSequenceError(description=exc.description) from None
+            raise
+        except nats.errors.Error:
+            raise
+        except TimeoutError:
+            raise nats.errors.TimeoutError() from None
+        except ValueError as exc:  # an ack that is not one
+            raise nats.errors.Error(str(exc)) from None
+        finally:
+            self.forget([token], [future])
+        return seq
 
     def forget(self, tokens: list[str], futures: Sequence[asyncio.Future[Ack]] = ()) -> None:
         """Stop waiting for these (answered or abandoned); the abandoned futures' errors are dropped."""

@@ -8,7 +8,7 @@ goes through routing or validation); everything else is ordinary FastAPI routes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -69,6 +69,25 @@ class _ProxyFirst:
                 await send({"type": "http.response.body", "body": error.body()})
                 return
         await self.app(scope, receive, send)
+
+
+class _GatewayApp(FastAPI):
+    """FastAPI with `/proxy/...` answered before Starlette's middleware stack (its error, telemetry and
+    body-limit layers cost every model call and serve none: the proxy answers its own errors and bounds
+    its own bodies), still counted, timed and access-logged by `ObservedApp`."""
+
+    proxy_path: ObservedApp | None = None
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if self.proxy_path is not None and scope["type"] == "http" and scope["path"].startswith(PREFIX):
+            scope["app"] = self
+            await self.proxy_path(scope, receive, send)  # type: ignore[arg-type]  # ASGI scopes are dicts
+            return
+        await super().__call__(scope, receive, send)
+
+
+async def _to_proxy(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await scope["app"].state.proxy(scope, receive, send)
 
 
 def _reader(settings: GatewaySettings, store: EventStore) -> RolloutReader:
@@ -177,7 +196,7 @@ async def _validation(request: Request, exc: Exception) -> Response:
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     """The gateway as a FastAPI app; reads go to the projector at `settings.projector_url` when set."""
-    app = FastAPI(
+    app = _GatewayApp(
         title="Rollwire gateway",
         version="1.0",
         lifespan=_lifespan(settings),
@@ -187,6 +206,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     )
     app.add_middleware(_ProxyFirst)
     app.add_middleware(ObservedApp, service="gateway", route_of=metrics.proxy_route)
+    app.proxy_path = ObservedApp(_to_proxy, service="gateway", route_of=metrics.proxy_route)
     app.state.read_side = bool(settings.projector_url)  # the OpenAPI document then lists `min_seq` on every GET
     # Handled by type (not only as `Exception`, whose handler Starlette runs and then re-raises
     # into the server's log): a client's error is an answer, not a traceback.

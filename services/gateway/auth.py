@@ -53,6 +53,10 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+VERIFIED_CACHE = 16_384
+"""Valid tokens a signer remembers (a few MB at most)."""
+
+
 class TokenSigner:
     """Issues and checks attempt tokens with one secret."""
 
@@ -60,6 +64,8 @@ class TokenSigner:
         if not secret:
             raise ValueError("the token signing secret must not be empty: set ROLLWIRE_SECRET")
         self._key = hashlib.sha256(secret.encode()).digest()
+        self._verified: dict[str, AttemptScope] = {}
+        """Tokens this signer verified (a valid token's scope never changes): every model call presents one."""
 
     def _sign(self, body: str) -> str:
         return _b64(hmac.new(self._key, f"{TOKEN_PREFIX}.{body}".encode(), hashlib.sha256).digest())
@@ -70,7 +76,21 @@ class TokenSigner:
         return f"{TOKEN_PREFIX}.{body}.{self._sign(body)}"
 
     def verify(self, token: str) -> AttemptScope | None:
-        """The scope of a valid token, or None when it is malformed or not signed by us."""
+        """The scope of a valid token, or None when it is malformed or not signed by us.
+
+        Valid tokens are remembered (up to `VERIFIED_CACHE` of them, then the memory starts over), so a
+        token's HMAC is computed once and not on each of its calls; an invalid one is checked every time."""
+        known = self._verified.get(token)
+        if known is not None:
+            return known
+        scope = self._verify(token)
+        if scope is not None:
+            if len(self._verified) >= VERIFIED_CACHE:
+                self._verified.clear()
+            self._verified[token] = scope
+        return scope
+
+    def _verify(self, token: str) -> AttemptScope | None:
         parts = token.split(".")
         if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
             return None

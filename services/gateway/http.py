@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import re
 import sys
 from typing import Any, TypeVar
 
@@ -50,8 +49,10 @@ def decode(body: bytes, type_: type[T], *, empty: T | None = None) -> T:
     return decoded
 
 
-_LONG_DIGITS = re.compile(rb"\d{309}")
+_DIGIT_RUN = b"1" * 309
 """A run of 309 digits: the shortest integer no 64-bit float holds (above 1.8e308) has that many."""
+_DIGITS_AS_ONES = bytes(0x31 if 0x30 <= i <= 0x39 else 0x30 for i in range(256))
+"""A `bytes.translate` table: each ASCII digit to `1`, every other byte to `0`."""
 
 
 def huge_number(value: Any) -> str | None:
@@ -78,9 +79,10 @@ _FLOAT_MAX = int(sys.float_info.max)
 def refuse_huge_numbers(body: bytes) -> None:
     """422 naming the field when the JSON body holds an integer no float holds (see `huge_number`).
 
-    A search of the raw bytes for a long run of digits decides first, so an ordinary body costs a
-    regular-expression scan and is never walked."""
-    if _LONG_DIGITS.search(body) is None:
+    A search of the raw bytes for a long run of digits decides first, so an ordinary body is never
+    walked: digits are translated to `1` and the rest to `0`, and the run is a substring search (both
+    in C at memory speed; a regular expression tried every position and cost 10x more on a long prompt)."""
+    if _DIGIT_RUN not in body.translate(_DIGITS_AS_ONES):
         return
     try:
         where = huge_number(msgspec.json.decode(body))

@@ -3,7 +3,7 @@
 An entry holds what the attempt has spent (`calls` and `bytes` with the reservations of its
 calls in flight, `tokens` settled and `held` by calls in flight) and the stream time its attempt
 started. It is only ever changed by compare-and-set on the entry's revision
-(`KeyValue.update(last=...)`), so two gateways that admit calls of one attempt at once cannot both
+(`EventStore.kv_write(last=...)`), so two gateways that admit calls of one attempt at once cannot both
 take the last unit of a budget: one of them re-reads and decides again. Each process keeps the
 entries it last wrote (bounded by bytes) and writes against that revision directly; a stale copy
 costs one conflict and one read.
@@ -220,7 +220,7 @@ class SharedLedger:
                 self._cache.pop(key)
                 continue
             try:
-                revision = await kv.update(key, _encode(new), last=revision)
+                revision = await self.store.kv_write(BUCKET, key, _encode(new), last=revision)
             except nats.js.errors.KeyWrongLastSequenceError:
                 self._cache.pop(key)  # another process changed it: read it and decide again
                 continue

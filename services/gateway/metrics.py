@@ -159,7 +159,14 @@ _timers: dict[str, tuple[Any, Any]] = {}
 def recorded(events: Sequence[Any]) -> None:
     """model_request events were appended (one per choice; counted once per call)."""
     if events:
-        RECORDED.labels(getattr(events[0], "status", "ok")).inc()
+        status = getattr(events[0], "status", "ok")
+        counter = _recorded.get(status)
+        if counter is None:
+            counter = _recorded[status] = RECORDED.labels(status)
+        counter.inc()
+
+
+_recorded: dict[str, Any] = {}  # label children of RECORDED, looked up once per status
 
 
 def record_failed() -> None:

@@ -236,9 +236,13 @@ class Pipeline:
         """Append the call's terminal events, once per call (raises `EventStoreUnavailable`, `CallReaped`,
         or `OutOfBounds` after recording as failed an answer the contract cannot hold)."""
         call.note(outcome)  # what the engine spent counts, whoever records the call
-        if self.gw.reaper is not None and not await self.gw.reaper.claim(call.call_id):
+        verdict = await self.gw.reaper.send_claim(call.call_id) if self.gw.reaper is not None else None
+        try:
+            events, why = self._bounded(call, outcome)  # built while the claim travels; nothing is sent
+        finally:
+            won = True if verdict is None else await verdict
+        if not won:
             raise CallReaped(call.call_id)  # a reaper recorded it `aborted`: one terminal record per call
-        events, why = self._bounded(call, outcome)
         if why is None:
             try:
                 await self._append_or_cut(call, events, outcome.status == "ok")
@@ -279,10 +283,14 @@ class Pipeline:
     async def _append(self, call: Call, events: list[ModelRequestRecorded]) -> None:
         store, chains = self.gw.store, self.gw.chains
         stored = chains.compact(events)
-        if len(stored) == 1:
-            appended = [await store.append(stored[0])]
-        else:
-            appended = await store.append_many(stored)
+        try:
+            if len(stored) == 1:
+                appended = [await store.append(stored[0])]
+            else:
+                appended = await store.append_many(stored)
+        except BaseException:
+            chains.drop(events)
+            raise
         chains.remember(events, appended)
         call.seqs = [a.seq for a in appended]
         call.record_bytes = sum(len(encode(e)) for e in stored if e.status != "ok")

@@ -16,13 +16,14 @@ tokens for such a call are lost (the gateway held them), but the call, its rollo
 it ended are on the stream.
 
 One terminal record per call, whatever the timing: the marker decides who records. Before its
-record, the owner claims the marker (`claim`: a compare-and-set from the revision it wrote to
-`state: ending`); before its `aborted` record, a reaper does the same (to `state: reaped`). Exactly
-one of the two compare-and-sets succeeds, and the loser appends nothing: a gateway paused past
+record, the owner claims the marker (`claim`: a compare-and-set delete from the revision it wrote,
+so the claim is also the marker's delete, one write instead of two); before its `aborted` record, a
+reaper claims it by a compare-and-set to `state: reaped`. Exactly one of the two compare-and-sets
+succeeds, and the loser appends nothing: a gateway paused past
 three heartbeats (SIGSTOP, a long GC pause, a frozen VM) whose call was reaped meanwhile answers
 503 instead of recording `ok` after the `aborted` (two terminal records before). A marker a reaper
 claimed but whose `aborted` it did not append (it died in between) is finished by any live
-gateway (same event id). A marker its owner claimed is left to the owner: if it dies in the
+gateway (same event id). A call its owner claimed has no marker left: if the owner dies in the
 instant between its claim and its append, the call stays unrecorded, as a call without a marker.
 """
 
@@ -33,6 +34,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
@@ -61,7 +63,8 @@ class CallMarker(msgspec.Struct, frozen=True, gc=False):
     model: str
     seen: float = 0.0  # when this gateway first saw it (monotonic; not stored)
     state: str = "open"
-    """`open`, `ending` (its owner claimed it to record the call) or `reaped` (a reaper claimed it)."""
+    """`open`, `reaped` (a reaper claimed it) or `ending` (its owner claimed it, as gateways did before an
+    owner's claim deleted the marker; still honoured while such gateways run beside this one)."""
     by: str = ""
     """The gateway whose claim set `state` (the reaper's instance id for `reaped`)."""
     revision: int = 0  # the marker's revision in the bucket (not stored)
@@ -86,6 +89,8 @@ class CallReaper:
         self.mine: dict[str, tuple[CallMarker, asyncio.Task[int | None]]] = {}
         """This gateway's open calls: each marker and the put that stores it (its revision, None if lost)."""
         self.lost = 0  # claims this gateway lost to a reaper (its call was recorded `aborted`)
+        self.claimed: set[str] = set()
+        """Calls whose claim deleted their marker (until they end)."""
         self.outage = Outage(log, "the call reaper's store")
 
     def started(self, run_id: str, rollout_id: str, attempt_id: str, call_id: str, mode: str, model: str) -> None:
@@ -96,34 +101,44 @@ class CallReaper:
 
     async def _put(self, call_id: str, marker: CallMarker) -> int | None:
         try:
-            ack = await self.store.js.publish(f"$KV.{CALLS}.{call_id}", _encode(marker), timeout=5.0)
-        except (nats.errors.Error, OSError):
+            return await self.store.kv_write(CALLS, call_id, _encode(marker))
+        except (nats.errors.Error, OSError):  # OSError: a TimeoutError too
             return None  # not stored: no reaper can see the call, so its owner records it unclaimed
-        return ack.seq
 
     async def claim(self, call_id: str) -> bool:
         """Claim the call's marker before recording the call: False when a reaper claimed it first.
 
-        A compare-and-set from the revision this gateway wrote: it fails only when the marker
+        A compare-and-set delete from the revision this gateway wrote: it fails only when the marker
         changed since, which only a reaper does (then its `aborted` is the call's record, and the
         caller appends nothing). A marker that was never stored cannot be reaped: True.
         """
+        return await (await self.send_claim(call_id))
+
+    async def send_claim(self, call_id: str) -> Awaitable[bool]:
+        """`claim` in two steps: send the claim now and return what awaits its verdict (await it always),
+        so that the call's record is built while the claim travels."""
         mine = self.mine.pop(call_id, None)
         if mine is None:
-            return True
-        marker, put = mine
-        revision = await put
+            return _won()
+        revision = await mine[1]
         if revision is None or self.calls is None:
-            return True
-        claimed = msgspec.structs.replace(marker, state="ending", by=self.instance)
+            return _won()
+        try:  # claimed by deleting it: a reaper's claim from the revision it read then fails
+            pending = await self.store.kv_send(CALLS, call_id, b"", last=revision, delete=True)
+        except (nats.errors.Error, OSError):
+            return _won()  # the store is unreachable: the record's own append fails and says so
+        return self._verdict(call_id, pending)
+
+    async def _verdict(self, call_id: str, pending: Awaitable[int]) -> bool:
         try:
-            await self.calls.update(call_id, _encode(claimed), last=revision)
+            await pending
         except nats.js.errors.KeyWrongLastSequenceError:
             self.lost += 1
             log.warning("call %s was recorded aborted by another gateway while this one was stalled", call_id)
             return False
         except (nats.errors.Error, OSError):
             return True  # the store is unreachable: the record's own append fails and says so
+        self.claimed.add(call_id)
         return True
 
     def ended(self, call_id: str) -> None:
@@ -131,6 +146,9 @@ class CallReaper:
         mine = self.mine.pop(call_id, None)
         if mine is not None:  # not claimed (nothing recorded): delete it once its put is done
             mine[1].add_done_callback(lambda _: self._publish(call_id, b"", {"KV-Operation": "DEL"}))
+            return
+        if call_id in self.claimed:  # its claim deleted it
+            self.claimed.discard(call_id)
             return
         self._publish(call_id, b"", {"KV-Operation": "DEL"})
 
@@ -257,6 +275,10 @@ def _aborted(call_id: str, call: CallMarker, interval_s: float) -> ModelRequestR
             f"no heartbeat for {3 * interval_s:g}s"
         ),
     )
+
+
+async def _won() -> bool:
+    return True
 
 
 def _quiet(task: asyncio.Task[Any]) -> None:

@@ -56,8 +56,9 @@ def _shared(prompt: Any, tokens: Any) -> int:
     n = min(len(prompt), len(tokens))
     if n == 0:
         return 0
-    differ = np.flatnonzero(prompt[:n] != tokens[:n])
-    return int(differ[0]) if len(differ) else n
+    differ = prompt[:n] != tokens[:n]
+    first = int(differ.argmax())  # the first True; 0 also when none differ
+    return first if differ[first] else n
 
 
 def _ids(values: Sequence[int]) -> Any | None:
@@ -109,6 +110,9 @@ class CallChains:
         self.references = compact
         self.attempts: ByteLRU[AttemptKey, list[RecordedCall]] = ByteLRU(max_bytes, _calls_size)
         self.referenced = 0
+        self._prompts: dict[int, tuple[list[int], Any]] = {}
+        """The prompt arrays `compact` made, by the id of their list, for `remember` (a long prompt's
+        list-to-array conversion is the costly part of both)."""
 
     def compact(self, events: list[ModelRequestRecorded]) -> list[ModelRequestRecorded]:
         """The events as recorded: a reference and the new ids where an earlier call is shared, arrays packed."""
@@ -122,10 +126,15 @@ class CallChains:
         shared = 0
         prompt = _ids(first.prompt_ids)
         if prompt is not None and first.status == "ok":
+            if len(self._prompts) >= 256:  # a bound: every call's append ends in `remember` or `drop`
+                self._prompts.clear()
+            self._prompts[id(first.prompt_ids)] = (first.prompt_ids, prompt)
             for recorded in reversed(self.attempts.get(_key(first)) or []):
                 n = _shared(prompt, recorded.tokens)
                 if n > shared:
                     base, shared = recorded, n
+                if shared == len(prompt):  # no earlier call can share more than the whole prompt
+                    break
         if base is None or shared < MIN_SHARED:
             return [_packed(event, event.prompt_ids, event.request, UNSET) for event in events]
         self.referenced += 1
@@ -137,13 +146,25 @@ class CallChains:
     def remember(self, events: list[ModelRequestRecorded], appended: Sequence[Appended]) -> None:
         """Keep the acknowledged `ok` calls (full events, as built before `compact`) for later references
         and continuous prompts."""
+        made = self._prompts.pop(id(events[0].prompt_ids), None) if events else None
         for event, ack in zip(events, appended, strict=True):
             if event.status != "ok" or not event.prompt_ids or ack.duplicate:
                 continue
-            tokens = _ids([*event.prompt_ids, *event.response_ids])
+            if made is not None and made[0] is event.prompt_ids:  # the same list: its array is made
+                response = _ids(event.response_ids) if event.response_ids else None
+                if event.response_ids and response is None:  # an id outside int32: not kept, as below
+                    continue
+                tokens = made[1] if response is None else np.concatenate((made[1], response))
+            else:
+                tokens = _ids([*event.prompt_ids, *event.response_ids])
             if tokens is None:
                 continue
             self.add(_key(event), event, ack.seq, tokens)
+
+    def drop(self, events: list[ModelRequestRecorded]) -> None:
+        """Forget what `compact` made for events whose append failed (they are not remembered)."""
+        if events:
+            self._prompts.pop(id(events[0].prompt_ids), None)
 
     def add(self, key: AttemptKey, event: ModelRequestRecorded, seq: int, tokens: Any) -> None:
         """Keep one call (full prompt ids and request) of an attempt, the oldest of more than PER_ATTEMPT dropped."""

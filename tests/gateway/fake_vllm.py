@@ -177,6 +177,9 @@ class FakeVLLM:
                 return
             await self._json(send, status, answer)
             return
+        if path.endswith("/v1/completions") and scope["method"] == "POST":
+            await self._json(send, 200, self._token_in(_decode(body)))
+            return
         if not path.endswith("/chat/completions"):
             await self._json(send, 404, {"error": {"message": f"no route {path}"}})
             return
@@ -298,6 +301,38 @@ class FakeVLLM:
                         }
                     )
         return prompt, choices
+
+    def _token_in(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A non-streamed token-in completion (continuous prompt mode): the `prompt` ids as they are, and per
+        choice `text`, `token_ids`, `prompt_token_ids` and `logprobs.token_logprobs`, as vLLM's
+        `CompletionResponse` (`vllm/entrypoints/openai/protocol.py`, v0.10.2 and later) has them."""
+        prompt = [int(t) for t in request.get("prompt") or []]
+        count = int(request.get("max_tokens") or 8)
+        choices: list[dict[str, Any]] = []
+        completion = 0
+        for index in range(int(request.get("n") or 1)):
+            tokens, logprobs = sample(prompt, index, count)
+            completion += len(tokens)
+            pieces = detokenize(tokens)
+            choices.append(
+                {
+                    "index": index,
+                    "text": "".join(pieces),
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                    "prompt_token_ids": prompt,
+                    "token_ids": tokens,
+                    "logprobs": {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": None,
+                                 "text_offset": [0] * len(tokens)},
+                }
+            )  # fmt: skip
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": completion,
+            "total_tokens": len(prompt) + completion,
+        }
+        return {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()), "model": self.model,
+                "choices": choices, "usage": usage}  # fmt: skip
 
     def _tool_call(self, tools: list[Any], token: int) -> tuple[str, str]:
         """The scripted call (the first tool named in `tool_script`), else the first tool with `{"x": N}`."""
