@@ -99,10 +99,10 @@ def make_backend(kind: str, model_dir: Path, length: int, device: str) -> object
     settings = BackendSection(kind="verl" if kind == "verl" else "cpu", dtype="bfloat16" if gpu else "float32",
                               gradient_checkpointing=gpu)  # fmt: skip
     if kind == "verl":
-        from trainer.verl_backend import VerlBackend
+        from trainer.backends.verl import VerlBackend
 
         return VerlBackend(model_dir, algorithm, seed=0, settings=settings)
-    from trainer.cpu_backend import CpuBackend
+    from trainer.backends.cpu import CpuBackend
 
     return CpuBackend(model_dir, algorithm, seed=0, settings=settings, device=device)
 

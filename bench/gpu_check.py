@@ -54,10 +54,10 @@ def make(kind: str, model_dir: Path, *, micro: int, device: str, dtype: Dtype, k
     settings = BackendSection(kind="verl" if kind == "verl" else "cpu", dtype=dtype,
                               gradient_checkpointing=device == "cuda", threads=None)  # fmt: skip
     if kind == "verl":
-        from trainer.verl_backend import VerlBackend
+        from trainer.backends.verl import VerlBackend
 
         return VerlBackend(model_dir, algorithm, seed=0, settings=settings)
-    from trainer.cpu_backend import CpuBackend
+    from trainer.backends.cpu import CpuBackend
 
     return CpuBackend(model_dir, algorithm, seed=0, settings=settings, device=device)
 

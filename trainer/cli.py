@@ -119,7 +119,7 @@ def follows_rank0() -> bool:
 
 def _follow(config: TrainConfig) -> None:
     """A rank other than 0: build the backend and do rank 0's calls until it closes."""
-    from trainer.backend import build_backend
+    from trainer.backends.factory import build_backend
 
     backend = build_backend(config)
     backend.follow()

@@ -29,10 +29,10 @@ from typing import Protocol
 from services.common.gateway_api import GatewayClient
 from services.common.vllm import ReplicaError, VllmReplicas, VllmServeSettings, start_replicas
 from services.common.vllm_install import ensure_vllm
-from trainer.backend import ADAPTERS_DIR
+from trainer.backends.base import ADAPTERS_DIR
+from trainer.backends.lora import adapter_names
 from trainer.clients import RETRIES, EngineClient, ServiceUrls
 from trainer.config import TrainConfig
-from trainer.lora import adapter_names
 
 
 class ServingEngine(Protocol):

@@ -29,7 +29,8 @@ import msgspec
 
 from services.common.gateway_api import GatewayClient
 from services.devstack.embedded import free_port
-from trainer.backend import TrainingBackend, UpdateMetrics, build_backend
+from trainer.backends.base import TrainingBackend, UpdateMetrics
+from trainer.backends.factory import build_backend
 from trainer.config import TrainConfig
 from trainer.core import AdapterConfig, RolloutCalls, StepBatch, build_step
 from trainer.engines import EmbeddedEngine, ServingEngine, VllmEngine, register_replicas, start_vllm

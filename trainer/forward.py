@@ -2,7 +2,7 @@
 
 `policy_logprobs` runs the model to its last hidden states (no logits), then the chunked
 `trainer.logprobs.selected_logprobs` on the sampled positions only: the path every backend takes
-(verl's runs the same function inside the output projection, `trainer.verl_engine`).
+(verl's runs the same function inside the output projection, `trainer.backends.verl_engine`).
 
 Agent rollouts of one run usually open with the same system turn (instructions, tool
 descriptions): often most of a short sample's tokens. `forward_logits` runs that shared prefix

@@ -41,7 +41,8 @@ import msgspec
 from schemas.events import TERMINAL_STATUSES, CustomEvent
 from services.common.eventstore import EventStore
 from services.common.gateway_api import GatewayClient, NewRollout
-from trainer.backend import TrainingBackend, UpdateMetrics, build_backend
+from trainer.backends.base import TrainingBackend, UpdateMetrics
+from trainer.backends.factory import build_backend
 from trainer.checkpoint import InFlightGroup, RunDir, TrainerState
 from trainer.clients import ServiceUrls, gateway_client
 from trainer.config import TrainConfig, config_to_mapping

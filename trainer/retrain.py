@@ -34,7 +34,7 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
-from trainer.backend import TrainingBackend, UpdateMetrics
+from trainer.backends.base import TrainingBackend, UpdateMetrics
 from trainer.core import Sample
 
 DEFAULT_IS_CAP = 2.0

@@ -7,7 +7,7 @@ For each scheme, one after another:
 
 1. the run's files: its directory (`config.json`, `weights/vN`, `checkpoints/`, `metrics.csv`),
    found from `--run-dir` or `runs/<run>`;
-2. a backend built by the trainer's own factory (`trainer.backend.build_backend`: every backend
+2. a backend built by the trainer's own factory (`trainer.backends.base.build_backend`: every backend
    the trainer has) from the run's config, with the scheme's loss settings, loaded with the
    weights the run trained step N with (`--from-step N`; the base model from the first step on)
    and, when the run kept it, the optimizer state of its checkpoint after step N-1;
@@ -156,7 +156,7 @@ def _backend_config(files: RunFiles, scheme: RetrainScheme, kind: str | None) ->
 
 def build_retrain_backend(files: RunFiles, scheme: RetrainScheme, first: int, kind: str | None) -> ProximalBackend:
     """The trainer's backend for the run, with the scheme's loss, holding the weights step `first` trained on."""
-    from trainer.backend import build_backend
+    from trainer.backends.factory import build_backend
 
     version = files.trained_version(first)
     weights = files.weights(version)

@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
+from trainer.backends.cpu import CpuBackend
 from trainer.config import AlgorithmSection, BackendSection, LossSection
 from trainer.core import AdapterConfig, CallTokens, RolloutCalls, Sample, build_step
-from trainer.cpu_backend import CpuBackend
 from trainer.forward import forward_logits, shared_prefix_length
 
 VOCAB = 256

@@ -21,16 +21,16 @@ import transformers
 from test_forward_backend import small_model
 
 from services.engine.sampling import SamplingParams, sample_token, sampled_logprobs
+from trainer.backends.cpu import CpuBackend
 from trainer.config import AlgorithmSection, BackendSection, LossSection
 from trainer.core import AdapterConfig, CallTokens, RolloutCalls, Sample, build_step
-from trainer.cpu_backend import CpuBackend
 
 REAL_VOCAB = 151_936  # Qwen2's
 
 
 def _verl() -> Any:
     pytest.importorskip("verl")
-    from trainer.verl_backend import VerlBackend
+    from trainer.backends.verl import VerlBackend
 
     return VerlBackend
 
@@ -176,14 +176,14 @@ def test_the_log_prob_path_is_chunked_at_a_real_vocabulary(
 
 def test_an_adapter_without_samples_is_loud(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Roles the samples do not carry: an error when no adapter gets a sample, a warning naming the empty one."""
-    from trainer import lora
+    from trainer.backends import lora
 
     samples = on_policy_samples(small_model(tmp_path), SETTINGS["T=1.0"], agent="planner", rollouts=2)
     wrong = BackendSection(lora_rank=4, lora_adapters={"writer": "writer", "coder": "coder"})
     with pytest.raises(lora.NoSamplesForAdapters, match="planner"):
         lora.split_by_adapter(samples, wrong)
     half = BackendSection(lora_rank=4, lora_adapters={"planner": "planner", "coder": "coder"})
-    with caplog.at_level("WARNING", logger="trainer.lora"):
+    with caplog.at_level("WARNING", logger="trainer.backends.lora"):
         split = lora.split_by_adapter(samples, half)
     assert {k: len(v) for k, v in split.items()} == {"planner": 2, "coder": 0}
     assert "adapter 'coder' trains on 0 of the step's 2 samples" in caplog.text

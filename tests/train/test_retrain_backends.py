@@ -16,8 +16,8 @@ import pytest
 import torch
 from test_forward_backend import multi_turn_samples, small_model
 
+from trainer.backends.cpu import CpuBackend
 from trainer.config import AlgorithmSection, BackendSection, LossSection
-from trainer.cpu_backend import CpuBackend
 from trainer.retrain import decoupled_samples, retrain_update
 
 ALGORITHM = AlgorithmSection(lr=1e-2, micro_batch_tokens=64, loss=LossSection(clip_low=0.2, clip_high=0.2))
@@ -52,7 +52,7 @@ def test_cpu_token_logprobs_are_the_first_forward_passes_and_the_decoupled_ratio
 
 def test_verl_retrains_like_the_cpu_backend(tmp_path: Path) -> None:
     pytest.importorskip("verl")
-    from trainer.verl_backend import VerlBackend
+    from trainer.backends.verl import VerlBackend
 
     model = small_model(tmp_path)
     samples = multi_turn_samples(1)

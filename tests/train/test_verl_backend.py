@@ -18,11 +18,11 @@ pytest.importorskip("peft")
 
 from test_forward_backend import VOCAB, multi_turn_samples, small_model
 
-from trainer import lora
+from trainer.backends import lora
+from trainer.backends.cpu import CpuBackend
 from trainer.config import AlgorithmSection, BackendSection, LossSection
 from trainer.core import AdapterConfig, CallTokens, RolloutCalls, Sample, build_step
 from trainer.core.weights import Norm
-from trainer.cpu_backend import CpuBackend
 
 NORMS: list[Norm] = ["rollout-mean", "token-mean", "seq-mean-token-mean"]
 
@@ -40,7 +40,7 @@ def renormalized(samples: list[Sample], norm: Norm) -> list[Sample]:
 
 @pytest.fixture(scope="module")
 def verl_backend_factory():  # type: ignore[no-untyped-def]
-    from trainer.verl_backend import VerlBackend
+    from trainer.backends.verl import VerlBackend
 
     return VerlBackend
 

@@ -1,6 +1,6 @@
 """LoRA per role, served by real vLLM: each agent's calls reach its role's adapter, reloads take effect.
 
-Adapters are saved as the trainer saves them (`trainer.lora.save_adapter`: peft's format under
+Adapters are saved as the trainer saves them (`trainer.backends.lora.save_adapter`: peft's format under
 `<weights>/adapters/<name>/`), loaded by the trainer's `VllmEngine` through vLLM's runtime LoRA
 routes, registered with the gateway by `register_replicas`, and called through the proxy with
 `X-Rollwire-Agent`. Greedy decoding makes each adapter's answer a fingerprint.
@@ -21,8 +21,8 @@ from gw_harness import ADMIN, GatewayHandle
 from vllm_rig import SERVED, start_run
 
 from services.common.gateway_api import GatewayClient
+from trainer.backends.lora import save_adapter
 from trainer.engines import VllmEngine, register_replicas
-from trainer.lora import save_adapter
 
 ROLES = {"planner": "planner", "coder": "coder"}
 # Long enough to fill whole KV blocks, so vLLM's prefix cache holds it between calls.

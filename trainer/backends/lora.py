@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.backend import ADAPTERS_DIR
+from trainer.backends.base import ADAPTERS_DIR
 from trainer.core import Sample
 
 if TYPE_CHECKING:

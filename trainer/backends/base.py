@@ -12,11 +12,11 @@ A backend owns the policy's weights and optimizer. The loop only ever calls:
 
 Backends:
 
-- `cpu` (`trainer.cpu_backend.CpuBackend`): torch + transformers in this process.
-- `verl` (`trainer.verl_backend.VerlBackend`): verl's FSDP2 training engine, one process per GPU
+- `cpu` (`trainer.backends.cpu.CpuBackend`): torch + transformers in this process.
+- `verl` (`trainer.backends.verl.VerlBackend`): verl's FSDP2 training engine, one process per GPU
   under torchrun (several nodes through torchrun's rendezvous), our loss passed to it exactly.
 
-Both train every weight or, with `lora_rank > 0`, LoRA adapters (`trainer.lora`): one adapter for
+Both train every weight or, with `lora_rank > 0`, LoRA adapters (`trainer.backends.lora`): one adapter for
 all calls, or one per agent role (`lora_adapters`), on one base model.
 """
 
@@ -25,15 +25,12 @@ from __future__ import annotations
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import msgspec
 
 from trainer.core import Sample
 from trainer.loss import LossMetrics
-
-if TYPE_CHECKING:
-    from trainer.config import TrainConfig
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -155,18 +152,3 @@ def replace_dir(staging: Path, out_dir: Path) -> Path:
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)
     return out_dir
-
-
-def build_backend(config: TrainConfig) -> TrainingBackend:
-    """The backend `[backend] kind` names, loaded from `[model] path` (verl is imported only when chosen)."""
-    settings = config.backend
-    match settings.kind:
-        case "cpu":
-            from trainer.cpu_backend import CpuBackend
-
-            return CpuBackend(Path(config.model.path), config.algorithm, seed=config.run.seed, settings=settings)
-        case "verl":
-            from trainer.verl_backend import VerlBackend
-
-            return VerlBackend(Path(config.model.path), config.algorithm, seed=config.run.seed, settings=settings)
-    raise ValueError(f"backend.kind: {settings.kind!r}; choose one of: cpu, verl")

@@ -3,7 +3,7 @@
 `build_engine` fills verl's dataclass configs (`HFModelConfig`, `FSDPEngineConfig`,
 `FSDPOptimizerConfig`) from `[algorithm]` and `[backend]`: AdamW with the CPU backend's betas,
 gradient clipping, a constant learning rate, FSDP2, float32 master weights with `dtype` compute,
-padding-free micro-batches. LoRA adapters are added by `trainer.lora` before FSDP wraps the model,
+padding-free micro-batches. LoRA adapters are added by `trainer.backends.lora` before FSDP wraps the model,
 so both backends start from the same adapter weights and per-role adapters share one base.
 
 The state helpers are collective: every rank calls them in the same order; only rank 0 gets the
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer import lora
+from trainer.backends import lora
 from trainer.config import AlgorithmSection, BackendSection
 
 _PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
@@ -53,8 +53,8 @@ def rollwire_forward_step(engine: Any, micro_batch: Any, loss_function: Any, for
 
     from verl.utils.device import get_device_id, get_device_name
 
+    from trainer.backends.verl_batch import packed_request
     from trainer.logprobs import computing_in_head
-    from trainer.verl_batch import packed_request
 
     micro_batch = micro_batch.to(get_device_id())
     model_inputs, _ = engine.prepare_model_inputs(micro_batch=micro_batch)
@@ -134,7 +134,7 @@ def build_reference_model(model_dir: Path) -> torch.nn.Module:
 
 
 def reference_from_model(model: torch.nn.Module, samples: Any, temperature: float) -> list[torch.Tensor]:
-    """Per-sample reference logprob rows, target-aligned like `trainer.verl_batch` (last column 0)."""
+    """Per-sample reference logprob rows, target-aligned like `trainer.backends.verl_batch` (last column 0)."""
     from trainer.forward import policy_logprobs
     from trainer.loss import collate
 

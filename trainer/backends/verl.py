@@ -6,20 +6,20 @@ the training loop; every other rank runs `follow()`, which receives each call ra
 work. An update spreads the step's samples over the ranks with `trainer.core.plan_micro_batches`
 (balanced by tokens, packed into micro-batches of at most `micro_batch_tokens`, the same count
 on every rank; a rank with fewer runs a filler that contributes nothing), runs each micro-batch
-through the engine's `forward_backward_batch` with Rollwire's loss (`trainer.verl_batch`), and
+through the engine's `forward_backward_batch` with Rollwire's loss (`trainer.backends.verl_batch`), and
 takes `updates_per_step` optimizer steps (clipping and AdamW in the engine).
 
 On GPUs: bf16 compute (`[backend] dtype`) over float32 master weights, gradient checkpointing,
 padding-free micro-batches (flash-attention varlen through verl's patches). Token logprobs come
 from Rollwire's chunked path run inside the output projection (`trainer.logprobs`,
-`trainer.verl_engine.rollwire_forward_step`), under each sample's temperature and nucleus, never
+`trainer.backends.verl_engine.rollwire_forward_step`), under each sample's temperature and nucleus, never
 from verl's per-row `logprobs_from_logits_v2` loop. On CPU (tests):
-verl's platform registry gets a `cpu` platform (`trainer.verl_platform`), sdpa attention and
+verl's platform registry gets a `cpu` platform (`trainer.backends.verl_platform`), sdpa attention and
 gloo; the same FSDP2 code runs and matches the CPU backend to float32 rounding.
 
 Weights are exported as a Hugging Face safetensors directory (`model.safetensors`,
 `config.json`, tokenizer files) that the embedded engine and vLLM load; with LoRA, each adapter
-in peft's format (`trainer.lora`), plus the merged model for engines without adapters.
+in peft's format (`trainer.backends.lora`), plus the merged model for engines without adapters.
 """
 
 from __future__ import annotations
@@ -34,14 +34,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer import lora
-from trainer.backend import UpdateMetrics, combine, contributes, copy_tokenizer_files, replace_dir
-from trainer.config import AlgorithmSection, BackendSection
-from trainer.core import Sample, plan_micro_batches
-from trainer.cpu_backend import replace_dir_clean
-from trainer.loss import LossMetrics, PolicyLossConfig
-from trainer.verl_batch import FILLER, policy_loss_function, reference_rows, to_tensordict
-from trainer.verl_engine import (
+from trainer.backends import lora
+from trainer.backends.base import UpdateMetrics, combine, contributes, copy_tokenizer_files, replace_dir
+from trainer.backends.cpu import replace_dir_clean
+from trainer.backends.verl_batch import FILLER, policy_loss_function, reference_rows, to_tensordict
+from trainer.backends.verl_engine import (
     build_engine,
     build_reference_model,
     full_state,
@@ -50,7 +47,10 @@ from trainer.verl_engine import (
     reference_from_model,
     set_optimizer_state,
 )
-from trainer.verl_platform import init_distributed, register_cpu_platform
+from trainer.backends.verl_platform import init_distributed, register_cpu_platform
+from trainer.config import AlgorithmSection, BackendSection
+from trainer.core import Sample, plan_micro_batches
+from trainer.loss import LossMetrics, PolicyLossConfig
 
 
 class VerlBackend:
@@ -224,7 +224,7 @@ class VerlBackend:
 
     def loss_and_gradients(self, samples: Sequence[Sample]) -> tuple[float, dict[str, torch.Tensor]]:
         """The step's loss and full gradient per trained parameter, without stepping (one rank; tests, debugging)."""
-        from trainer.verl_engine import _full
+        from trainer.backends.verl_engine import _full
 
         parts: list[LossMetrics] = []
         plans = self._plans(samples)

@@ -5,7 +5,7 @@ step (built by `trainer.core`, weights fixed for the whole step): micro-batches 
 the clipped policy loss of `trainer.loss` summed over them (so the gradient is the full step's),
 then gradient clipping and AdamW. `save_weights` writes a directory the engine can load
 (`model.safetensors`, `config.json`, the tokenizer files), one per weights version; with LoRA,
-the adapters (`trainer.lora`) and, for engines that cannot apply them, the merged model.
+the adapters (`trainer.backends.lora`) and, for engines that cannot apply them, the merged model.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from trainer import lora
-from trainer.backend import UpdateMetrics, combine, contributes, copy_tokenizer_files, replace_dir
+from trainer.backends import lora
+from trainer.backends.base import UpdateMetrics, combine, contributes, copy_tokenizer_files, replace_dir
 from trainer.config import AlgorithmSection, BackendSection
 from trainer.core import Sample, plan_micro_batches
 from trainer.forward import policy_logprobs

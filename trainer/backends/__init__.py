@@ -1,0 +1,1 @@
+"""Training backends: the protocol (`base`), the factory, the CPU backend, LoRA and the verl modules."""
