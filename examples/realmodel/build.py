@@ -1,9 +1,10 @@
 """Build the realmodel example's data: small arithmetic questions with exact integer answers.
 
-Each question is `What is A + B?`, A from 2 to 50 and B from 2 to 9: SmolLM2-135M-Instruct, asked
-through the agent at temperature 0.7, gets about a third of them right (it knows many of these sums,
-but often rambles, or ends on a wrong number). The calculator is offered; the untrained model never
-calls it.
+Half the questions are `Which number is smaller, A or B?` (A, B from 10 to 99), half `What is
+A + B?` (A from 2 to 50, B from 2 to 9). SmolLM2-135M-Instruct, asked through the agent at
+temperature 0.7, gets about a quarter of them right, and its 8 answers to one question usually
+disagree (it knows many of these sums and comparisons, but often rambles, or ends on the wrong
+number): the groups carry signal. The calculator is offered; the untrained model never calls it.
 The training and held-out sets are drawn with different seeds and share no question.
 
     python -m examples.realmodel.build [--out examples/realmodel/data] [--count 2000] [--heldout 80]
@@ -24,17 +25,20 @@ HERE = Path(__file__).resolve().parent
 
 def question(r: random.Random) -> tuple[str, int]:
     """One question and its exact answer."""
+    if r.random() < 0.5:
+        a, b = r.sample(range(10, 100), 2)
+        return f"Which number is smaller, {a} or {b}?", min(a, b)
     a, b = r.randint(2, 50), r.randint(2, 9)
     return f"What is {a} + {b}?", a + b
 
 
 def draw(r: random.Random, count: int, avoid: set[str]) -> list[dict[str, Any]]:
-    """`count` questions not in `avoid`, distinct while there are fresh ones (392 exist), then repeating."""
+    """`count` distinct questions not in `avoid`."""
     tasks: list[dict[str, Any]] = []
     seen = set(avoid)
     while len(tasks) < count:
         text, answer = question(r)
-        if text in avoid or (text in seen and len(seen) < 392):
+        if text in seen:
             continue
         seen.add(text)
         tasks.append({"id": f"q{len(tasks)}", "question": text, "answer": answer})
