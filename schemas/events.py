@@ -54,6 +54,11 @@ ReasoningParser = Literal["qwen3", "deepseek_r1"]
 """vLLM's reasoning parsers whose format continuous prompt mode reads: a leading `<think>…</think>` block."""
 Phase = Literal["rollout", "update"]
 EventSource = Literal["agent", "evaluator", "admin"]
+FailureCause = Literal["timeout", "agent-error", "infrastructure"]
+"""Why an attempt failed, as the controller knows it (not from any log text): `timeout` (the agent
+ran past its time limit), `agent-error` (the agent exited non-zero on its own), `infrastructure`
+(anything the policy did not cause: a launch, the evaluator, an OOM kill, a lost node, the gateway
+or engine down, time held by the update gate)."""
 """Who wrote a reward or custom event: an attempt's agent token, its evaluator token, or the admin (a
 service: the trainer, the controller, the gateway itself, a monitor, an operator)."""
 RewardSource = EventSource
@@ -167,6 +172,9 @@ class RolloutStatusChanged(Event, frozen=True, kw_only=True, tag="rollout.status
     status: RolloutStatus
     previous: RolloutStatus | None = None
     reason: str | None = None
+    cause: FailureCause | None = None
+    """On `requeuing` and `failed`: the controller's classification of the failure (`reason` is for a
+    person, and may quote the agent's log); None when not known (older events, other writers)."""
 
     @property
     def subject(self) -> str:
@@ -306,11 +314,19 @@ class ModelRegistered(Event, frozen=True, kw_only=True, tag="model.registered"):
     prompts with; unset, the proxy fetches them once from the engine's `GET /v1/tokenizer`."""
     reasoning_parser: ReasoningParser | UnsetType | None = UNSET
     """Continuous prompt mode: how sampled text holds reasoning (vLLM's `--reasoning-parser` names)."""
+    adapters: dict[str, str] = {}
+    """Agent name -> the model name sent upstream for that agent's calls (a LoRA adapter vLLM serves
+    for the agent's role); other agents' calls go to `served_model`."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_id("name", self.name)
         check_int("weights_version", self.weights_version)
+        if len(self.adapters) > 256:
+            raise ValueError("adapters: at most 256 agents")
+        for agent, adapter in self.adapters.items():
+            check_id("adapters agent", agent)
+            check_id("adapters model", adapter)
 
     @property
     def subject(self) -> str:

@@ -18,7 +18,14 @@ from typing import Any, Protocol, overload
 
 import msgspec
 
-from schemas.events import AnyEvent, AttemptStarted, RewardReported, RolloutCreated, RolloutStatusChanged
+from schemas.events import (
+    AnyEvent,
+    AttemptStarted,
+    FailureCause,
+    RewardReported,
+    RolloutCreated,
+    RolloutStatusChanged,
+)
 from schemas.transitions import is_terminal
 
 _ENDING = ("requeuing", "succeeded", "failed", "cancelled")
@@ -75,6 +82,8 @@ class RolloutView(msgspec.Struct, frozen=True, kw_only=True):
     status: str = "queuing"  # a created rollout is queued by the status event written with it
     previous: str | None = None
     reason: str | None = None
+    cause: FailureCause | None = None
+    """The last status event's `cause` (the controller's classification of a failure)."""
     attempt_id: str | None = None
     attempts: tuple[AttemptView, ...] = ()
     rewards: tuple[RewardView, ...] = ()
@@ -216,6 +225,7 @@ def _status(state: RolloutView, event: RolloutStatusChanged, seq: int) -> Rollou
         status=event.status,
         previous=state.status,
         reason=event.reason,
+        cause=event.cause,
         attempt_id=current,
         attempts=attempts,
         version=state.version + 1,

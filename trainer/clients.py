@@ -112,11 +112,13 @@ class GatewayClient(HttpClient):
         served_model: str | None,
         weights_version: int | None,
         key: str,
+        adapters: dict[str, str] | None = None,
         **rendering: str | None,
     ) -> Any:
         """Point the run's proxy at an inference endpoint (`POST /api/models`); `rendering`: its
-        `tokenizer` directory and `reasoning_parser`, for continuous prompt mode."""
-        body = {
+        `tokenizer` directory and `reasoning_parser`, for continuous prompt mode; `adapters`: agent ->
+        the LoRA adapter its calls are served by."""
+        body: dict[str, Any] = {
             "run_id": run_id,
             "name": name,
             "base_url": base_url,
@@ -124,6 +126,8 @@ class GatewayClient(HttpClient):
             "weights_version": weights_version,
             **{k: v for k, v in rendering.items() if v is not None},
         }
+        if adapters:
+            body["adapters"] = adapters
         return await self.request("POST", "/api/models", body, key=key)
 
     async def set_phase(self, run_id: str, phase: str, weights_version: int | None, key: str | None) -> Any:

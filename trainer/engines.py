@@ -17,12 +17,13 @@ The loop calls `load` inside the phase gate, so no call runs while any replica c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import subprocess
 from pathlib import Path
 from typing import Protocol
 
-from services.common.vllm import VllmReplicas, VllmServeSettings, start_replicas
+from services.common.vllm import ReplicaError, VllmReplicas, VllmServeSettings, start_replicas
 from trainer.backend import ADAPTERS_DIR
 from trainer.clients import EngineClient, GatewayClient, ServiceUrls
 from trainer.config import TrainConfig
@@ -34,6 +35,10 @@ class ServingEngine(Protocol):
 
     async def endpoints(self) -> list[tuple[str, str | None]]:
         """(OpenAI base URL, served model) per replica."""
+        ...
+
+    def agent_adapters(self) -> dict[str, str]:
+        """Agent name -> the served LoRA adapter its calls go to (empty: every call to the endpoint's model)."""
         ...
 
     async def load(self, weights_dir: Path, version: int) -> None:
@@ -56,6 +61,10 @@ class EmbeddedEngine:
         """The engine's `/v1` and the model name it answers to."""
         return [(f"{self.base}/v1", await self.client.served_model())]
 
+    def agent_adapters(self) -> dict[str, str]:
+        """None: the embedded engine serves one set of weights."""
+        return {}
+
     async def load(self, weights_dir: Path, version: int) -> None:
         """`POST /reload`: the engine swaps weights between requests."""
         await self.client.reload(str(weights_dir), version)
@@ -74,27 +83,40 @@ class VllmEngine:
         served_name: str,
         *,
         adapters: list[str] | None = None,
+        roles: dict[str, str] | None = None,
         processes: list[subprocess.Popen[bytes]] | None = None,
     ) -> None:
         self.replicas = VllmReplicas(urls)
         self.served_name = served_name
         self.adapters = adapters or []
+        self.roles = dict(roles or {})
         self.processes = processes or []
+        self.loaded: set[str] = set()
 
     async def endpoints(self) -> list[tuple[str, str | None]]:
         """Each replica's `/v1`; with one LoRA adapter, calls go to the adapter's name."""
         served = self.adapters[0] if len(self.adapters) == 1 else self.served_name
         return [(f"{url}/v1", served) for url in self.replicas.urls]
 
+    def agent_adapters(self) -> dict[str, str]:
+        """With several adapters, each role's agent -> its adapter (`[backend] lora_adapters`)."""
+        return (
+            {role: name for role, name in self.roles.items() if name in self.adapters} if len(self.adapters) > 1 else {}
+        )
+
     async def load(self, weights_dir: Path, version: int) -> None:
         """Full weights: the reload sequence on every replica; LoRA: every adapter, in place, on every replica."""
         if self.adapters:
             await self.replicas.load_adapters({name: weights_dir / ADAPTERS_DIR / name for name in self.adapters})
+            self.loaded |= set(self.adapters)
         else:
             await self.replicas.reload(weights_dir, version)
 
     async def close(self) -> None:
-        """Close connections and stop the replicas this engine started."""
+        """Unload the adapters it loaded on replicas it attached to, close connections, stop what it started."""
+        if self.loaded and not self.processes:
+            with contextlib.suppress(ReplicaError):  # a replica already gone keeps nothing
+                await self.replicas.unload_adapters(sorted(self.loaded))
         await self.replicas.close()
         for process in self.processes:
             process.terminate()
@@ -114,6 +136,7 @@ async def register_replicas(
     one replica per rollout (a hash of its id), so a rollout keeps its replica's prefix cache.
     """
     endpoints = await engine.endpoints()
+    adapters = engine.agent_adapters()
     for index, (base_url, served) in enumerate(endpoints):
         await gateway.register_model(
             run_id,
@@ -121,6 +144,7 @@ async def register_replicas(
             base_url=base_url,
             served_model=served,
             weights_version=None,  # the engine, or else the proxy's phase, stamps each call's version
+            adapters=adapters,
             # The engine's address is part of the key: a resumed run's engine may listen elsewhere,
             # and the same key would be taken for a repeat of the old registration.
             key=f"{run_id}-model-{served_name}-{index}-{hashlib.sha256(base_url.encode()).hexdigest()[:12]}",
@@ -132,27 +156,48 @@ async def connect_engine(config: TrainConfig, urls: ServiceUrls) -> ServingEngin
     """The engine `[engine] kind` names: the stack's embedded engine, or vLLM replicas (attached or started)."""
     if config.engine.kind == "embedded":
         return EmbeddedEngine(urls.engine_base)
-    section = config.engine
     lora = config.backend.lora_rank > 0
-    adapters = adapter_names(config.backend) if lora else []
+    return await start_vllm(
+        config, config.model.path, config.model.served_name, config.run_dir / "vllm", slot=0,
+        urls=list(config.engine.urls), adapters=adapter_names(config.backend) if lora else [],
+    )  # fmt: skip
+
+
+async def start_vllm(
+    config: TrainConfig,
+    model: str,
+    served_name: str,
+    log_dir: Path,
+    *,
+    slot: int,
+    urls: list[str] | None = None,
+    adapters: list[str] | None = None,
+) -> VllmEngine:
+    """vLLM replicas serving `model` as `served_name`: attached to `urls`, else started, and ready.
+
+    The run's models each take a slot: slot k's `[engine] replicas` listen on the k-th block of
+    ports from `[engine] port` and run on the k-th block of GPUs, so `[model]`, each `[[policies]]`
+    and each `[[frozen]]` model get their own.
+    """
+    section = config.engine
+    adapters = adapters or []
     processes: list[subprocess.Popen[bytes]] = []
-    replica_urls = list(section.urls)
+    replica_urls = list(urls or [])
     if not replica_urls:
         settings = VllmServeSettings(
             executable=section.executable,
-            port=section.port,
+            port=section.port + slot * section.replicas,
             dtype=section.dtype,
             gpu_memory_utilization=section.gpu_memory_utilization,
-            max_lora_rank=config.backend.lora_rank,
+            max_lora_rank=config.backend.lora_rank if adapters else 0,
             max_loras=max(len(adapters), 1),
             extra_args=list(section.extra_args),
         )
-        started = start_replicas(
-            settings, config.model.path, config.model.served_name, section.replicas, config.run_dir / "vllm"
-        )
+        started = start_replicas(settings, model, served_name, section.replicas, log_dir, slot=slot)
         replica_urls = [url for url, _ in started]
         processes = [process for _, process in started]
-    engine = VllmEngine(replica_urls, config.model.served_name, adapters=adapters, processes=processes)
+    roles = config.backend.lora_adapters
+    engine = VllmEngine(replica_urls, served_name, adapters=adapters, roles=roles, processes=processes)
     try:
         await engine.replicas.wait_ready(section.startup_timeout_s)
     except BaseException:

@@ -2,12 +2,14 @@
 
 A run may train several models (say two agent roles on two models). `[model]` is trained by the
 loop as always; every `[[policies]]` entry gets here its own backend (optimizer, weights), its own
-embedded engine (a `python -m services.engine` process on a free port), its own weights versions
+engine of the kind `[engine] kind` names (vLLM replicas in their own slot of ports and GPUs, see
+`trainer.engines.start_vllm`, or an embedded engine: a `python -m services.engine` process on a
+free port), its own weights versions
 under `<run>/policies/<name>/weights/vN`, and its own samples: the step's rollouts cut to its
 calls (`RolloutCalls.for_model`), the same rollout rewards, its own advantages and loss weights.
 It updates inside the same phase gate as `[model]`, so no call of the run runs while any model
-changes weights. `[[frozen]]` models are served (an engine on `path`, or a running `base_url`) and
-registered, never trained. The proxy routes each agent to its model through the run spec.
+changes weights. `[[frozen]]` models are served (an engine of that kind on `path`, or a running
+`base_url`) and registered, never trained. The proxy routes each agent to its model through the run spec.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from trainer.backend import TrainingBackend, UpdateMetrics, build_backend
 from trainer.clients import GatewayClient
 from trainer.config import TrainConfig
 from trainer.core import AdapterConfig, RolloutCalls, StepBatch, build_step
-from trainer.engines import EmbeddedEngine, register_replicas
+from trainer.engines import EmbeddedEngine, ServingEngine, VllmEngine, register_replicas, start_vllm
 from trainer.run_sections import PolicySection
 
 Row = dict[str, Any]
@@ -75,13 +77,15 @@ class EngineProcess:
 class ExtraPolicy:
     """One `[[policies]]` model: backend, engine, versions (see the module docstring)."""
 
-    def __init__(self, config: TrainConfig, policy: PolicySection, root: Path) -> None:
+    def __init__(self, config: TrainConfig, policy: PolicySection, root: Path, slot: int = 1) -> None:
         self.name = policy.name
         self.root = root / "policies" / policy.name
         model = msgspec.structs.replace(config.model, path=policy.path, served_name=policy.name, agents=policy.agents)
         self.config = msgspec.structs.replace(config, model=model, policies=[], frozen=[])
+        self.slot = slot
         self.backend: TrainingBackend | None = None
         self.engine: EngineProcess | None = None
+        self.vllm: VllmEngine | None = None
         self.version = 0
 
     def weights(self, version: int) -> Path:
@@ -100,34 +104,48 @@ class ExtraPolicy:
 
     async def serve(self, gateway: GatewayClient, run_id: str) -> None:
         """Start its engine on its current weights and register it for the run under its name."""
-        self.engine = EngineProcess(str(self.weights(self.version)), self.name, self.root / "engine.log")
+        current = self.weights(self.version).resolve()
+        if self.config.engine.kind == "vllm":
+            self.vllm = await start_vllm(self.config, str(current), self.name, self.root / "vllm", slot=self.slot)
+            await register_replicas(gateway, self.vllm, run_id, self.name)
+            return
+        self.engine = EngineProcess(str(current), self.name, self.root / "engine.log")
         await self.engine.ready()
         engine = EmbeddedEngine(self.engine.base)
-        await engine.load(self.weights(self.version).resolve(), self.version)
+        await engine.load(current, self.version)
         await register_replicas(gateway, engine, run_id, self.name)
+        await engine.close()
+
+    async def _load(self, path: Path) -> None:
+        if self.vllm is not None:
+            await self.vllm.load(path, self.version)
+            return
+        assert self.engine is not None
+        engine: ServingEngine = EmbeddedEngine(self.engine.base)
+        await engine.load(path, self.version)
         await engine.close()
 
     async def update(self, batch: StepBatch) -> UpdateMetrics | None:
         """Train on its samples; save and serve a new version when the weights changed."""
-        assert self.backend is not None and self.engine is not None
+        assert self.backend is not None and (self.engine is not None or self.vllm is not None)
         if not batch.samples:
             return None
         update = await asyncio.to_thread(self.backend.update, batch.samples)
         if update.optimizer_steps:
             self.version += 1
             path = await asyncio.to_thread(self.backend.save_weights, self.weights(self.version))
-            engine = EmbeddedEngine(self.engine.base)
-            await engine.load(path.resolve(), self.version)
-            await engine.close()
+            await self._load(path.resolve())
             (self.root / "version.json").write_text(json.dumps({"version": self.version}))
         return update
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Stop its engine and release its backend."""
         if self.engine is not None:
             self.engine.stop()
+        if self.vllm is not None:
+            await self.vllm.close()
         if self.backend is not None:
-            self.backend.close()
+            await asyncio.to_thread(self.backend.close)
 
 
 class OtherModels:
@@ -136,8 +154,9 @@ class OtherModels:
     def __init__(self, config: TrainConfig, root: Path, adapter: AdapterConfig) -> None:
         self.config = config
         self.adapter = adapter
-        self.policies = [ExtraPolicy(config, p, root) for p in config.policies]
+        self.policies = [ExtraPolicy(config, p, root, slot=1 + i) for i, p in enumerate(config.policies)]
         self.frozen_engines: list[EngineProcess] = []
+        self.frozen_vllm: list[VllmEngine] = []
         self.root = root
         self.batches: dict[str, StepBatch] = {}
 
@@ -150,14 +169,20 @@ class OtherModels:
         """Serve and register every extra policy and every frozen model."""
         for policy in self.policies:
             await policy.serve(gateway, run_id)
-        for frozen in self.config.frozen:
-            if frozen.path is not None:
+        for index, frozen in enumerate(self.config.frozen):
+            if frozen.path is None:
+                base_url, served = str(frozen.base_url), frozen.served_model or frozen.name
+            elif self.config.engine.kind == "vllm":
+                slot, log_dir = 1 + len(self.policies) + index, self.root / "frozen" / frozen.name
+                engine = await start_vllm(self.config, frozen.path, frozen.name, log_dir, slot=slot)
+                self.frozen_vllm.append(engine)
+                await register_replicas(gateway, engine, run_id, frozen.name)
+                continue
+            else:
                 process = EngineProcess(frozen.path, frozen.name, self.root / "frozen" / f"{frozen.name}.log")
                 self.frozen_engines.append(process)
                 await process.ready()
                 base_url, served = f"{process.base}/v1", frozen.name
-            else:
-                base_url, served = str(frozen.base_url), frozen.served_model or frozen.name
             key = f"{run_id}-frozen-{frozen.name}-{hashlib.sha256(base_url.encode()).hexdigest()[:12]}"
             await gateway.register_model(
                 run_id, name=frozen.name, base_url=base_url, served_model=served, weights_version=None, key=key
@@ -187,9 +212,11 @@ class OtherModels:
                         f"{policy.name}/grad_norm": update.grad_norm}  # fmt: skip
         return row
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Stop every engine this started and release the backends."""
         for policy in self.policies:
-            policy.close()
+            await policy.close()
         for process in self.frozen_engines:
             process.stop()
+        for engine in self.frozen_vllm:
+            await engine.close()

@@ -60,7 +60,8 @@ from trainer.extra_policies import OtherModels
 from trainer.loggers import open_sinks, tensorboard_dir
 from trainer.metrics import MetricsLog, plot_curves
 from trainer.policies import failure_row, run_spec, trained_adapter, trained_models
-from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group
+from trainer.relaunch import wait_relaunching
+from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group, update_spans
 from trainer.validation import VAL_REWARD, ValidationPass
 
 Row = dict[str, Any]
@@ -171,6 +172,7 @@ class Trainer:
         self.others = OtherModels(config, self.run_dir.root, self.adapter)
         self._others_row: Row = {}
         self.validation = ValidationPass(config.validation, self.run_id, self.adapter) if config.validation else None
+        self._resumed = False
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -187,6 +189,7 @@ class Trainer:
             self.backend.load_weights(self.run_dir.weights(state.weights_version))
             self.backend.load_state(backend_state)
             self.say(f"resuming {self.run_id} after step {state.step} (weights v{state.weights_version})")
+            self._resumed = True
         else:
             state = TrainerState(run_id=self.run_id, step=0, weights_version=0, tasks_consumed=0)
             self.backend.save_weights(self.run_dir.weights(0))
@@ -233,7 +236,7 @@ class Trainer:
             self._finish()
         finally:
             await watch.stop()
-            await asyncio.to_thread(self.others.close)
+            await self.others.close()
             await gateway.close()
             await engine.close()
             await store.close()
@@ -312,7 +315,12 @@ class Trainer:
         version = state.weights_version
         in_flight, consumed = await self._top_up(step, state, in_flight, gateway, watch)
         need = self.config.data.tasks_per_step if self.config.run.mode == "sync" else self.config.min_groups()
-        ended = await watch.wait_groups(in_flight, need)
+        # The first step after a resume relaunches the rollouts a crash lost (`trainer.relaunch`).
+        suspect = {r for g in in_flight for r in g.rollout_ids} if self._resumed else set()
+        self._resumed = False
+        in_flight, ended = await wait_relaunching(
+            watch, store, gateway, self.run_id, step, in_flight, need, suspect, self._task_input
+        )
         in_flight = [g for g in in_flight if g not in ended]
         waited = time.monotonic()
         replayed, batch, stale = await self._gather(step, state, ended, store)
@@ -355,7 +363,7 @@ class Trainer:
             NewRollout(
                 rollout_id=rollout_id,
                 group_id=group.group_id,
-                input=self.tasks[self.order.index(group.task_index)],
+                input=self._task_input(group.task_index),
                 metadata={"task_index": group.task_index, "step": step, "group_size": len(group.rollout_ids)},
             )
             for group in fresh
@@ -368,12 +376,18 @@ class Trainer:
                 watch.ended[str(record["rollout_id"])] = str(status)
         return in_flight + fresh, consumed
 
+    def _task_input(self, task_index: int) -> Any:
+        """The input of the task at `task_index` of the run's task order."""
+        return self.tasks[self.order.index(task_index)]
+
     async def _gather(
         self, step: int, state: TrainerState, ended: Sequence[InFlightGroup], store: EventStore
     ) -> tuple[list[ReplayedGroup], StepBatch, int]:
         """Replay the ended groups and build the step's samples; records what was trained and writes the samples."""
         config = self.config
-        replayed = [await replay_group(store, self.run_id, group, self.adapter.selection()) for group in ended]
+        updates = await update_spans(store, self.run_id) if config.run.mode == "async" else []
+        select = self.adapter.selection()
+        replayed = [await replay_group(store, self.run_id, group, select, updates) for group in ended]
         rollouts = [r for g in replayed for r in g.rollouts]
         if replayed and not rollouts and (step == 1 or state.step == 0):
             reasons = sorted({reason for g in replayed for reason in g.skipped.values()})

@@ -25,9 +25,9 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from schemas import CustomEvent, Event, RolloutStatusChanged, decode
+from schemas import CustomEvent, Event, PhaseChanged, RolloutStatusChanged, decode
 from schemas.events import TERMINAL_STATUSES
-from schemas.ids import MODEL_REQUEST, ROLLOUT_ALL, ROLLOUT_STATUS, check_id
+from schemas.ids import MODEL_REQUEST, PHASE, ROLLOUT_ALL, ROLLOUT_STATUS, check_id
 from services.common.eventstore import EventStore
 from trainer.checkpoint import InFlightGroup
 from trainer.core import MalformedCall, NotTrainable, RolloutCalls, Selection, rollout_calls
@@ -145,17 +145,41 @@ async def rollout_history(store: EventStore, run_id: str, rollout_id: str) -> li
     return history
 
 
+async def update_spans(store: EventStore, run_id: str) -> list[tuple[float, float]]:
+    """`(began, ended)` of each of the run's update phases, from its phase events (one still open ends at
+    infinity): the time the phase gate held new calls, which a timed-out attempt must not be blamed for."""
+    spans: list[tuple[float, float]] = []
+    began: float | None = None
+    async for stored in store.read(PHASE.format(run=check_id("run_id", run_id))):
+        event = stored.event
+        if not isinstance(event, PhaseChanged):
+            continue
+        if event.phase == "update" and began is None:
+            began = event.time
+        elif event.phase == "rollout" and began is not None:
+            spans.append((began, event.time))
+            began = None
+    if began is not None:
+        spans.append((began, math.inf))
+    return spans
+
+
 async def replay_group(
-    store: EventStore, run_id: str, group: InFlightGroup, select: Selection | None = None
+    store: EventStore,
+    run_id: str,
+    group: InFlightGroup,
+    select: Selection | None = None,
+    updates: Sequence[tuple[float, float]] = (),
 ) -> ReplayedGroup:
-    """Read every rollout of an ended group from the stream and extract its training calls (`select`ed)."""
+    """Read every rollout of an ended group from the stream and extract its training calls (`select`ed);
+    `updates` (`update_spans`) excuse a timeout that overlapped an update (async mode)."""
     rollouts: list[RolloutCalls] = []
     skipped: dict[str, str] = {}
     metrics: list[dict[str, float]] = []
     for rollout_id in group.rollout_ids:
         events = await rollout_history(store, run_id, rollout_id)
         try:
-            calls = rollout_calls(events, select)
+            calls = rollout_calls(events, select, updates)
         except NotTrainable as exc:
             skipped[rollout_id] = exc.reason
             continue

@@ -36,7 +36,7 @@ def val_reward(events: Sequence[Event], adapter: AdapterConfig) -> float | None:
     if final is None:
         return None
     if final.status != "succeeded":
-        kind = failure_kind(final.status, final.reason)
+        kind = failure_kind(final.status, final.reason, cause=final.cause)
         return adapter.failure_reward() if kind not in (None, "infrastructure") else None
     rewards = [e.value for e in events if isinstance(e, RewardReported) and e.attempt_id in (final.attempt_id, None)]
     return rewards[-1] if rewards else adapter.fill_reward()

@@ -6,6 +6,10 @@ Every service goes through this module, so the rules live in one place:
   window is acknowledged as a duplicate (`Appended.duplicate`), never stored twice.
 - `append(..., expected_last_subject_seq=n)` adds `Nats-Expected-Last-Subject-Sequence`: if another
   writer got there first, JetStream answers error 10071 and we raise `ConcurrencyConflict`.
+- A store that refuses writes for lack of room (JetStream 10023, 10047, 10077, a full disk) raises
+  `StoreFull` at once, pipelined appends included, and `refusing` says why until a write succeeds.
+- `connect(..., reconnect_buffer=False)`: nothing published while disconnected is sent later, so
+  an append that raised `NotSent` is certainly not stored.
 - Reads use ephemeral pull consumers with no acks and stop when the consumer reports nothing
   pending, so they end on an idle stream instead of waiting for new messages.
 

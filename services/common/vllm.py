@@ -17,6 +17,18 @@ through. The routes and bodies used here follow vLLM's source (v0.34.0):
 - the dev routes need `VLLM_SERVER_DEV_MODE=1`, runtime LoRA updates
   `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true` (`vllm/envs.py`).
 
+Flags that decide what Rollwire records (`serve_command`): `--logprobs-mode processed_logprobs`
+makes the logprobs vLLM returns those of the distribution it sampled from (after temperature,
+top-k and top-p, `vllm/v1/sample/sampler.py`), not the raw model's, so the trainer's on-policy
+ratio is 1 at any temperature; `--max-lora-rank` is rounded up to a rank vLLM accepts
+(`vllm/config/lora.py`: 1, 8, 16, 32, 64, 128, 256, 320, 512).
+
+Replica placement (`replica_env`): vLLM's tensor parallelism uses the first `tp` devices it sees
+(`vllm/v1/executor/multiproc_executor.py` starts one worker per rank on `local_rank`), so each
+replica is given its own `tp` consecutive GPUs through `CUDA_VISIBLE_DEVICES`: replicas = 2 with
+`--tensor-parallel-size 4` on 8 GPUs get 0,1,2,3 and 4,5,6,7. A layout that needs more GPUs than the
+machine shows is refused before anything starts.
+
 A full-weights reload on one replica is the sequence pause -> reload_weights -> reset_prefix_cache
 -> update_weight_version -> resume; `VllmReplicas.reload` runs it on every replica at once and
 raises `ReplicaError` naming each replica that failed (that replica stays paused).
@@ -36,6 +48,7 @@ from typing import Any
 import httpx
 import msgspec
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py: MaxLoRARanks
 RELOAD_SEQUENCE = ("/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume")
 
 
@@ -70,17 +83,70 @@ def serve_command(
         "--max-logprobs", str(settings.max_logprobs),
         "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
         "--generation-config", "vllm",  # sample with the request's settings, not the model's defaults
+        "--logprobs-mode", "processed_logprobs",  # the logprobs of the distribution sampled from
     ]  # fmt: skip
     if settings.max_lora_rank > 0:
         argv += [
             "--enable-lora",
             "--max-lora-rank",
-            str(settings.max_lora_rank),
+            str(served_lora_rank(settings.max_lora_rank)),
             "--max-loras",
             str(settings.max_loras),
         ]
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
     return argv + list(settings.extra_args), env
+
+
+def served_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts for `--max-lora-rank` that holds adapters of `rank`."""
+    for accepted in LORA_RANKS:
+        if accepted >= rank:
+            return accepted
+    raise ReplicaError(f"LoRA rank {rank} is above the largest vLLM serves ({LORA_RANKS[-1]})")
+
+
+def tensor_parallel_size(args: Sequence[str]) -> int:
+    """The tensor-parallel size `--tensor-parallel-size N` / `-tp N` (or `=N`) in vLLM arguments; 1 if absent."""
+    size = 1
+    for index, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            text = value or (args[index + 1] if index + 1 < len(args) else "")
+            if not text.isdigit() or int(text) < 1:
+                raise ReplicaError(f"{name} needs a positive integer, got {text!r}")
+            size = int(text)
+    return size
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this machine lets us use: `CUDA_VISIBLE_DEVICES` if set, else `nvidia-smi`'s; [] without either."""
+    configured = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if configured is not None:
+        return [d.strip() for d in configured.split(",") if d.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in listed.splitlines() if line.strip()]
+
+
+def replica_devices(replicas: int, tp: int, gpus: Sequence[str], slot: int = 0) -> list[str]:
+    """`CUDA_VISIBLE_DEVICES` of each replica: its own `tp` consecutive GPUs (ReplicaError if too few).
+
+    `slot` k takes the k-th block of `replicas * tp` GPUs (a run's k-th served model). With no GPU
+    to be seen (vLLM's CPU build), the ids are numbered from 0 and nothing is refused.
+    """
+    first, needed = slot * replicas * tp, (slot + 1) * replicas * tp
+    if gpus and needed > len(gpus):
+        raise ReplicaError(
+            f"{(slot + 1) * replicas} vLLM replicas with tensor parallel {tp} need {needed} GPUs; this machine "
+            f"shows {len(gpus)} ({','.join(gpus)}): lower [engine] replicas or --tensor-parallel-size"
+        )
+    ids = list(gpus) if gpus else [str(i) for i in range(needed)]
+    return [",".join(ids[first + i * tp : first + (i + 1) * tp]) for i in range(replicas)]
 
 
 def find_executable(executable: str) -> str:
@@ -98,17 +164,18 @@ def find_executable(executable: str) -> str:
 
 
 def start_replicas(
-    settings: VllmServeSettings, model: str, served_name: str, count: int, log_dir: Path
+    settings: VllmServeSettings, model: str, served_name: str, count: int, log_dir: Path, *, slot: int = 0
 ) -> list[tuple[str, subprocess.Popen[bytes]]]:
-    """Start `count` replicas on consecutive ports (replica i sees GPU i); returns (base URL, process) pairs."""
+    """Start `count` replicas on consecutive ports, each on its own GPUs (the `slot`-th block of them);
+    returns (base URL, process) pairs."""
     executable = find_executable(settings.executable)
+    devices = replica_devices(count, tensor_parallel_size(settings.extra_args), visible_gpus(), slot)
     started = []
     log_dir.mkdir(parents=True, exist_ok=True)
     for index in range(count):
         port = settings.port + index
         argv, extra = serve_command(msgspec.structs.replace(settings, executable=executable), model, served_name, port)
-        env = {**os.environ, **extra}
-        env.setdefault("CUDA_VISIBLE_DEVICES", str(index))
+        env = {**os.environ, **extra, "CUDA_VISIBLE_DEVICES": devices[index]}
         log = (log_dir / f"vllm-{index}.log").open("ab")
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         started.append((f"http://{settings.host}:{port}", process))
@@ -189,7 +256,11 @@ class VllmReplicas:
         await self._on_all([self._reload_one(url, str(weights_dir), version) for url in self.urls])
 
     async def load_adapters(self, adapters: dict[str, Path]) -> None:
-        """Load (or replace in place) each named LoRA adapter on every replica."""
+        """Load (or replace in place) each named LoRA adapter on every replica, then reset the prefix caches.
+
+        vLLM keys cached KV blocks by the adapter's name, so without the reset a prompt cached under
+        the old weights of an adapter replaced in place would be served from the old weights' KV.
+        """
         await self._on_all(
             [
                 self._post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path),
@@ -198,6 +269,17 @@ class VllmReplicas:
                 for name, path in adapters.items()
             ]
         )  # fmt: skip
+        await self.reset_prefix_cache()
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every replica's cached KV blocks (`POST /reset_prefix_cache`); ReplicaError if one refuses."""
+
+        async def reset(url: str) -> None:
+            answer = await self._post(url, "/reset_prefix_cache")
+            if isinstance(answer, dict) and answer.get("success") is False:
+                raise ReplicaError(f"vLLM replica {url}: the prefix cache could not be reset")
+
+        await self._on_all([reset(url) for url in self.urls])
 
     async def unload_adapters(self, names: Sequence[str]) -> None:
         """Unload the named LoRA adapters from every replica."""

@@ -28,6 +28,7 @@ from typing import Literal
 
 import msgspec
 
+from schemas import FailureCause
 from schemas.runs import RunSpec
 from services.controller.backends.base import ExecutionState
 from services.controller.view import NOT_LAUNCHED, Rollout, RunSpecError
@@ -65,6 +66,7 @@ class MarkEnded(msgspec.Struct, frozen=True, tag=True):
     attempt_id: str | None
     status: Literal["succeeded", "requeuing", "failed"]
     reason: str | None = None
+    cause: FailureCause | None = None
 
 
 class Kill(msgspec.Struct, frozen=True, tag=True):
@@ -102,16 +104,17 @@ def backoff_s(spec: RunSpec, failures: int) -> float:
     return float(min(spec.retry_backoff_s * 2 ** (failures - 1), MAX_BACKOFF_S))
 
 
-def after_failure(rollout: Rollout, reason: str) -> MarkEnded:
-    """Retry (`requeuing`) or give up (`failed`, with the last reason) after the active attempt failed.
+def after_failure(rollout: Rollout, reason: str, cause: FailureCause | None) -> MarkEnded:
+    """Retry (`requeuing`) or give up (`failed`, with the last reason and its cause) after the active
+    attempt failed.
 
     The limit is the rollout's `max_attempts`, which the gateway filled from the run's spec when
     the rollout did not set its own, and which it enforces when an attempt starts.
     """
     attempt_id = rollout.current.attempt_id if rollout.current else None
     if len(rollout.attempts) < rollout.max_attempts:
-        return MarkEnded(attempt_id, "requeuing", reason)
-    return MarkEnded(attempt_id, "failed", _gave_up(rollout, reason))
+        return MarkEnded(attempt_id, "requeuing", reason, cause)
+    return MarkEnded(attempt_id, "failed", _gave_up(rollout, reason), cause)
 
 
 def _gave_up(rollout: Rollout, reason: str) -> str:
@@ -168,7 +171,7 @@ def decide(
     if isinstance(spec, RunSpecError):
         if rollout.status in ("queuing", "requeuing"):
             last = rollout.current.attempt_id if rollout.current else None
-            actions.append(MarkEnded(last, "failed", spec.message))
+            actions.append(MarkEnded(last, "failed", spec.message, "infrastructure"))
         return Decision(tuple(actions))
     if rollout.status == "queuing":
         return Decision((*actions, Start()))
@@ -187,19 +190,19 @@ def decide(
             f"the execution of attempt {current_attempt.sequence} disappeared (deleted outside the controller, "
             "or its node or process was lost)"
         )
-        return Decision((*actions, after_failure(rollout, reason)))
+        return Decision((*actions, after_failure(rollout, reason, "infrastructure")))
     if current.phase == "succeeded":
         step = MarkRunning(active) if rollout.status == "preparing" else MarkEnded(active, "succeeded", None)
         return Decision((*actions, step))
     if current.phase == "failed":
-        return Decision((*actions, after_failure(rollout, failure_reason(current))))
+        return Decision((*actions, after_failure(rollout, failure_reason(current), current.cause)))
     if current.phase == "running" and rollout.status == "preparing":
         actions.append(MarkRunning(active))
     limit = timeout_s(rollout, spec)
     deadline = current_attempt.started_at + limit + kill_grace_s
     if now >= deadline:
         reason = f"timed out after {limit:g}s (stopped by the controller)"
-        return Decision((*actions, Kill(active, reason), after_failure(rollout, reason)))
+        return Decision((*actions, Kill(active, reason), after_failure(rollout, reason, "timeout")))
     return Decision(tuple(actions), wake_at=deadline)
 
 
@@ -207,7 +210,7 @@ def _decide_requeuing(rollout: Rollout, spec: RunSpec, actions: list[Action], no
     if len(rollout.attempts) >= rollout.max_attempts:
         last = rollout.current.attempt_id if rollout.current else None
         reason = _gave_up(rollout, rollout.reason or "the last attempt failed")
-        return Decision((*actions, MarkEnded(last, "failed", reason)))
+        return Decision((*actions, MarkEnded(last, "failed", reason, rollout.cause)))
     ready_at = rollout.status_time + backoff_s(spec, len(rollout.attempts))
     if now < ready_at:
         return Decision(tuple(actions), wake_at=ready_at)

@@ -13,6 +13,7 @@ the reconcile loop handles them:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from typing import Any
 
@@ -70,6 +71,9 @@ class GatewayClient:
         # Requests wait here, not in httpx's pool: its bookkeeping grows with every queued request.
         self._slots = asyncio.Semaphore(max_connections)
         self.calls: Counter[str] = Counter()
+        self.unreachable_at = 0.0
+        """Unix time a request last found the gateway unreachable (0: never): an agent that failed then
+        may have failed because of it (`Launcher` classifies its failure as `infrastructure`)."""
 
     async def close(self) -> None:
         """Close the connection pool."""
@@ -82,6 +86,7 @@ class GatewayClient:
             async with self._slots:
                 response = await self._client.request(method, path, json=body, headers=headers)
         except httpx.TransportError as exc:
+            self.unreachable_at = time.time()
             raise GatewayUnavailable(f"{method} {self.base_url}{path}: {exc!r}") from None
         try:
             payload = response.json() if response.content else {}
@@ -120,14 +125,25 @@ class GatewayClient:
         return str(payload["token"])
 
     async def set_status(
-        self, rollout_id: str, status: str, *, attempt_id: str | None, reason: str | None, key: str
+        self,
+        rollout_id: str,
+        status: str,
+        *,
+        attempt_id: str | None,
+        reason: str | None,
+        key: str,
+        cause: str | None = None,
     ) -> int:
-        """Move the rollout to `status` (checked by the gateway); returns the status event's stream sequence."""
+        """Move the rollout to `status` (checked by the gateway); returns the status event's stream sequence.
+
+        `cause` (on `requeuing` and `failed`) is the failure's classification the trainer reads."""
         body: dict[str, Any] = {"status": status}
         if attempt_id is not None:
             body["attempt_id"] = attempt_id
         if reason is not None:
             body["reason"] = reason
+        if cause is not None:
+            body["cause"] = cause
         payload = await self._request("PATCH", f"/api/rollouts/{rollout_id}", body, key)
         return int(payload.get("seq") or 0)
 

@@ -48,6 +48,8 @@ log = logging.getLogger("rollwire.controller")
 ATTEMPT_KEY = "rollwire-controller:{rollout}:{created}:{sequence}"
 ECHO_TIMEOUT_S = 5.0
 LAUNCH_RETRIES = 3
+GATEWAY_DOWN_GRACE_S = 10.0
+"""How soon after an agent's failed exit a gateway found unreachable still explains it."""
 UNAVAILABLE_BACKOFF = Backoff(initial=0.5, maximum=30.0)
 """Delay before retrying a command the gateway, a backend or NATS could not take now."""
 
@@ -118,8 +120,10 @@ class Launcher(BackendPool):
                     await self._set_status(key, "running", aid, None)
                     self._link_logs(key, aid)
                     self.stats["running"] += 1
-                case MarkEnded(attempt_id=aid, status=status, reason=reason):
-                    await self._set_status(key, status, aid, reason)
+                case MarkEnded(attempt_id=aid, status=status, reason=reason, cause=cause):
+                    if cause == "agent-error" and self._gateway_down_for(key, aid):
+                        cause = "infrastructure"
+                    await self._set_status(key, status, aid, reason, cause)
                     if aid is not None:
                         self._link_logs(key, aid)
                     self.stats[status] += 1
@@ -147,10 +151,23 @@ class Launcher(BackendPool):
         self.owner.pop(execution, None)
         self.seen_at.pop(execution, None)
 
-    async def _set_status(self, key: RolloutKey, status: str, attempt_id: str | None, reason: str | None) -> None:
+    def _gateway_down_for(self, key: RolloutKey, attempt_id: str | None) -> bool:
+        """Whether this controller found the gateway unreachable while the attempt's execution ran or
+        just after it exited (`GATEWAY_DOWN_GRACE_S`): the agent's error may be the gateway's."""
+        state = self.executions.get(key, {}).get(attempt_id) if attempt_id else None
+        down = self.gateway.unreachable_at
+        if state is None or not down or state.finished_at is None:
+            return False
+        return (state.started_at or 0.0) <= down <= state.finished_at + GATEWAY_DOWN_GRACE_S
+
+    async def _set_status(
+        self, key: RolloutKey, status: str, attempt_id: str | None, reason: str | None, cause: str | None = None
+    ) -> None:
         idem = f"rollwire-controller:{key.rollout_id}:{attempt_id or '-'}:{status}"
         began = time.monotonic()
-        seq = await self.gateway.set_status(key.rollout_id, status, attempt_id=attempt_id, reason=reason, key=idem)
+        seq = await self.gateway.set_status(
+            key.rollout_id, status, attempt_id=attempt_id, reason=reason, key=idem, cause=cause
+        )
         spec = self.specs.get(key.run_id)
         backend = spec.backend if isinstance(spec, RunSpec) else "unknown"
         metrics.status_written(key.run_id, key.rollout_id, backend, status, reason)
@@ -194,7 +211,8 @@ class Launcher(BackendPool):
         view = self.rollouts[key]
         if spec.backend == "local" and not spec.command:
             reason = f"run {spec.run_id} sets no command: the local backend needs RunSpec.command (an argv list)"
-            await self._set_status(key, "failed", view.current.attempt_id if view.current else None, reason)
+            attempt_id = view.current.attempt_id if view.current else None
+            await self._set_status(key, "failed", attempt_id, reason, "infrastructure")
             return
         sequence = relaunch.sequence if relaunch else len(view.attempts) + 1
         idem = ATTEMPT_KEY.format(rollout=key.rollout_id, created=view.created_seq, sequence=sequence)
@@ -261,5 +279,5 @@ class Launcher(BackendPool):
         )
 
     async def _end(self, key: RolloutKey, view: Rollout, reason: str) -> None:
-        step = after_failure(view, reason)
-        await self._set_status(key, step.status, step.attempt_id, step.reason)
+        step = after_failure(view, reason, "infrastructure")  # a launch that could not happen
+        await self._set_status(key, step.status, step.attempt_id, step.reason, step.cause)

@@ -35,7 +35,15 @@ from typing import IO
 import httpx
 import msgspec
 
-from services.common.vllm import ReplicaError, VllmServeSettings, find_executable, serve_command
+from services.common.vllm import (
+    ReplicaError,
+    VllmServeSettings,
+    find_executable,
+    replica_devices,
+    serve_command,
+    tensor_parallel_size,
+    visible_gpus,
+)
 from services.devstack import endpoints_file
 from services.devstack.embedded import EmbeddedServerError, NatsServer, PostgresServer, free_port, port_in_use
 from services.devstack.supervise import Supervisor, Unit
@@ -296,9 +304,11 @@ class Stack:
         return [known[name] for name in order if name in self.config.services]
 
     def _vllm_specs(self) -> list[ChildService]:
-        """One `vllm serve` per replica on consecutive ports, replica i on GPU i (`services.common.vllm`)."""
+        """One `vllm serve` per replica on consecutive ports, each on its own GPUs (`services.common.vllm`)."""
         try:
             executable = find_executable(self.config.vllm.executable)
+            tp = tensor_parallel_size(self.config.vllm.extra_args)
+            devices = replica_devices(self.config.vllm_replicas, tp, visible_gpus())
         except ReplicaError as exc:
             raise StackError(str(exc), 2) from None
         settings = msgspec.structs.replace(self.config.vllm, executable=executable)
@@ -309,7 +319,7 @@ class Stack:
             port = settings.port + index
             argv, env = serve_command(settings, str(self.config.engine_model), DEFAULT_MODEL_NAME, port)
             specs.append(ChildService(
-                f"vllm-{index}", [], command=argv, env={**env, "CUDA_VISIBLE_DEVICES": str(index)},
+                f"vllm-{index}", [], command=argv, env={**env, "CUDA_VISIBLE_DEVICES": devices[index]},
                 health_url=f"http://{settings.host}:{port}/health",
                 endpoint=f"engine: http://{settings.host}:{port}/v1 (vLLM replica {index})", startup_s=900.0,
             ))  # fmt: skip

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from schemas import RolloutStatus
+from schemas import FailureCause, RolloutStatus
 from schemas.bounds import Int32, Positive
 from schemas.events import ReasoningParser
 from schemas.ids import Id
@@ -54,6 +54,7 @@ class RolloutPatch(msgspec.Struct, kw_only=True):
     status: RolloutStatus | AglStatusPatch | None = None
     attempt_id: Id | None = None
     reason: str | None = None
+    cause: FailureCause | None = None
 
 
 class NewAttempt(msgspec.Struct, kw_only=True):
@@ -93,6 +94,7 @@ class ModelBody(msgspec.Struct, kw_only=True):
     api_key: str | None = None
     tokenizer: str | None = None
     reasoning_parser: ReasoningParser | None = None
+    adapters: dict[str, str] = {}
 
 
 class PhaseBody(msgspec.Struct, kw_only=True):

@@ -31,7 +31,7 @@ import numpy as np
 from schemas import ModelRequestRecorded
 from services.gateway.limits import ProxyRefusal
 from services.gateway.recording import PER_ATTEMPT, AttemptKey, CallChains, RecordedCall
-from services.gateway.render import ChatRenderer, RenderError, template_arguments, template_messages, text_content
+from services.gateway.render import ChatRenderer, RenderError, template_arguments, text_content
 from services.gateway.tokenin import completion_body
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def plan(renderer: ChatRenderer, request: dict[str, Any], earlier: list[Recorded
             reason = f"history differs from every earlier call at message {differs}"
         else:
             reason = "tools or chat_template_kwargs differ from every earlier call"
-    ids = renderer.encode(renderer.text(template_messages(messages), tools, True, dict(kwargs or {})))
+    ids = renderer.prompt_ids(messages, tools, dict(kwargs or {}))
     partial = any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
     return Plan(ids, f"fresh: {reason}", partial=partial)
 

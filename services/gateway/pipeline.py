@@ -238,23 +238,34 @@ class Pipeline:
         if self.gw.reaper is not None and not await self.gw.reaper.claim(call.call_id):
             raise CallReaped(call.call_id)  # a reaper recorded it `aborted`: one terminal record per call
         events, why = self._bounded(call, outcome)
-        if why is not None:  # recorded as failed, without what does not fit; the caller answers 502
-            status = "failed" if outcome.status == "ok" else outcome.status
-            events = self.events(call, Outcome(status=status, error=f"{OutOfBounds.prefix}: {why}"))
+        if why is None:
+            try:
+                await self._append_or_cut(call, events, outcome.status == "ok")
+                return
+            except OutOfBounds as exc:  # token ids found outside the bounds while packing them
+                why = exc.why
+        # Recorded as failed, without what does not fit; the caller answers 502.
+        status = "failed" if outcome.status == "ok" else outcome.status
+        failed = self.events(call, Outcome(status=status, error=f"{OutOfBounds.prefix}: {why}"))
+        await self._append_or_cut(call, failed)
+        raise OutOfBounds(why)
+
+    async def _append_or_cut(self, call: Call, events: list[ModelRequestRecorded], ok: bool = False) -> None:
+        """Append the events; a failed call's too large events are appended cut (an `ok` one raises)."""
         try:
             try:
                 await self._append(call, events)
             except EventTooLarge as exc:
-                if outcome.status == "ok" and why is None:
+                if ok:
                     raise
                 reason = str(exc)
                 await self._append(call, [cut(event, reason) for event in events])
+        except OutOfBounds:
+            raise
         except BaseException:
             metrics.record_failed()
             raise
         metrics.recorded(events)
-        if why is not None:
-            raise OutOfBounds(why)
 
     def _bounded(self, call: Call, outcome: Outcome) -> tuple[list[ModelRequestRecorded], str | None]:
         """The call's events and, when the engine's answer holds what the contract refuses, why."""

@@ -220,7 +220,8 @@ class Proxy:
         requested = self.gw.state.model_alias(view.run_id, requested)
         matching = [m for m in models if requested in (m.name, m.served_model)]
         # A rollout sticks to one endpoint (its prefix cache), the same through every gateway.
-        return sticky(view.rollout_id, matching or models)
+        # An agent whose role has its own LoRA adapter on that endpoint is served by the adapter.
+        return sticky(view.rollout_id, matching or models).for_agent(agent)
 
     async def json_body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
         """The request body as a JSON object (413 too large, 422 not an object)."""

@@ -115,6 +115,7 @@ class CallChains:
         if not events:
             return events
         if not self.references:  # the version-1 encoding of calls: full JSON lists, no reference
+            _check_ids(events)
             return events
         first = events[0]
         base: RecordedCall | None = None
@@ -189,8 +190,10 @@ def _packed(
         return msgspec.structs.replace(event, prompt_ids=[], request=request, prompt_ref=ref)
     try:
         packed = pack(prompt, event.response_ids, event.logprobs)
-    except OverflowError:  # ids outside int32: JSON lists then
-        return msgspec.structs.replace(event, prompt_ids=prompt, request=request, prompt_ref=ref)
+    except OverflowError:  # an id outside int32, which no reader accepts
+        raise OutOfBounds("a token id is outside 0..2^31-1") from None
+    if packed.id_width == 4:  # some id is negative or past 24 bits (3 bytes each otherwise): which?
+        _check_ids([msgspec.structs.replace(event, prompt_ids=prompt)])
     return msgspec.structs.replace(
         event, prompt_ids=[], response_ids=[], logprobs=[], request=request, prompt_ref=ref, packed=packed
     )
@@ -216,27 +219,39 @@ class OutOfBounds(Exception):
 
     def __init__(self, why: str) -> None:
         super().__init__(f"{self.prefix}: {why}")
+        self.why = why
 
 
-_CHECKED = frozenset(
-    {"choice_index", "weights_version", "prompt_ids", "response_ids", "logprobs", "usage", "top_k", "latency_s"}
-)
-_FIELD_TYPES = {f.name: f.type for f in msgspec.structs.fields(ModelRequestRecorded) if f.name in _CHECKED}
-"""The typed fields of a call an engine's answer fills, with the contract's own types (and bounds)."""
+_FIELD_TYPES = {f.name: f.type for f in msgspec.structs.fields(ModelRequestRecorded)}
+"""A call's fields with the contract's own types (and bounds: `schemas.bounds.Count`, `Int32`)."""
+_SCALARS = ("choice_index", "weights_version", "usage", "top_k", "latency_s")
+_IDS = ("prompt_ids", "response_ids")
 
 
 def out_of_bounds(events: Sequence[ModelRequestRecorded]) -> str | None:
     """Why an event would be refused by `schemas.decode` (a value outside its field's bounds), or None.
 
-    The check uses the schema's own annotated types (`schemas.bounds.Count`, `Int32`), so the writer
-    refuses exactly what every reader refuses; msgspec does not check constraints on construction."""
+    The check uses the schema's own types, so the writer refuses exactly what every reader refuses
+    (msgspec does not check constraints on construction). Token ids are checked where they are
+    packed (`_packed`: an id outside int32 cannot be packed, and a negative one widens the packing
+    to 4 bytes, the rare case checked in full), so a long prompt costs no extra pass."""
     for event in events:
-        for name, kind in _FIELD_TYPES.items():
+        for name in _SCALARS:
             try:
-                msgspec.convert(getattr(event, name), kind)
+                msgspec.convert(getattr(event, name), _FIELD_TYPES[name])
             except msgspec.ValidationError as exc:
                 return f"{name}: {exc}"
     return None
+
+
+def _check_ids(events: Sequence[ModelRequestRecorded]) -> None:
+    """Raise OutOfBounds when a token id is outside the contract's type for it (every element checked)."""
+    for event in events:
+        for name in _IDS:
+            try:
+                msgspec.convert(getattr(event, name), _FIELD_TYPES[name])
+            except msgspec.ValidationError as exc:
+                raise OutOfBounds(f"{name}: {exc}") from None
 
 
 def not_recorded(exc: Exception) -> str:

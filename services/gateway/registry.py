@@ -52,11 +52,13 @@ async def register_models(request: Request) -> Response:
                     api_key=parsed.api_key,
                     tokenizer=parsed.tokenizer,
                     reasoning_parser=parsed.reasoning_parser,
+                    adapters=parsed.adapters,
                 )
             except (InvalidId, msgspec.ValidationError) as exc:
                 raise from_validation(exc) from None
             ack = await gw.append_registry(event)
-            shown = ("name", "base_url", "run_id", "served_model", "weights_version", "tokenizer", "reasoning_parser")
+            shown = ("name", "base_url", "run_id", "served_model", "weights_version", "tokenizer", "reasoning_parser",
+                     "adapters")  # fmt: skip
             return 201, encode({**{key: getattr(event, key) for key in shown}, "seq": ack.seq})
         out = []
         for index, model in enumerate(parsed):

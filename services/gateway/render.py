@@ -4,8 +4,9 @@ A `ChatRenderer` holds one model's tokenizer (`tokenizers`, from its `tokenizer.
 template, compiled the way transformers' `apply_chat_template` compiles it: a sandboxed Jinja
 environment with `trim_blocks`/`lstrip_blocks`, loop controls, a `tojson` that does not escape HTML,
 `raise_exception`, `strftime_now`, and the `{% generation %}` tag (rendered as its body). Messages
-are flattened as the engine flattens them (text content, tool-call arguments as mappings), so a
-fresh render gives the ids the engine's chat endpoint would.
+are flattened as vLLM flattens them (content as one string, text parts joined with "\n", or as a
+list of text parts, as vLLM detects from the template: `content_format`; tool-call arguments as
+mappings), so a fresh render gives the ids vLLM's chat endpoint would.
 
 `suffix_ids` renders only what follows an earlier assistant turn: the template is applied to a
 fixed conversation ending in an assistant turn with a unique marker as its content, followed by
@@ -29,6 +30,8 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from services.gateway.content_format import ContentFormat, detect_content_format, template_content, text_parts
 
 MARKER = "\u2063rollwire-earlier-turn\u2063"
 _LEAD = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
@@ -76,12 +79,12 @@ def _token_text(value: Any) -> str | None:
 
 
 def text_content(content: Any) -> str:
-    """A message's content as text: a string, or its text parts joined (RenderError for anything else)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    raise RenderError("message content must be text or a list of text parts")
+    """A message's content as text: a string, or its text parts joined with "\n" as vLLM joins them
+    (RenderError for anything else)."""
+    texts = text_parts(content)
+    if texts is None:
+        raise RenderError("message content must be text or a list of text parts")
+    return "\n".join(texts)
 
 
 def template_arguments(arguments: Any) -> Any:
@@ -95,13 +98,17 @@ def template_arguments(arguments: Any) -> Any:
     return arguments
 
 
-def template_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Chat-completions messages as the template sees them (the engine's flattening)."""
+def template_messages(messages: Sequence[Any], content_format: ContentFormat = "string") -> list[dict[str, Any]]:
+    """Chat-completions messages as the template sees them (vLLM's flattening for `content_format`)."""
     out: list[dict[str, Any]] = []
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RenderError("each message must be an object with a role")
-        item: dict[str, Any] = {"role": message["role"], "content": text_content(message.get("content"))}
+        texts = text_parts(message.get("content"))
+        if texts is None:
+            raise RenderError("message content must be text or a list of text parts")
+        item: dict[str, Any] = {"role": message["role"], "content": template_content(message["role"], texts,
+                                                                                     content_format)}  # fmt: skip
         calls = message.get("tool_calls")
         if calls:
             item["tool_calls"] = [
@@ -129,6 +136,7 @@ class ChatRenderer:
     def __init__(self, tokenizer_json: str, config: dict[str, Any], template: str, eos_ids: Sequence[int]) -> None:
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.template = _compile(template)
+        self.content_format = detect_content_format(template)
         self.special = {
             name: text
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -184,14 +192,14 @@ class ChatRenderer:
 
     def prompt_ids(self, messages: Sequence[Any], tools: Any, kwargs: dict[str, Any]) -> list[int]:
         """A whole conversation's prompt, with the generation prompt (what the engine would render)."""
-        return self.encode(self.text(template_messages(messages), tools, True, kwargs))
+        return self.encode(self.text(template_messages(messages, self.content_format), tools, True, kwargs))
 
     def suffix_ids(
         self, new: Sequence[Any], tools: Any, kwargs: dict[str, Any], last_sampled: int | None
     ) -> list[int] | None:
         """What follows an earlier assistant turn's sampled ids: its closing, the `new` turns, the generation prompt."""
         lead = [*_LEAD, {"role": "assistant", "content": MARKER}]
-        text = self.text(lead + template_messages(new), tools, True, kwargs)
+        text = self.text(template_messages([*lead, *new], self.content_format), tools, True, kwargs)
         if text.count(MARKER) != 1:
             return None
         tail = text[text.index(MARKER) + len(MARKER) :]

@@ -197,6 +197,7 @@ async def patch_rollout(request: Request, rollout_id: str) -> Response:
             status=requested,
             previous=last.status,
             reason=reason,
+            cause=patch.cause if requested in ("requeuing", "failed") else None,
         )
         ack = await _append_status(gw, changed, seq)
         if new_attempt and attempt_id is not None:

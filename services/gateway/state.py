@@ -54,11 +54,17 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
     seq: int
     tokenizer: str | None = None
     reasoning_parser: str | None = None
+    adapters: dict[str, str] = {}
 
     @property
     def upstream_model(self) -> str:
         """The model name to send upstream."""
         return self.served_model or self.name
+
+    def for_agent(self, agent: str | None) -> ModelEntry:
+        """This entry as the agent's calls use it: `served_model` is the agent's adapter when it has one."""
+        adapter = self.adapters.get(agent) if agent is not None else None
+        return self if adapter is None else msgspec.structs.replace(self, served_model=adapter)
 
 
 class PhaseEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,6 +152,7 @@ class GatewayState:
                 seq=stored.seq,
                 tokenizer=event.tokenizer or None,
                 reasoning_parser=event.reasoning_parser or None,
+                adapters=dict(event.adapters),
             )
         elif isinstance(event, ModelRemoved):
             self.models.pop((event.run_id, event.name), None)

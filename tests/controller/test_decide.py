@@ -193,7 +193,7 @@ def test_timeout_backstop_kills_after_grace_and_reports() -> None:
     )
     d = decide(view, SPEC, [ex("a1", "running")], now=141.0, kill_grace_s=10.0)
     reason = "timed out after 30s (stopped by the controller)"
-    assert d.actions == (Kill("a1", reason), MarkEnded("a1", "requeuing", reason))
+    assert d.actions == (Kill("a1", reason), MarkEnded("a1", "requeuing", reason, "timeout"))
 
 
 @pytest.mark.parametrize("final", ["failed", "cancelled"])
@@ -228,3 +228,21 @@ def test_superseded_attempt_is_killed_and_current_one_kept() -> None:
     d = decide(view, SPEC, [ex("a1", "running"), ex("a2", "running")], now=101.0)
     assert d.actions[0] == Kill("a1", "its attempt is no longer current")
     assert MarkRunning("a2") in d.actions
+
+
+def test_the_failure_cause_goes_with_the_status_the_controller_writes() -> None:
+    """A backend's structured cause, the controller's own timeout and a vanished execution each end
+    the attempt with their `cause`; giving up after a requeue keeps the last attempt's cause."""
+    running = build([created(max_attempts=2), status("queuing"), attempt("a1", 1), status("preparing", "a1"),
+                     status("running", "a1")])  # fmt: skip
+    oom = ExecutionState(key=ExecutionKey(RUN, RID, "a1"), phase="failed", reason="agent was killed by SIGKILL",
+                         cause="infrastructure")  # fmt: skip
+    (action,) = decide(running, SPEC, [oom], now=101.0).actions
+    assert action == MarkEnded("a1", "requeuing", "agent was killed by SIGKILL", "infrastructure")
+    (action,) = decide(running, SPEC, [], now=101.0).actions
+    assert isinstance(action, MarkEnded) and action.cause == "infrastructure"
+    requeued = build([created(max_attempts=1), status("queuing"), attempt("a1", 1), status("preparing", "a1"),
+                      RolloutStatusChanged(run_id=RUN, rollout_id=RID, attempt_id="a1", status="requeuing",
+                                           reason="timed out", cause="timeout", time=100.0)])  # fmt: skip
+    (action,) = decide(requeued, SPEC, [], now=200.0).actions
+    assert action == MarkEnded("a1", "failed", "timed out (gave up after 1 of 1 attempt(s))", "timeout")

@@ -13,7 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from controller_rig import Rig, agent
+from controller_rig import Child, Rig, _wait_http, agent, base_env
+
+from services.devstack.embedded import free_port
+from trainer.core import failure_kind
 
 
 def test_a_crashing_agent_is_retried_then_failed_with_its_reason(rig: Rig) -> None:
@@ -141,3 +144,76 @@ def test_an_agents_sdk_agent_sends_nothing_but_its_model_calls(rig: Rig) -> None
         assert proxy.lines == []
     finally:
         proxy.close()
+
+
+_PRINT_EVICTED = "import sys; print('Evicted: the pod was OOMKilled, ImagePullBackOff'); sys.exit(3)"
+
+
+@pytest.mark.parametrize(
+    ("command", "evaluator", "kind"),
+    [
+        # the agent's log cannot turn its own failure into a dropped one
+        ([sys.executable, "-c", _PRINT_EVICTED], None, "agent-error"),
+        # the evaluator crashing is not the policy's doing (the agent exited 0)
+        (["true"], [sys.executable, "-c", "raise SystemExit('evaluator exited with code 7')"], "infrastructure"),
+        # a SIGKILL the controller did not send: the kernel's OOM killer
+        ([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], None, "infrastructure"),
+    ],
+)
+def test_the_failure_cause_comes_from_the_controller_not_the_log(
+    rig: Rig, command: list[str], evaluator: list[str] | None, kind: str
+) -> None:
+    """The final status carries the controller's `cause`, which the trainer's failure policy reads."""
+    rig.start_run(command=command, evaluator_command=evaluator, reward_from="evaluator" if evaluator else "agent")
+    rig.start_controller()
+    (rid,) = rig.create({"question": "?"})
+    assert rig.wait(rid)["state"] == "failed"
+    final = rig.events(rid, "rollout.status")[-1]
+    assert final["status"] == "failed"
+    assert failure_kind(final["status"], final.get("reason"), cause=final.get("cause")) == kind, final
+
+
+_NEEDS_THE_GATEWAY = """
+import json, os, sys, time
+import httpx
+go = json.load(open(os.environ["ROLLWIRE_INPUT_FILE"]))["go"]
+while not os.path.exists(go):
+    time.sleep(0.05)
+try:
+    httpx.post(os.environ["OPENAI_BASE_URL"] + "/chat/completions", timeout=5,
+               headers={"authorization": "Bearer " + os.environ["OPENAI_API_KEY"]},
+               json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+except httpx.TransportError as exc:
+    sys.exit(f"the model is unreachable: {exc!r}")
+"""
+
+
+def test_an_agent_failing_because_the_gateway_is_down_is_not_the_policys(
+    nats_url: str, upstream: str, run_id: str, tmp_path: Path
+) -> None:
+    """The gateway stops while the agent runs; the agent exits 1 on its next call. The controller,
+    which found the gateway unreachable then, classifies the failure `infrastructure`."""
+    port = free_port()
+    args = [sys.executable, "-m", "services.gateway", "--port", str(port), "--nats-url", nats_url]
+    url = f"http://127.0.0.1:{port}"
+    gateway = Child("gateway", args, base_env(), tmp_path / "gateway-1.log")
+    _wait_http(f"{url}/healthz", gateway)
+    rig = Rig(url, nats_url, upstream, run_id, tmp_path)
+    try:
+        rig.start_run(command=[sys.executable, "-c", _NEEDS_THE_GATEWAY], timeout_s=60, max_attempts=1)
+        rig.start_controller()
+        go = tmp_path / "go"
+        (rid,) = rig.create({"go": str(go)})
+        rig.wait(rid, ("running",))
+        gateway.stop()
+        go.touch()
+        time.sleep(3)  # the agent exits 1; the controller cannot report it yet
+        gateway = Child("gateway", args, base_env(), tmp_path / "gateway-2.log")
+        _wait_http(f"{url}/healthz", gateway)
+        assert rig.wait(rid, timeout=60)["state"] == "failed"
+        final = rig.events(rid, "rollout.status")[-1]
+        assert "the model is unreachable" in final["reason"], final
+        assert failure_kind(final["status"], final["reason"], cause=final.get("cause")) == "infrastructure", final
+    finally:
+        rig.close()
+        gateway.stop()

@@ -38,8 +38,9 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 def _transformers_ids(model_dir: Path, messages: Any, tools: Any) -> list[int]:
     tokenizer = load_tokenizer(model_dir)
-    text = tokenizer.apply_chat_template(template_messages(messages), tools=tools, add_generation_prompt=True,
-                                         tokenize=False)  # fmt: skip
+    content_format = ChatRenderer.from_dir(model_dir).content_format  # as vLLM detects it (tests/vllm checks)
+    text = tokenizer.apply_chat_template(template_messages(messages, content_format), tools=tools,
+                                         add_generation_prompt=True, tokenize=False)  # fmt: skip
     return list(tokenizer.encode(str(text), add_special_tokens=False))
 
 

@@ -117,9 +117,12 @@ async def test_a_replica_that_fails_to_reload_fails_with_its_name(replicas: list
 
 
 async def test_lora_adapters_load_in_place_and_unload(replicas: list[FakeVLLM], tmp_path: Path) -> None:
-    engine = VllmEngine([r.url for r in replicas], SERVED, adapters=["planner", "coder"])
+    roles = {"planner": "planner", "coder": "coder", "reviewer": "coder", "critic": "unknown"}
+    engine = VllmEngine([r.url for r in replicas], SERVED, adapters=["planner", "coder"], roles=roles)
     try:
+        # the endpoint serves the base model; each role's agent is routed to its own adapter
         assert {served for _, served in await engine.endpoints()} == {SERVED}
+        assert engine.agent_adapters() == {"planner": "planner", "coder": "coder", "reviewer": "coder"}
         await engine.load(tmp_path / "v1", 1)
         await engine.load(tmp_path / "v2", 2)
         for replica in replicas:
@@ -127,14 +130,16 @@ async def test_lora_adapters_load_in_place_and_unload(replicas: list[FakeVLLM], 
                 "planner": str(tmp_path / "v2" / "adapters" / "planner"),
                 "coder": str(tmp_path / "v2" / "adapters" / "coder"),
             }
-            assert all(c["path"] == "/v1/load_lora_adapter" and c["body"]["load_inplace"] for c in replica.control)
+            loads = [c for c in replica.control if c["path"] == "/v1/load_lora_adapter"]
+            assert len(loads) == 4 and all(c["body"]["load_inplace"] for c in loads)
+            assert _paths(replica)[2] == "/reset_prefix_cache" and _paths(replica)[-1] == "/reset_prefix_cache"
             assert "/collective_rpc" not in _paths(replica)
         await engine.replicas.unload_adapters(["coder"])
         assert all(set(r.loras) == {"planner"} for r in replicas)
         with pytest.raises(ReplicaError, match="cannot be found"):
             await engine.replicas.unload_adapters(["coder"])
         single = VllmEngine([replicas[0].url], SERVED, adapters=["default"])
-        assert await single.endpoints() == [(f"{replicas[0].url}/v1", "default")]
+        assert await single.endpoints() == [(f"{replicas[0].url}/v1", "default")] and not single.agent_adapters()
         await single.close()
     finally:
         await engine.close()
@@ -146,6 +151,14 @@ def test_serve_command_has_what_the_capture_and_reloads_need() -> None:
     assert argv[:3] == ["/opt/vllm/bin/vllm", "serve", "/models/base"]
     assert argv[argv.index("--served-model-name") + 1] == SERVED and argv[argv.index("--port") + 1] == "8123"
     assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "16"
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"  # the sampled distribution's
+    ranks = {rank: serve_command(VllmServeSettings(max_lora_rank=rank), "m", SERVED, 1)[0] for rank in (4, 8, 12, 300)}
+    assert {rank: argv[argv.index("--max-lora-rank") + 1] for rank, argv in ranks.items()} == {
+        4: "8",
+        8: "8",
+        12: "16",
+        300: "320",
+    }  # the ranks vLLM accepts (vllm/config/lora.py)
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
 
 

@@ -70,3 +70,21 @@ def test_an_answer_outside_the_contract_is_recorded_failed_and_readable(
     assert [(c.status, c.prompt_ids, c.response_ids) for c in calls] == [("failed", [], [])], calls
     assert calls[0].error is not None and "outside the bounds" in calls[0].error
     assert calls[0].usage == {} and calls[0].weights_version in (None, 7)
+
+
+@pytest.mark.parametrize("compact", [True, False])
+@pytest.mark.parametrize("bad", [2**31, 2**32, -1, -(2**40)])
+def test_token_ids_outside_the_contract_are_refused_in_both_record_formats(compact: bool, bad: int) -> None:
+    """The packed (version 2) and the full-list (version 1) encodings refuse the same ids."""
+    from services.gateway.recording import CallChains, OutOfBounds
+
+    def call(response: list[int], prompt: list[int]) -> ModelRequestRecorded:
+        return ModelRequestRecorded(run_id="r", rollout_id="x", attempt_id="a", call_id="c", prompt_ids=prompt,
+                                    response_ids=response, logprobs=[-0.5] * len(response))  # fmt: skip
+
+    chains = CallChains(compact=compact)
+    assert chains.compact([call([5, 2**24 + 1], [1, 2])])  # a wide vocabulary is fine
+    with pytest.raises(OutOfBounds):
+        chains.compact([call([5, bad], [1, 2])])
+    with pytest.raises(OutOfBounds):
+        chains.compact([call([5], [bad, 2])])

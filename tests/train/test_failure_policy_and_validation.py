@@ -15,7 +15,7 @@ import httpx
 import pytest
 from test_rollouts import rollout_events
 
-from schemas import AttemptStarted, Event, RolloutCreated, RolloutStatusChanged
+from schemas import AttemptStarted, Event, PhaseChanged, RolloutCreated, RolloutStatusChanged
 from services.common.eventstore import EventStore
 from services.engine.background import BackgroundServer
 from services.gateway import GatewaySettings, create_app
@@ -23,7 +23,7 @@ from trainer.checkpoint import InFlightGroup
 from trainer.clients import GatewayClient
 from trainer.core import AdapterConfig, NotTrainable, build_step, rollout_calls
 from trainer.loop import step_row
-from trainer.rollouts import StatusWatch, replay_group
+from trainer.rollouts import StatusWatch, replay_group, update_spans
 from trainer.run_sections import ValidationSection
 from trainer.validation import VAL_REWARD, ValidationPass, val_reward
 
@@ -56,6 +56,35 @@ async def test_a_timed_out_rollout_scores_in_its_group_and_an_image_pull_failure
     row = step_row(1, 1, [replayed], batch, 0, 0, None, {}, adapter)
     assert row["rollouts_failed_scored"] == 1 and row["rollouts_infra_dropped"] == 1
     assert row["reward_mean"] == pytest.approx(1 / 3) and row["groups_skipped"] == 0
+
+
+def _timed_out(run_id: str, rollout_id: str, began: float, ended: float) -> list[Event]:
+    """A rollout whose attempt the controller stopped at its time limit (cause `timeout`)."""
+    attempt = f"{rollout_id}-a1"
+    reason = "timed out after 60s; the agent's process group was killed (gave up after 1 of 1 attempt(s))"
+    return [
+        RolloutCreated(run_id=run_id, rollout_id=rollout_id, group_id="g", metadata={"group_size": 4}, time=began),
+        AttemptStarted(run_id=run_id, rollout_id=rollout_id, attempt_id=attempt, sequence=1, time=began),
+        RolloutStatusChanged(run_id=run_id, rollout_id=rollout_id, attempt_id=attempt, status="failed",
+                             reason=reason, cause="timeout", time=ended),
+    ]  # fmt: skip
+
+
+async def test_an_async_timeout_that_spans_an_update_is_not_the_policys(store: EventStore, run_id: str) -> None:
+    """The update gate held the attempt's calls for part of its time limit: dropped, not scored."""
+    events: list[Event] = [*rollout_events(run_id, "r0", "g", 1.0, "succeeded"),
+                           *rollout_events(run_id, "r1", "g", 1.0, "succeeded"),
+                           PhaseChanged(run_id=run_id, phase="update", time=1000.0),
+                           PhaseChanged(run_id=run_id, phase="rollout", weights_version=1, time=1030.0),
+                           *_timed_out(run_id, "held", 990.0, 1050.0),
+                           *_timed_out(run_id, "free", 1100.0, 1160.0)]  # fmt: skip
+    await store.append_many(events)
+    updates = await update_spans(store, run_id)
+    assert updates == [(1000.0, 1030.0)]
+    group = InFlightGroup(group_id="g", rollout_ids=["r0", "r1", "held", "free"], task_index=0, created_version=0)
+    replayed = await replay_group(store, run_id, group, None, updates)
+    assert replayed.skipped == {"held": "infrastructure"}
+    assert [r.failure for r in replayed.rollouts if r.rollout_id == "free"] == ["timeout"]
 
 
 def test_val_reward_of_a_rollout() -> None:

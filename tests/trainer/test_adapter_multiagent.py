@@ -9,10 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 import pytest
 
 from schemas import AttemptStarted, Event, ModelRequestRecorded, RewardReported, RolloutCreated, RolloutStatusChanged
-from trainer.core import AdapterConfig, Selection, build_step, collect_rollouts, failure_kind, plain, rollout_calls
+from trainer.core import (
+    AdapterConfig,
+    NotTrainable,
+    Selection,
+    build_step,
+    collect_rollouts,
+    failure_kind,
+    plain,
+    rollout_calls,
+)
 
 RUN = "run1"
 
@@ -192,3 +202,41 @@ def test_a_timed_out_rollout_scores_in_its_group_and_an_image_pull_failure_is_dr
     assert advantages["r2"] == pytest.approx(-0.5 - 0.5) and "s0" not in advantages
     dropped = build_step(collected.rollouts, AdapterConfig(failed_reward="drop"))
     assert dropped.stats.rollouts_failed_dropped == 1 and dropped.stats.group_baselines == {"g": 1.0}
+
+
+def _failed_with(cause: str | None, reason: str, last_call: ModelRequestRecorded) -> list[Event]:
+    events = _rollout("ro", [_call("ro", "c1", [1, 2], [3], 1.0, 2.0), last_call], reward=None, status="failed")
+    final = events[-1]
+    assert isinstance(final, RolloutStatusChanged)
+    return [*events[:-1], msgspec.structs.replace(final, reason=reason, cause=cause)]  # type: ignore[type-var]
+
+
+def _failed_call(error: str) -> ModelRequestRecorded:
+    """A call the gateway recorded as failed, its error worded as the gateway words it (gateway/pipeline.py)."""
+    return ModelRequestRecorded(run_id=RUN, rollout_id="ro", attempt_id="a1", call_id="c2", status="failed",
+                                error=error, time=3.0, latency_s=0.5)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("cause", "reason", "error", "kind"),
+    [
+        # the controller's cause decides, whatever the reason quotes from the agent's log
+        ("agent-error", "exit code 3 in container 'agent': Evicted", "HTTP 400: prompt too long", "agent-error"),
+        ("infrastructure", "evaluator exited with code 1", "HTTP 400: bad", "infrastructure"),
+        ("timeout", "timed out after 9s", "HTTP 400: bad", "timeout"),
+        # the agent exited because the engine was down: its last call failed at the endpoint
+        ("agent-error", "agent exited with code 1", "the model endpoint failed: ConnectError()", "infrastructure"),
+        ("agent-error", "agent exited with code 1", "HTTP 503: engine unavailable", "infrastructure"),
+        # events without a cause: only the controller's words count, not the log excerpt after them
+        (None, "agent exited with code 3\nlast lines of the log:\nEvicted: OOMKilled", "HTTP 400: x", "agent-error"),
+    ],
+)
+def test_the_failure_kind_comes_from_the_controllers_cause_and_the_recorded_calls(
+    cause: str | None, reason: str, error: str, kind: str
+) -> None:
+    events = _failed_with(cause, reason, _failed_call(error))
+    if kind == "infrastructure":
+        with pytest.raises(NotTrainable, match="infrastructure"):
+            rollout_calls(events)
+    else:
+        assert rollout_calls(events).failure == kind

@@ -45,7 +45,7 @@ from schemas.events import (
     RolloutStatusChanged,
 )
 from schemas.refs import CallRef, PackedTokens, unpack_arrays, unpack_together
-from trainer.core.failures import FailureKind, failure_kind
+from trainer.core.failures import FailureKind, endpoint_failed, failure_kind, held_by_updates
 from trainer.core.tokens import FloatArray, IdArray, Logprobs, TokenIds
 
 
@@ -172,6 +172,7 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     call_id: str
     mode: Mode = "train"
     status: CallStatus = "ok"
+    error: str | None = None
     choice_index: Count = 0
     weights_version: Int32 | None = None
     prompt_ids: list[Count] = []
@@ -356,14 +357,30 @@ def _final_attempt(
     return attempt, final
 
 
-def rollout_calls(events: Iterable[Event | CallRecord], select: Selection | None = None) -> RolloutCalls:
+def _endpoint_down(events: Sequence[Event | CallRecord], attempt: str | None) -> bool:
+    """Whether the attempt's last recorded call failed at the endpoint (`failures.endpoint_failed`)."""
+    last: ModelRequestRecorded | CallRecord | None = None
+    for event in events:
+        if isinstance(event, ModelRequestRecorded | CallRecord) and event.attempt_id == attempt:
+            if last is None or event.time >= last.time:
+                last = event
+    return last is not None and last.status == "failed" and endpoint_failed(last.error)
+
+
+def rollout_calls(
+    events: Iterable[Event | CallRecord],
+    select: Selection | None = None,
+    updates: Sequence[tuple[float, float]] = (),
+) -> RolloutCalls:
     """The training calls and reward of one rollout, from its events in stream order.
 
     `select` says which calls are trained (default: all); the attempt's other `ok` calls are
     `context`. A rollout that failed because of the policy (see `trainer.core.failures`) is returned
     with `failure` set and no reward; the adapter scores it. Raises `NotTrainable` for a rollout
     that yields no training data (no `RolloutCreated` seen, declared in `val` mode, not ended, or
-    ended by the infrastructure or a cancel), and `MalformedCall` for a selected call that cannot
+    ended by the infrastructure or a cancel; a timeout of an attempt that overlapped one of the
+    run's `updates`, `(began, ended)` of each update phase, counted time the phase gate held it, so it
+    is the infrastructure's too), and `MalformedCall` for a selected call that cannot
     be trained on. Events of another rollout are an error (`ValueError`).
     """
     ordered = list(events)
@@ -405,9 +422,14 @@ def rollout_calls(events: Iterable[Event | CallRecord], select: Selection | None
     failure: FailureKind | None = None
     if final.status != "succeeded":
         last = max([*calls, *context], key=lambda c: c.ended_at or 0.0, default=None)
-        kind = failure_kind(final.status, final.reason, last.finish_reason if last else None)
+        down = _endpoint_down(ordered, attempt)
+        kind = failure_kind(final.status, final.reason, last.finish_reason if last else None, final.cause, down)
         if kind is None or final.status == "cancelled":
             raise NotTrainable(rollout_id, "not-succeeded", f"final status {final.status}")
+        if kind in ("timeout", "length") and final.cause == "timeout" and updates:
+            began = next((e.time for e in ordered if isinstance(e, AttemptStarted) and e.attempt_id == attempt), None)
+            if began is not None and held_by_updates(began, final.time, updates):
+                kind = "infrastructure"
         if kind == "infrastructure":
             raise NotTrainable(rollout_id, "infrastructure", final.reason or "")
         failure, reward = kind, None

@@ -42,6 +42,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
+from schemas import FailureCause
+
 ExecutionPhase = Literal["pending", "running", "succeeded", "failed", "unknown"]
 TERMINAL_PHASES: frozenset[str] = frozenset({"succeeded", "failed"})
 
@@ -121,6 +123,9 @@ class ExecutionState(msgspec.Struct, frozen=True, kw_only=True):
     log_tail: str | None = None
     execution: str | None = None
     deleted: bool = False
+    cause: FailureCause | None = None
+    """A failed execution's cause as the backend knows it from structured facts (which phase ended,
+    how, its exit code or signal, the container's termination reason), never from log text."""
 
     @property
     def terminal(self) -> bool:

@@ -24,7 +24,9 @@ from typing import Any
 
 import msgspec
 
+from schemas import FailureCause
 from services.controller.backends.base import ExecutionKey, ExecutionState
+from services.controller.backends.k8s_template import EVALUATOR_CONTAINER
 
 Obj = dict[str, Any]
 
@@ -133,7 +135,9 @@ def _from_pod(base: ExecutionState, pod: Obj, now: float, stuck_grace_s: float) 
         since = parse_time(pod["metadata"].get("creationTimestamp")) or now
         if now - since >= stuck_grace_s:
             reason = f"{stuck} (stuck for {now - since:.0f}s)"
-            return Derived(msgspec.structs.replace(base, phase="failed", reason=reason, finished_at=now))
+            cause: FailureCause = "infrastructure"
+            failed = msgspec.structs.replace(base, phase="failed", reason=reason, finished_at=now, cause=cause)
+            return Derived(failed)
         return Derived(msgspec.structs.replace(base, reason=stuck), recheck_at=since + stuck_grace_s)
     if pod_status.get("phase") in ("Running", "Succeeded", "Failed") or any(
         "running" in (s.get("state") or {}) for s in _statuses(pod)
@@ -172,21 +176,29 @@ def _failed(
         )
         stuck = _stuck(pod) if pod else None
         return Derived(
-            msgspec.structs.replace(base, reason=f"{reason}; the pod never started: {stuck}" if stuck else reason)
+            msgspec.structs.replace(
+                base,
+                reason=f"{reason}; the pod never started: {stuck}" if stuck else reason,
+                cause="infrastructure" if stuck else "timeout",
+            )
         )
     if pod is not None:
         pod_status = pod.get("status") or {}
         if pod_status.get("reason") == "Evicted":
             node = (pod.get("spec") or {}).get("nodeName") or "its node"
             message = pod_status.get("message") or "no message"
-            return Derived(msgspec.structs.replace(base, reason=f"Evicted from {node}: {message}"))
+            return Derived(
+                msgspec.structs.replace(base, reason=f"Evicted from {node}: {message}", cause="infrastructure")
+            )
         for container, terminated in _terminations(pod):
             code = terminated.get("exitCode")
             if code in (0, None):
                 continue
             log_source = (pod["metadata"]["name"], container)
             location = f"kubectl logs -n {namespace} {pod['metadata']['name']} -c {container}"
+            cause: FailureCause = "infrastructure" if container == EVALUATOR_CONTAINER else "agent-error"
             if terminated.get("reason") == "OOMKilled":
+                cause = "infrastructure"
                 reason = (
                     f"OOMKilled: container '{container}' ran out of memory and was killed (exit code {code}); "
                     "raise its memory limit in the Job template"
@@ -197,12 +209,14 @@ def _failed(
                 if detail:
                     reason = f"{reason}: {last_line(detail)}"
             return Derived(
-                msgspec.structs.replace(base, reason=reason, exit_code=code, log_tail=log_tail, log_location=location),
+                msgspec.structs.replace(
+                    base, reason=reason, exit_code=code, log_tail=log_tail, log_location=location, cause=cause
+                ),
                 log_source=log_source,
             )
         stuck = _stuck(pod)
         if stuck is not None:
-            return Derived(msgspec.structs.replace(base, reason=stuck))
+            return Derived(msgspec.structs.replace(base, reason=stuck, cause="infrastructure"))
     reason = f"{condition.get('reason') or 'Failed'}: {condition.get('message') or 'the Job failed'}"
     return Derived(msgspec.structs.replace(base, reason=reason), pods_lag=not failed_pods)
 

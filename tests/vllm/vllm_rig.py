@@ -1,0 +1,75 @@
+"""Shared parts of the real-vLLM tests: a run on the gateway, its recorded calls, and the trainer's logprobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from gw_harness import GatewayHandle
+
+from schemas import ModelRequestRecorded
+from trainer.core.calls import Call, call_from_event
+from trainer.forward import forward_logits
+from trainer.loss import token_logprobs
+
+SERVED = "tiny"
+
+
+def start_run(gateway: GatewayHandle, run_id: str, vllm_url: str, mode: str = "exact", **model: Any) -> dict[str, Any]:
+    """A run in prompt `mode` whose model is the vLLM server; a rollout's started attempt (token, URLs)."""
+    answer = gateway.admin.post("/api/runs", json={"run_id": run_id, "prompt_mode": mode})
+    assert answer.status_code in (200, 201), answer.text
+    gateway.register_model(run_id, f"{vllm_url}/v1", name=SERVED, served_model=SERVED, **model)
+    rollout = gateway.create(run_id)[0]
+    return gateway.attempt(rollout["rollout_id"]) | {"rollout_id": rollout["rollout_id"]}
+
+
+def recorded(gateway: GatewayHandle, rollout_id: str) -> list[ModelRequestRecorded]:
+    """The rollout's model calls as the gateway recorded them (full prompts)."""
+    items = gateway.admin.get(f"/api/rollouts/{rollout_id}/events", params={"type": "model_request"}).json()
+    return [msgspec.convert(item, ModelRequestRecorded) for item in items]
+
+
+def recorded_calls(gateway: GatewayHandle, rollout_id: str) -> list[Call]:
+    """The rollout's calls as the trainer reads them (ids and logprobs as arrays)."""
+    return [call_from_event(event) for event in recorded(gateway, rollout_id)]
+
+
+def trainer_logprobs(model: torch.nn.Module, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+    """The trainer's logprob of each response token (its forward and `token_logprobs`, at `temperature`)."""
+    ids = torch.tensor([[*prompt, *response]])
+    with torch.no_grad():
+        logits = forward_logits(model, ids, torch.ones_like(ids))
+        values = token_logprobs(logits, ids, temperature=temperature)[0]
+    return [float(v) for v in values[len(prompt) - 1 :]]
+
+
+def nucleus_logprobs(
+    model: torch.nn.Module, prompt: list[int], response: list[int], temperature: float, top_k: int, top_p: float
+) -> list[float]:
+    """Each response token's logprob under the distribution vLLM samples from: logits / T, top-k, then top-p
+    (the smallest tail whose mass is at most 1 - p dropped), renormalised (`vllm/v1/sample/ops/topk_topp_sampler.py`,
+    `apply_top_k_top_p_pytorch`)."""
+    ids = torch.tensor([[*prompt, *response]])
+    with torch.no_grad():
+        logits = forward_logits(model, ids, torch.ones_like(ids))[0, len(prompt) - 1 : -1].float() / temperature
+    out = []
+    for row, token in zip(logits, response, strict=True):
+        ordered, index = row.sort(descending=False)
+        ordered[ordered < ordered[-top_k]] = -float("inf")
+        mass = ordered.softmax(-1).cumsum(-1)
+        drop = mass <= 1 - top_p
+        drop[-1] = False
+        ordered[drop] = -float("inf")
+        kept = torch.empty_like(row).scatter_(0, index, ordered)
+        out.append(float(kept.log_softmax(-1)[token]))
+    return out
+
+
+def load_model(model_dir: Path) -> torch.nn.Module:
+    """The served model in transformers, fp32 on CPU (what the trainer's CPU backend computes with)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
