@@ -16,14 +16,16 @@ final loss and mean reward of its last step.
 **memory**: a synthetic run written to a fresh nats-server the way `bench_replay` writes one
 (groups of 8 rollouts, 256 in flight, `--calls` calls each), with a `train_step` record on every
 rollout (`--groups-per-step` groups a step), read step by step by `StepReader` with each step
-built by the adapter: the growth of this process's memory (sampled every 20 ms) and the most calls
-held, for the whole run and for a run a tenth its size. Bounded by a step, both grow alike.
+built by the adapter: the growth of this process's memory (sampled every 20 ms; the nats-server
+it starts is left out: it caches the stream) and the most calls held, for the whole run and for
+a run a tenth its size. Bounded by a step, both grow alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import resource
 import statistics
 import sys
 import tempfile
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_replay import GROUP, _tree_rss_mb, write_run
+from bench_replay import GROUP, write_run
 
 from schemas import CustomEvent
 from services.common.eventstore import EventStore
@@ -51,14 +53,17 @@ from services.tools.source import index_run
 from trainer.core import TRAIN_STEP_EVENT, AdapterConfig, build_step
 
 
+def rss_mb() -> float:
+    """This process's resident memory alone (not its children: the nats-server it started caches the stream)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 1e6
+
+
 class Sampler:
     """This process's RSS, sampled every 20 ms from a thread: the peak growth over the start."""
 
     def __init__(self) -> None:
-        import os
-
-        self.pid = os.getpid()
-        self.start = _tree_rss_mb(self.pid)
+        self.start = rss_mb()
         self.peak = self.start
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -66,7 +71,7 @@ class Sampler:
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            self.peak = max(self.peak, _tree_rss_mb(self.pid))
+            self.peak = max(self.peak, rss_mb())
 
     def stop(self) -> float:
         self._stop.set()

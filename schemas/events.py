@@ -36,11 +36,13 @@ from schemas.ids import (
     check_recurring_id,
 )
 from schemas.refs import CallRef, PackedTokens
+from schemas.runs import RunSpec
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """2: a `model_request` may carry `prompt_ref` (only the new ids and request parts) and `packed` arrays.
 3: `model_request` gained `agent`, `endpoint`, `started_at` and the sampling parameters.
-4: fields equal to their default are left out of the JSON (absent = default), except the envelope keys."""
+4: fields equal to their default are left out of the JSON (absent = default), except the envelope keys.
+5: `run.started` carries its run's spec typed, as `spec` (older events carry a plain `config` mapping)."""
 
 ENVELOPE_KEYS = ("type", "event_id", "schema_version", "run_id", "time")
 """The keys every encoded event carries, whatever their values (monitors in any language rely on them)."""
@@ -136,10 +138,22 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", omit_de
 
 
 class RunStarted(Event, frozen=True, kw_only=True, tag="run.started"):
-    """A run was declared: how its rollouts execute and how they are trained."""
+    """A run was declared: how its rollouts execute and how they are trained (`schemas.runs.RunSpec`).
+
+    `spec` is the run's spec, typed: an event whose spec is not a valid `RunSpec` does not decode.
+    Events written before schema version 5 carry the spec as a plain `config` mapping instead
+    (`spec` absent); `schemas.run.spec_of` reads either, and says why an old mapping is invalid.
+    """
 
     name: str = ""
+    spec: RunSpec | None = None
     config: dict[str, Any] = {}
+    """The spec of an event written before schema version 5 (new events leave it empty)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.spec is not None and self.spec.run_id != self.run_id:
+            raise msgspec.ValidationError(f"spec.run_id {self.spec.run_id} is not the event's run {self.run_id}")
 
     @property
     def subject(self) -> str:

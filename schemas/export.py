@@ -28,7 +28,7 @@ def render_schemas() -> dict[str, str]:
         schema["$comment"] = f"Rollwire event '{tag}' ({event_type.__name__}); see schemas/README.md"
         out[f"{tag}.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
     run_spec = msgspec.json.schema(RunSpec)
-    run_spec["$comment"] = "Rollwire run spec (POST /api/runs, RunStarted.config); see schemas/README.md"
+    run_spec["$comment"] = "Rollwire run spec (POST /api/runs, RunStarted.spec); see schemas/README.md"
     out["run_spec.json"] = json.dumps(run_spec, indent=2, sort_keys=True) + "\n"
     return out
 

@@ -1,4 +1,4 @@
-"""How a run's rollouts execute: the run spec the gateway records in `RunStarted.config`.
+"""How a run's rollouts execute: the run spec the gateway records in `RunStarted.spec`.
 
 A run declares its executor once (`POST /api/runs` or the trainer's config); one controller serves
 many runs by reading these specs from the stream.
@@ -50,8 +50,14 @@ class AttemptBudget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     wall_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
-class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Executor settings of one run.
+PROMPT_MODE: PromptMode = "exact"
+"""A run's prompt mode when it sets none (the trainer's `[model].prompt_mode` takes the same default)."""
+
+
+class AgentSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a run's rollouts execute and what each may spend: the part of a run spec a trainer's
+    `[agent]` section sets (`trainer.config.AgentSection` is this struct, so a field added here can
+    be set in `train.toml` and reaches the run with no other edit).
 
     `command` is the agent command for the local backend (argv list, run in a fresh working
     directory per attempt); `job_template` is a Kubernetes Job template (YAML text with
@@ -60,13 +66,8 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     `limits` bounds each model call and `budget` each attempt (enforced by the proxy).
     `model_aliases` maps model names a harness sends (Claude Code's `claude-sonnet-4-5`) to a
     model registered for the run; a name neither registered nor aliased goes to any of the run's.
-    `prompt_mode`: `exact` forwards each call's messages and the engine renders the prompt;
-    `continuous` has the proxy render prompts itself, reusing an earlier call's prompt + sampled
-    ids verbatim where the conversation continues it (token in, token out: one sample per chain).
     """
 
-    run_id: Id
-    name: str = ""
     backend: Backend = "local"
     command: list[str] = []
     job_template: str | None = None
@@ -78,29 +79,44 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     evaluator_command: list[str] | None = None
     reward_from: RewardFrom = "agent"
     env: dict[str, str] = {}
+    limits: CallLimits = msgspec.field(default_factory=CallLimits)
+    budget: AttemptBudget = msgspec.field(default_factory=AttemptBudget)
+    model_aliases: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        check_int("concurrency", self.concurrency, 1, optional=False)
+        check_int("max_attempts", self.max_attempts, 1, optional=False)
+        if not self.timeout_s > 0:
+            raise msgspec.ValidationError("timeout_s must be positive - at `$.timeout_s`")
+        if self.reward_from == "evaluator" and not self.evaluator_command and self.backend == "local":
+            raise msgspec.ValidationError(
+                "reward_from is 'evaluator' but no evaluator_command is set - at `$.evaluator_command`"
+            )
+
+
+class RunSpec(AgentSpec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Executor settings of one run: how its rollouts execute (`AgentSpec`), what it trains and routes.
+
+    `prompt_mode`: `exact` forwards each call's messages and the engine renders the prompt;
+    `continuous` has the proxy render prompts itself, reusing an earlier call's prompt + sampled
+    ids verbatim where the conversation continues it (token in, token out: one sample per chain).
+    """
+
+    run_id: Id
+    name: str = ""
     train_agents: list[Id] = []
     """Agent names whose calls the run trains ([]: every agent)."""
     train_models: list[Id] = []
     """Registered model names the run trains ([]: not declared; the trainer's config decides)."""
     agent_models: dict[Id, Id] = {}
     """Routing: agent name -> the registered model its calls go to, whatever the request's `model` says."""
-    limits: CallLimits = msgspec.field(default_factory=CallLimits)
-    budget: AttemptBudget = msgspec.field(default_factory=AttemptBudget)
-    model_aliases: dict[str, str] = {}
-    prompt_mode: PromptMode = "exact"
+    prompt_mode: PromptMode = PROMPT_MODE
 
     def __post_init__(self) -> None:
         check_id("run_id", self.run_id)
-        check_int("concurrency", self.concurrency, 1, optional=False)
-        check_int("max_attempts", self.max_attempts, 1, optional=False)
-        if not self.timeout_s > 0:
-            raise msgspec.ValidationError("timeout_s must be positive - at `$.timeout_s`")
+        super().__post_init__()
         for i, name in enumerate([*self.train_agents, *self.train_models]):
             check_id(f"train_agents/train_models[{i}]", name)
         for agent, model in self.agent_models.items():
             check_id("agent_models key", agent)
             check_id(f"agent_models[{agent}]", model)
-        if self.reward_from == "evaluator" and not self.evaluator_command and self.backend == "local":
-            raise msgspec.ValidationError(
-                "reward_from is 'evaluator' but no evaluator_command is set - at `$.evaluator_command`"
-            )

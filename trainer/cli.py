@@ -35,11 +35,13 @@ def _quiet_transformers() -> None:
 def train(
     config: Path = typer.Argument(..., help="The run's TOML config (see examples/quickstart/train.toml)."),
     steps: int | None = typer.Option(None, help="Override run.steps."),
+    check: bool = typer.Option(False, "--check", help="Print the GPU layout's memory arithmetic and exit."),
 ) -> None:
     """Train a model with RL through its agent harness, as CONFIG.toml describes."""
     import msgspec
 
     from services.common.vllm import ReplicaError
+    from services.common.vllm_install import VllmInstallError
     from services.devstack.stack import StackError
     from trainer.checkpoint import CheckpointError
     from trainer.clients import GatewayError
@@ -49,6 +51,9 @@ def train(
     from trainer.embedded import embedded_stack
     from trainer.loop import Trainer, TrainingError
 
+    if check:
+        _check_only(config)
+        return
     _quiet_transformers()
     try:
         loaded = load_config(config)
@@ -56,6 +61,8 @@ def train(
             loaded = msgspec.structs.replace(loaded, run=msgspec.structs.replace(loaded.run, steps=steps))
     except ConfigError as exc:
         raise _fail(str(exc), 2) from None
+    if loaded.backend.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:  # local rank i trains on gpus[i]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in loaded.backend.gpus)
     if follows_rank0():
         _follow(loaded)
         return
@@ -67,15 +74,47 @@ def train(
         with contextlib.ExitStack() as stack:
             if loaded.stack.embedded:
                 urls = stack.enter_context(
-                    embedded_stack(Path(loaded.stack.data_dir), Path(loaded.model.path), say=print)
+                    embedded_stack(
+                        Path(loaded.stack.data_dir), Path(loaded.model.path), say=print, engine=loaded.engine
+                    )
                 )
             else:
                 urls = _external_urls(loaded.stack)
             with StepDisplay(loaded.run.steps) as display:
                 rows = asyncio.run(Trainer(loaded, urls, on_step=display.step).run())
         print(f"{len(rows)} steps done; metrics in {loaded.run_dir / 'metrics.csv'}")
-    except (StackError, GatewayError, DatasetError, TrainingError, CheckpointError, ConfigError, ReplicaError) as exc:
+    except (
+        StackError, GatewayError, DatasetError, TrainingError, CheckpointError, ConfigError, ReplicaError,
+        VllmInstallError,
+    ) as exc:  # fmt: skip
         raise _fail(str(exc)) from None
+
+
+def _check_only(config: Path) -> None:
+    """`rollwire train --check`: the layout's arithmetic, then exit 0 (fits) or 2 (does not, or a bad config)."""
+    import tomllib
+
+    import msgspec
+
+    from trainer.config import config_from_mapping
+    from trainer.layout import check_layout
+
+    try:
+        document = tomllib.loads(config.read_text(encoding="utf-8"))
+        backend = dict(document.get("backend", {}))
+        gpus = backend.pop("gpus", [])  # checked below, with the arithmetic, rather than refused while loading
+        loaded = config_from_mapping({**document, "backend": backend}, config.resolve().parent)
+        loaded = msgspec.structs.replace(loaded, backend=msgspec.structs.replace(loaded.backend, gpus=gpus))
+    except (OSError, tomllib.TOMLDecodeError, ConfigError) as exc:
+        raise _fail(f"{config}: {exc}", 2) from None
+    lines, problems = check_layout(loaded)
+    for line in lines:
+        print(line)
+    for problem in problems:
+        print(f"does not fit: {problem}")
+    if problems:
+        raise typer.Exit(2)
+    print("the layout fits")
 
 
 def follows_rank0() -> bool:
@@ -105,7 +144,10 @@ def _external_urls(stack: StackSection) -> ServiceUrls:
             f"stack.embedded is false but {', '.join('stack.' + k for k in missing)} "
             "is not set (nor its environment variable)"
         )
-    return ServiceUrls(**{k: str(v) for k, v in values.items()})
+    return ServiceUrls(
+        gateway_url=str(values["gateway_url"]), nats_url=str(values["nats_url"]),
+        engine_url=str(values["engine_url"]), admin_token=str(values["admin_token"]),
+    )  # fmt: skip
 
 
 def quickstart(

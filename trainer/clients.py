@@ -28,6 +28,8 @@ class ServiceUrls:
     nats_url: str
     engine_url: str
     admin_token: str
+    engine_urls: tuple[str, ...] = ()  # the stack's vLLM replicas (`/v1` each), when it started them
+    engine_api_key: str = ""  # what those replicas require on every route
 
     @property
     def engine_base(self) -> str:

@@ -2,11 +2,13 @@
 
     [run]        name, out_dir, seed, steps, mode ("sync" | "async"), resume
     [data]       path (JSONL, one rollout input per line), tasks_per_step, rollouts_per_task, shuffle
-    [agent]      command (argv), env, timeout_s, concurrency, max_attempts
+    [agent]      command (argv), env, timeout_s, concurrency, max_attempts, ..., limits, budget,
+                 model_aliases: every field of the run spec's `schemas.runs.AgentSpec`
     [model]      path (a saved transformers model directory), served_name, prompt_mode, reasoning_parser
     [backend]    kind ("cpu" | "verl"), threads, dtype, gradient_checkpointing, lora_rank, lora_alpha,
-                 lora_target_modules, lora_adapters (agent role -> adapter name)
-    [engine]     kind ("embedded" | "vllm"); vllm: executable, urls (attach) or replicas (start), port,
+                 lora_target_modules, lora_adapters (agent role -> adapter name), pack_sequences,
+                 logprob_chunk_tokens, gpus (the training ranks' GPUs), gpu_memory_gb
+    [engine]     kind ("vllm" | "embedded"); vllm: executable, urls (attach) or replicas (start), port,
                  dtype, gpu_memory_utilization, extra_args
     [algorithm]  lr, weight_decay, grad_clip, updates_per_step, micro_batch_tokens, loss_temperature
     [algorithm.adapter]  the adapter's switches (`trainer.core.AdapterConfig`)
@@ -34,9 +36,9 @@ from typing import Any, Literal, get_args
 import msgspec
 
 from schemas.events import ReasoningParser
-from schemas.runs import PromptMode, RewardFrom
+from schemas.runs import PROMPT_MODE, AgentSpec, PromptMode
 from trainer.core import AdapterConfig, AdapterConfigError
-from trainer.run_sections import ExecBackend, FrozenSection, PolicySection, ValidationSection
+from trainer.run_sections import FrozenSection, PolicySection, ValidationSection
 
 Mode = Literal["sync", "async"]
 BackendKind = Literal["cpu", "verl"]
@@ -76,28 +78,18 @@ class DataSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     shuffle: bool = True
 
 
-class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`[agent]`: the harness command the controller runs once per rollout attempt.
+class AgentSection(AgentSpec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[agent]`: how the controller runs the harness once per rollout attempt, and what each attempt
+    may spend: every field of the run spec's `schemas.runs.AgentSpec`, with its defaults (`budget`,
+    `limits` and `model_aliases` included), and nothing else (the run spec takes them as they are).
 
     A leading `python` in `command` (and `evaluator_command`) stands for the Python running the
     trainer (its virtualenv). `{config_dir}` in `command`, `evaluator_command` and `env` values is
-    the config file's directory, so a config can name the scripts next to it. `evaluator_command`
-    runs after the agent exited 0, in its workspace, with an evaluator token; with
-    `reward_from = "evaluator"` only the evaluator's reward counts (the gateway refuses the agent's).
+    the config file's directory, so a config can name the scripts next to it. `job_template` is a
+    file (a Kubernetes Job template); the run spec carries its text. `evaluator_command` runs after
+    the agent exited 0, in its workspace, with an evaluator token; with `reward_from = "evaluator"`
+    only the evaluator's reward counts (the gateway refuses the agent's).
     """
-
-    command: list[str] = []
-    env: dict[str, str] = {}
-    timeout_s: float = 600.0
-    concurrency: int = 32
-    max_attempts: int = 1
-    retry_backoff_s: float = 1.0
-    backend: ExecBackend = "local"
-    job_template: str | None = None
-    """A Kubernetes Job template file (YAML with placeholders) for `backend = "kubernetes"`."""
-    image: str | None = None
-    evaluator_command: list[str] | None = None
-    reward_from: RewardFrom = "agent"
 
 
 class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -113,7 +105,7 @@ class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     path: str
     served_name: str = "policy"
     agents: list[str] = []
-    prompt_mode: PromptMode = "exact"
+    prompt_mode: PromptMode = PROMPT_MODE
     reasoning_parser: ReasoningParser | None = None
 
 
@@ -126,6 +118,10 @@ class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     `lora_rank > 0` trains a LoRA adapter (peft) on `lora_target_modules` instead of every weight;
     the adapter is what is saved and served. `lora_adapters` maps an agent role to the adapter
     that trains its calls (several roles may share one; empty: one adapter, `default`, for all).
+    `pack_sequences` puts a micro-batch's samples back to back in one row (positions restart per
+    sample; flash-attn varlen where installed, else sdpa with a block-diagonal mask) instead of
+    padded rows; `logprob_chunk_tokens` positions at a time go through the output projection
+    (`trainer.logprobs`).
     """
 
     kind: BackendKind = "cpu"
@@ -138,20 +134,27 @@ class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     lora_adapters: dict[str, str] = {}
+    pack_sequences: bool = True
+    logprob_chunk_tokens: int = 1024
+    gpus: list[int] = []
+    """GPU indices of the training ranks, one rank each (empty: a CPU run; the layout is not checked)."""
+    gpu_memory_gb: float = 0.0
+    """One GPU's memory: with `gpus`, the layout is checked against it (`trainer.layout`)."""
 
 
 EngineKind = Literal["embedded", "vllm"]
 
 
 class EngineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`[engine]`: what serves the policy. `embedded` is Rollwire's CPU engine (the stack's);
-    `vllm` attaches to running `vllm serve` replicas (`urls`) or starts `replicas` of them from
-    `executable` (vLLM's own environment) on ports from `port`, one GPU each. Every replica is
+    """`[engine]`: what serves the policy. `vllm` (the default) attaches to running vLLM servers
+    (`urls`; their key in $ROLLWIRE_ENGINE_KEY), to the embedded stack's (`stack.embedded`), or
+    starts `replicas` of them from `executable` (vLLM's Python; "" = `rollwire vllm install`'s) on
+    ports from `port`, one GPU each. `embedded` is Rollwire's own CPU engine. Every replica is
     registered with the gateway and reloaded inside the phase gate (`services.common.vllm`).
     """
 
-    kind: EngineKind = "embedded"
-    executable: str = "vllm"
+    kind: EngineKind = "vllm"
+    executable: str = ""
     urls: list[str] = []
     replicas: int = 1
     port: int = 8100
@@ -159,6 +162,8 @@ class EngineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     gpu_memory_utilization: float = 0.85
     extra_args: list[str] = []
     startup_timeout_s: float = 900.0
+    gpus: list[int] = []
+    """GPU indices the vLLM replicas use, split evenly over `replicas` (each one's tensor-parallel size)."""
 
 
 class LossSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -345,6 +350,9 @@ def _check_backend_and_engine(config: TrainConfig) -> None:
         "'verl' needs verl installed beside Rollwire: pip install 'rollwire[verl]'",
     )
     need(backend.threads is None or backend.threads >= 1, "backend.threads", "must be at least 1")
+    need(all(g >= 0 for g in backend.gpus), "backend.gpus", "must be GPU indices (>= 0)")
+    need(not backend.gpus or len(set(backend.gpus)) == len(backend.gpus), "backend.gpus", "must not repeat a GPU")
+    need(backend.logprob_chunk_tokens >= 1, "backend.logprob_chunk_tokens", "must be at least 1")
     need(backend.lora_rank >= 0, "backend.lora_rank", "must be >= 0 (0 trains every weight)")
     need(backend.lora_alpha > 0, "backend.lora_alpha", "must be positive")
     need(bool(backend.lora_target_modules), "backend.lora_target_modules", "must name at least one module")
@@ -384,18 +392,10 @@ def _check_run_and_agent(config: TrainConfig) -> None:
     need(not k8s or bool(agent.job_template), "agent.job_template", 'is required with agent.backend = "kubernetes"')
     need(agent.retry_backoff_s >= 0, "agent.retry_backoff_s", "must be >= 0")
     _check_models(config)
-    need(config.agent.timeout_s > 0, "agent.timeout_s", "must be positive")
-    need(config.agent.concurrency >= 1, "agent.concurrency", "must be at least 1")
-    need(config.agent.max_attempts >= 1, "agent.max_attempts", "must be at least 1")
     need(
         config.agent.evaluator_command is None or bool(config.agent.evaluator_command),
         "agent.evaluator_command",
         "must name the program to run, as a list of strings, or be left out",
-    )
-    need(
-        config.agent.reward_from == "agent" or bool(config.agent.evaluator_command) or k8s,
-        "agent.reward_from",
-        "is 'evaluator' but agent.evaluator_command is not set",
     )
 
 
@@ -505,7 +505,20 @@ def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None
             stack=msgspec.structs.replace(config.stack, data_dir=_resolve(base_dir, config.stack.data_dir)),
         )
         config = _resolve_models(config, base_dir)
+    _check_layout(config)
     return config
+
+
+def _check_layout(config: TrainConfig) -> None:
+    """A declared GPU layout (`backend.gpus`) that cannot fit is refused, naming the numbers."""
+    if not config.backend.gpus:
+        return
+    from trainer.layout import check_layout
+
+    _, problems = check_layout(config)
+    if problems:
+        raise ConfigError("the GPU layout does not fit (`rollwire train --check` shows the arithmetic): "
+                          + "; ".join(problems))  # fmt: skip
 
 
 def _resolve_models(config: TrainConfig, base_dir: Path) -> TrainConfig:

@@ -24,8 +24,8 @@ from trainer import lora
 from trainer.backend import UpdateMetrics, combine, contributes, copy_tokenizer_files, replace_dir
 from trainer.config import AlgorithmSection, BackendSection
 from trainer.core import Sample, plan_micro_batches
-from trainer.forward import forward_logits
-from trainer.loss import LossMetrics, PolicyLossConfig, collate, policy_loss, token_logprobs
+from trainer.forward import policy_logprobs
+from trainer.loss import LossMetrics, PolicyBatch, PolicyLossConfig, collate, pack, policy_loss
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -78,30 +78,39 @@ class CpuBackend:
 
     def _load(self, path: Path) -> Any:
         dtype = _DTYPES[self.settings.dtype]
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)  # type: ignore[arg-type]
+        attention = attention_implementation(self.device, packed=self.settings.pack_sequences)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
+        return model.to(self.device)  # type: ignore[arg-type]
 
-    def _reference_logprobs(self, batch: Any) -> torch.Tensor | None:
+    def _logprobs(self, model: Any, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return policy_logprobs(model, batch, chunk_tokens=self.settings.logprob_chunk_tokens)
+
+    def _reference_logprobs(self, batch: PolicyBatch) -> torch.Tensor | None:
         if self.loss_config.kl_coef <= 0.0:
             return None
-        temperature = batch.temperature if batch.temperature is not None else self.algorithm.loss_temperature
         with torch.no_grad():
             if self.reference is not None:
-                logits = forward_logits(self.reference, batch.input_ids, batch.attention_mask)
-            else:
-                with self.model.disable_adapter():
-                    logits = forward_logits(self.model, batch.input_ids, batch.attention_mask)
-            return token_logprobs(logits, batch.input_ids, temperature=temperature)
+                return self._logprobs(self.reference, batch)[0]
+            with self.model.disable_adapter():
+                return self._logprobs(self.model, batch)[0]
+
+    def batch(self, samples: Sequence[Sample]) -> PolicyBatch:
+        """Samples as one micro-batch on the device: packed in one row (`pack_sequences`), else padded rows."""
+        default = self.algorithm.loss_temperature
+        if self.settings.pack_sequences:
+            return pack(samples, default_temperature=default).to(self.device)
+        return collate(samples, pad_id=self.pad_id, default_temperature=default).to(self.device)
 
     def micro_batch_loss(self, samples: Sequence[Sample]) -> tuple[torch.Tensor, LossMetrics]:
-        """The summed policy loss of some samples under the current weights (to backpropagate)."""
-        batch = collate(samples, pad_id=self.pad_id, default_temperature=self.algorithm.loss_temperature)
-        batch = batch.to(self.device)
+        """The summed policy loss of some samples under the current weights (to backpropagate).
+
+        Each sampled token's logprob is recomputed under the distribution it was drawn from: its
+        sample's temperature, top_p and top_k (`trainer.logprobs`), so on policy every ratio is 1.
+        """
+        batch = self.batch(samples)
         ref = self._reference_logprobs(batch)
-        logits = forward_logits(self.model, batch.input_ids, batch.attention_mask)  # [B, T, V]
-        # each sample at the temperature its calls were sampled at (the engine's logprobs are of that)
-        temperature = batch.temperature if batch.temperature is not None else self.algorithm.loss_temperature
-        logprobs = token_logprobs(logits, batch.input_ids, temperature=temperature)  # [B, T-1]
-        return policy_loss(logprobs, batch, self.loss_config, ref_logprobs=ref, logits=logits.detach())
+        logprobs, entropy = self._logprobs(self.model, batch)  # [B, T']
+        return policy_loss(logprobs, batch, self.loss_config, ref_logprobs=ref, entropy=entropy.detach())
 
     def _groups(self, samples: Sequence[Sample]) -> list[tuple[str | None, list[Sample]]]:
         """(adapter, samples with a gradient) pairs; one pair (None, ...) without LoRA."""
@@ -142,7 +151,8 @@ class CpuBackend:
     def token_logprobs(self, samples: Sequence[Sample]) -> list[np.ndarray | None]:
         """Each sample's per-token logprobs under the current weights, without a gradient (None: not trained).
 
-        Entry t is log p(token t | tokens before it) at the sample's temperature (0 at t = 0), like
+        Entry t is log p(token t | tokens before it) under the sample's recorded temperature, top_p and
+        top_k (0 at t = 0 and outside the sampled tokens), like
         `Sample.logprobs`. The samples run in the very micro-batches `update` would run them in, so
         the values are those of `update`'s first forward pass: off-policy re-training takes them as
         the proximal policy (`trainer.retrain`).
@@ -162,12 +172,11 @@ class CpuBackend:
         return found
 
     def _micro_batch_logprobs(self, samples: Sequence[Sample]) -> np.ndarray:
-        """Target-aligned logprobs [B, T-1] of some samples, computed as `micro_batch_loss` computes them."""
+        """Target-aligned logprobs [B, T-1] of some samples, computed as `micro_batch_loss` computes them
+        (each sample's temperature, top_p and top_k); positions outside the loss mask are 0."""
         batch = collate(samples, pad_id=self.pad_id, default_temperature=self.algorithm.loss_temperature)
-        batch = batch.to(self.device)
-        logits = forward_logits(self.model, batch.input_ids, batch.attention_mask)  # [B, T, V]
-        temperature = batch.temperature if batch.temperature is not None else self.algorithm.loss_temperature
-        return token_logprobs(logits, batch.input_ids, temperature=temperature).double().cpu().numpy()
+        logprobs, _ = self._logprobs(self.model, batch.to(self.device))
+        return logprobs.double().cpu().numpy()
 
     def loss_and_gradients(self, samples: Sequence[Sample]) -> tuple[float, dict[str, torch.Tensor]]:
         """The step's loss and gradient per trained parameter, without stepping (tests, debugging)."""
@@ -232,6 +241,18 @@ class CpuBackend:
     def parameters_snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of every trained parameter (tests compare before and after an update)."""
         return {name: p.detach().clone() for name, p in self.trained_parameters().items()}
+
+
+def attention_implementation(device: torch.device, *, packed: bool) -> str:
+    """flash-attn 2 (its varlen kernels run packed rows) on CUDA where installed, else PyTorch's sdpa
+    (packed rows get a block-diagonal causal mask from their restarting positions)."""
+    if device.type != "cuda" or not packed:
+        return "sdpa"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "sdpa"
+    return "flash_attention_2"
 
 
 def replace_dir_clean(staging: Path) -> None:

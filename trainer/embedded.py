@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from trainer.clients import ServiceUrls
+from trainer.config import EngineSection
 
 
 @contextlib.contextmanager
@@ -30,14 +31,31 @@ def _engine_single_thread() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def embedded_stack(data_dir: Path, model_dir: Path, say: Callable[[str], None]) -> Iterator[ServiceUrls]:
-    """The embedded stack (free ports, the engine serving `model_dir`) for the duration; yields its URLs."""
+def embedded_stack(
+    data_dir: Path, model_dir: Path, say: Callable[[str], None], engine: EngineSection | None = None
+) -> Iterator[ServiceUrls]:
+    """The embedded stack (free ports, the engine `engine.kind` names serving `model_dir`) for the duration.
+
+    With vLLM (the default) the stack starts `engine.replicas` vLLM servers (installing vLLM when
+    missing); the trainer attaches to them through `ServiceUrls.engine_urls` and their key.
+    """
+    from services.common.vllm import VllmServeSettings
     from services.devstack.stack import Stack, StackConfig
 
+    engine = engine or EngineSection()
+    vllm = VllmServeSettings(
+        executable=engine.executable, port=0, dtype=engine.dtype,
+        gpu_memory_utilization=engine.gpu_memory_utilization, extra_args=list(engine.extra_args),
+    )  # fmt: skip
+    config = StackConfig(
+        data_dir=data_dir, nats_port=0, pg_port=0, gateway_port=0, engine_model=model_dir,
+        engine_kind=engine.kind, vllm=vllm, vllm_replicas=engine.replicas,
+    )  # fmt: skip
     with _engine_single_thread():
-        local = Stack(
-            StackConfig(data_dir=data_dir, nats_port=0, pg_port=0, gateway_port=0, engine_model=model_dir), say=say
-        )
+        # Isolation none: the trainer's agents start through a fork server of this process's user
+        # (trainer/quickstart/forkserver.py), whose socket an agent of another uid could not reach.
+        config.agent_isolation = "none"
+        local = Stack(config, say=say)
         endpoints = local.start()
     try:
         for line in endpoints.lines:
@@ -48,6 +66,8 @@ def embedded_stack(data_dir: Path, model_dir: Path, say: Callable[[str], None]) 
             nats_url=endpoints.nats_url,
             engine_url=endpoints.engine_url,
             admin_token=endpoints.admin_token,
+            engine_urls=tuple(endpoints.engine_urls),
+            engine_api_key=endpoints.engine_api_key,
         )
     finally:
         local.stop()

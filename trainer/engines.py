@@ -17,13 +17,17 @@ The loop calls `load` inside the phase gate, so no call runs while any replica c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
+import os
+import secrets
 import subprocess
 from pathlib import Path
 from typing import Protocol
 
 from services.common.vllm import ReplicaError, VllmReplicas, VllmServeSettings, start_replicas
+from services.common.vllm_install import ensure_vllm
 from trainer.backend import ADAPTERS_DIR
 from trainer.clients import EngineClient, GatewayClient, ServiceUrls
 from trainer.config import TrainConfig
@@ -85,8 +89,10 @@ class VllmEngine:
         adapters: list[str] | None = None,
         roles: dict[str, str] | None = None,
         processes: list[subprocess.Popen[bytes]] | None = None,
+        api_key: str = "",
     ) -> None:
-        self.replicas = VllmReplicas(urls)
+        self.replicas = VllmReplicas(urls, api_key=api_key)
+        self.api_key = api_key
         self.served_name = served_name
         self.adapters = adapters or []
         self.roles = dict(roles or {})
@@ -137,6 +143,8 @@ async def register_replicas(
     """
     endpoints = await engine.endpoints()
     adapters = engine.agent_adapters()
+    if isinstance(engine, VllmEngine) and engine.api_key:
+        rendering = {**rendering, "api_key": engine.api_key}  # the proxy sends it; agents never see it
     for index, (base_url, served) in enumerate(endpoints):
         await gateway.register_model(
             run_id,
@@ -157,9 +165,11 @@ async def connect_engine(config: TrainConfig, urls: ServiceUrls) -> ServingEngin
     if config.engine.kind == "embedded":
         return EmbeddedEngine(urls.engine_base)
     lora = config.backend.lora_rank > 0
+    attached = list(config.engine.urls) or list(urls.engine_urls)  # given, or the embedded stack's
     return await start_vllm(
-        config, config.model.path, config.model.served_name, config.run_dir / "vllm", slot=0,
-        urls=list(config.engine.urls), adapters=adapter_names(config.backend) if lora else [],
+        config, config.model.path, config.model.served_name, config.run_dir / "vllm", slot=0, urls=attached,
+        adapters=adapter_names(config.backend) if lora else [], api_key=urls.engine_api_key,
+        stack_served=not config.engine.urls and bool(urls.engine_urls),
     )  # fmt: skip
 
 
@@ -172,34 +182,45 @@ async def start_vllm(
     slot: int,
     urls: list[str] | None = None,
     adapters: list[str] | None = None,
+    api_key: str = "",
+    stack_served: bool = False,
 ) -> VllmEngine:
     """vLLM replicas serving `model` as `served_name`: attached to `urls`, else started, and ready.
 
     The run's models each take a slot: slot k's `[engine] replicas` listen on the k-th block of
     ports from `[engine] port` and run on the k-th block of GPUs, so `[model]`, each `[[policies]]`
-    and each `[[frozen]]` model get their own.
+    and each `[[frozen]]` model get their own. Attached replicas take `api_key` (else
+    `ROLLWIRE_ENGINE_KEY`); started ones get a key of their own. `stack_served`: the embedded
+    stack's servers, which answer to their own name.
     """
     section = config.engine
     adapters = adapters or []
     processes: list[subprocess.Popen[bytes]] = []
     replica_urls = list(urls or [])
+    api_key = api_key or os.environ.get("ROLLWIRE_ENGINE_KEY", "")
     if not replica_urls:
+        api_key = secrets.token_urlsafe(32)
         settings = VllmServeSettings(
-            executable=section.executable,
+            executable=section.executable or str(await asyncio.to_thread(ensure_vllm)),
             port=section.port + slot * section.replicas,
             dtype=section.dtype,
             gpu_memory_utilization=section.gpu_memory_utilization,
             max_lora_rank=config.backend.lora_rank if adapters else 0,
             max_loras=max(len(adapters), 1),
             extra_args=list(section.extra_args),
+            api_key=api_key,
         )
-        started = start_replicas(settings, model, served_name, section.replicas, log_dir, slot=slot)
+        started = start_replicas(
+            settings, model, served_name, section.replicas, log_dir, slot=slot, gpus=list(section.gpus)
+        )
         replica_urls = [url for url, _ in started]
         processes = [process for _, process in started]
     roles = config.backend.lora_adapters
-    engine = VllmEngine(replica_urls, served_name, adapters=adapters, roles=roles, processes=processes)
+    engine = VllmEngine(replica_urls, served_name, adapters=adapters, roles=roles, processes=processes, api_key=api_key)
     try:
         await engine.replicas.wait_ready(section.startup_timeout_s)
+        if stack_served:
+            engine.served_name = await engine.replicas.served_model()
     except BaseException:
         await engine.close()
         raise

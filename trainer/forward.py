@@ -1,4 +1,8 @@
-"""One forward pass over a batch whose rows share a prefix, with the prefix computed once.
+"""The policy's token logprobs of a batch (`policy_logprobs`), and a forward pass whose rows share a prefix.
+
+`policy_logprobs` runs the model to its last hidden states (no logits), then the chunked
+`trainer.logprobs.selected_logprobs` on the sampled positions only: the path every backend takes
+(verl's runs the same function inside the output projection, `trainer.verl_engine`).
 
 Agent rollouts of one run usually open with the same system turn (instructions, tool
 descriptions): often most of a short sample's tokens. `forward_logits` runs that shared prefix
@@ -11,8 +15,11 @@ the suffix positions follow the cache.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
+
+from trainer.logprobs import CHUNK_TOKENS, TokenSampling, returning_hidden, selected_logprobs
 
 MIN_SHARED_PREFIX = 16  # below this the second forward call costs more than it saves
 
@@ -53,3 +60,29 @@ def forward_logits(
         **{_cache_kwarg(model): cache},
     ).logits  # [B, T-P, V]
     return torch.cat([head.logits.expand(rows, -1, -1), tail], dim=1)  # [B, T, V]
+
+
+def policy_logprobs(
+    model: Any, batch: Any, *, share_prefix: bool = True, chunk_tokens: int = CHUNK_TOKENS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs and entropies [B, T'] of a `trainer.loss.PolicyBatch`'s targets at its loss-mask positions.
+
+    Padded layout: one forward over the rows (a shared prefix run once); packed: one row with
+    positions restarting per sample and no attention mask (transformers then keeps attention
+    within each sample: flash-attn varlen or a block-diagonal sdpa mask). Each target under its
+    own temperature, top_p and top_k (`batch.sampling`).
+    """
+    targets: torch.Tensor = batch.targets
+    sampling: TokenSampling = batch.sampling
+    with returning_hidden(model) as head:
+        if batch.position_ids is not None:
+            hidden = model(
+                input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False
+            ).logits  # [1, N, H]
+        else:
+            hidden = forward_logits(model, batch.input_ids, batch.attention_mask, share_prefix=share_prefix)
+    width = targets.shape[1]
+    flat = hidden[:, :width].reshape(-1, hidden.shape[-1])  # [B*T', H]
+    select = batch.loss_mask.reshape(-1) > 0
+    logprobs, entropy = selected_logprobs(flat, head, targets.reshape(-1), sampling, select, chunk_tokens=chunk_tokens)
+    return logprobs.view_as(batch.loss_mask), entropy.view_as(batch.loss_mask)

@@ -3,8 +3,11 @@
 `[backend] lora_rank > 0` trains low-rank adapters on `lora_target_modules` of a frozen base model.
 `lora_adapters` maps an agent role to the adapter that trains that role's calls, so one base
 model can carry one adapter per trained role (several roles may share one); without it there is
-one adapter, `default`, for every call. A sample's role comes from `role_of(sample)`; calls of a
-role the mapping does not name are not trained.
+one adapter, `default`, for every call. A sample's role is the agent recorded on its calls
+(`Sample.agent`; `role_of` may override it); calls of a role the mapping does not name are not
+trained, and say so: a warning names an adapter that gets no sample of a step and the agents no
+adapter takes, and a step none of whose samples any adapter takes is an error
+(`NoSamplesForAdapters`), never a silent update of 0 optimizer steps.
 
 Saved layout (what the engines serve): `<weights dir>/adapters/<name>/` holds
 `adapter_model.safetensors` and `adapter_config.json` (peft's format, which vLLM's
@@ -15,6 +18,8 @@ base model with the single adapter merged in, in `<weights dir>` itself.
 from __future__ import annotations
 
 import copy
+import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,14 +32,18 @@ from trainer.core import Sample
 if TYPE_CHECKING:
     from trainer.config import BackendSection
 
+log = logging.getLogger(__name__)
 DEFAULT_ADAPTER = "default"
 RoleOf = Callable[[Sample], str | None]
 
 
+class NoSamplesForAdapters(ValueError):
+    """A step with samples, none of which any adapter trains: the role mapping names no agent they carry."""
+
+
 def sample_role(sample: Sample) -> str | None:
-    """The agent role that made a sample's calls, where samples carry one (`agent`), else None."""
-    role = getattr(sample, "agent", None)
-    return role if isinstance(role, str) else None
+    """The agent role that made a sample's calls (`Sample.agent`, recorded on every call), else None."""
+    return sample.agent
 
 
 def adapter_names(settings: BackendSection) -> list[str]:
@@ -49,10 +58,29 @@ def split_by_adapter(
     if not settings.lora_adapters:
         return {DEFAULT_ADAPTER: list(samples)}
     groups: dict[str, list[Sample]] = {name: [] for name in adapter_names(settings)}
+    unmapped: Counter[str | None] = Counter()
     for sample in samples:
         role = role_of(sample)
         if role is not None and role in settings.lora_adapters:
             groups[settings.lora_adapters[role]].append(sample)
+        else:
+            unmapped[role] += 1
+    counts = {name: len(group) for name, group in groups.items()}
+    if samples and not any(counts.values()):
+        raise NoSamplesForAdapters(
+            f"no adapter gets any of the step's {len(samples)} samples: their agents {dict(unmapped)} are not "
+            f"among backend.lora_adapters' roles {sorted(settings.lora_adapters)}"
+        )
+    for name, count in counts.items():
+        if samples and not count:
+            roles = sorted(r for r, a in settings.lora_adapters.items() if a == name)
+            seen = dict(unmapped) or sorted({str(s.agent) for s in samples})
+            log.warning("adapter %r trains on 0 of the step's %d samples: no sample's agent is %s (agents seen: %s)",
+                        name, len(samples), roles, seen)  # fmt: skip
+    if unmapped:
+        log.warning("%d samples are trained by no adapter: their agents %s are not in backend.lora_adapters",
+                    sum(unmapped.values()), dict(unmapped))  # fmt: skip
+    log.info("samples per adapter: %s", counts)
     return groups
 
 

@@ -26,24 +26,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 import torch
 
 from trainer.core.merge import Sample
+from trainer.logprobs import TokenSampling, row_settings
 
 # exp() of a log-ratio beyond this would overflow float32 and poison the backward pass with NaN.
 _MAX_LOG_RATIO = 20.0
 
 
 class PolicyBatch(msgspec.Struct, frozen=True, kw_only=True):
-    """Padded tensors for a list of samples (right padding; target-aligned fields are [B, T-1])."""
+    """Tensors for a list of samples, in one of two layouts; the loss fields are [B, T'] and *target-aligned*.
+
+    Padded (`collate`): one row per sample, right padding, T' = T-1: column t is about token t+1.
+    Packed (`pack`): every sample in one row [1, N] back to back, `position_ids` restarting at 0 per
+    sample (attention stays within a sample), T' = N: column t is about the next token of the same
+    sample (a sample's last column is masked out).
+    """
 
     input_ids: torch.Tensor  # [B, T] long
     attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens
-    loss_mask: torch.Tensor  # [B, T-1] float, 1 where input_ids[:, 1:] was sampled
-    old_logprobs: torch.Tensor  # [B, T-1] float, behaviour logprobs of input_ids[:, 1:] (0 off-mask)
-    advantages: torch.Tensor  # [B, T-1] float, the sample's advantage on each of its positions
-    token_weight: torch.Tensor  # [B, T-1] float, the sample's loss weight on each of its positions
-    temperature: torch.Tensor | None = None  # [B, 1, 1] float, the temperature each row was sampled at
+    loss_mask: torch.Tensor  # [B, T'] float, 1 where the target was sampled
+    old_logprobs: torch.Tensor  # [B, T'] float, behaviour logprobs of the targets (0 off-mask)
+    advantages: torch.Tensor  # [B, T'] float, the sample's advantage on each of its positions
+    token_weight: torch.Tensor  # [B, T'] float, the sample's loss weight on each of its positions
+    temperature: torch.Tensor | None = None  # [B, 1, 1] float (padded layout), each row's temperature
+    targets: torch.Tensor | None = None  # [B, T'] long, the token each position predicts
+    position_ids: torch.Tensor | None = None  # [1, N] long (packed layout)
+    sampling: TokenSampling | None = None  # per position of [B, T'], flattened: how each target was sampled
 
     def to(self, device: torch.device | str) -> PolicyBatch:
         """The same batch on another device."""
@@ -99,6 +110,7 @@ def collate(samples: Sequence[Sample], *, pad_id: int = 0, default_temperature: 
     old_logprobs = torch.zeros((batch, length), dtype=torch.float32)
     advantages = torch.zeros((batch, length), dtype=torch.float32)
     token_weight = torch.zeros((batch, length), dtype=torch.float32)
+    settings = [row_settings(s.temperature, s.top_p, s.top_k, default_temperature) for s in samples]
     for row, s in enumerate(samples):
         n = len(s.tokens)
         if n and s.loss_mask[0]:
@@ -116,9 +128,56 @@ def collate(samples: Sequence[Sample], *, pad_id: int = 0, default_temperature: 
         old_logprobs=old_logprobs[:, 1:],
         advantages=advantages[:, 1:],
         token_weight=token_weight[:, 1:],
-        temperature=torch.tensor(
-            [_temperature(s.temperature, default_temperature) for s in samples], dtype=torch.float32
-        ).view(-1, 1, 1),
+        temperature=torch.tensor([t for t, _, _ in settings], dtype=torch.float32).view(-1, 1, 1),
+        targets=input_ids[:, 1:],
+        sampling=_per_position(settings, [length - 1] * batch),
+    )
+
+
+def _per_position(settings: Sequence[tuple[float, float, int]], widths: Sequence[int]) -> TokenSampling:
+    """Each row's (temperature, top_p, top_k) repeated over its `widths` positions, flattened."""
+    counts = torch.tensor(widths, dtype=torch.long)
+    return TokenSampling(
+        temperature=torch.tensor([t for t, _, _ in settings], dtype=torch.float32).repeat_interleave(counts),
+        top_p=torch.tensor([p for _, p, _ in settings], dtype=torch.float32).repeat_interleave(counts),
+        top_k=torch.tensor([k for _, _, k in settings], dtype=torch.long).repeat_interleave(counts),
+    )
+
+
+def pack(samples: Sequence[Sample], *, default_temperature: float = 1.0) -> PolicyBatch:
+    """Samples back to back in one row [1, N] (the packed layout of `PolicyBatch`), no padding.
+
+    Positions restart at 0 for each sample, which is how transformers tells packed sequences apart:
+    flash-attn's varlen kernels where installed, else sdpa with a block-diagonal causal mask.
+    """
+    if not samples:
+        raise ValueError("pack needs at least one sample")
+    for s in samples:
+        if len(s.tokens) and s.loss_mask[0]:
+            raise ValueError(f"sample {s.rollout_id}/{s.index} starts with a sampled token; it has no context")
+    lengths = [len(s.tokens) for s in samples]
+    ids = torch.cat([torch.as_tensor(np.asarray(s.tokens), dtype=torch.long) for s in samples])  # [N]
+    positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
+    last = torch.tensor(lengths, dtype=torch.long).cumsum(0) - 1  # each sample's last position
+
+    def shifted(values: list[torch.Tensor]) -> torch.Tensor:
+        row = torch.roll(torch.cat(values), -1)
+        row[last] = 0
+        return row.unsqueeze(0)  # [1, N]
+
+    settings = [row_settings(s.temperature, s.top_p, s.top_k, default_temperature) for s in samples]
+    targets = torch.roll(ids, -1)
+    targets[last] = 0
+    return PolicyBatch(
+        input_ids=ids.unsqueeze(0),
+        attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
+        position_ids=positions.unsqueeze(0),
+        targets=targets.unsqueeze(0),
+        loss_mask=shifted([torch.as_tensor(np.asarray(s.loss_mask), dtype=torch.float32) for s in samples]),
+        old_logprobs=shifted([torch.as_tensor(np.asarray(s.logprobs), dtype=torch.float32) for s in samples]),
+        advantages=shifted([torch.full((n,), 1.0) * _advantages(s) for s, n in zip(samples, lengths, strict=True)]),
+        token_weight=shifted([torch.full((n,), s.token_weight) for s, n in zip(samples, lengths, strict=True)]),
+        sampling=_per_position(settings, lengths),
     )
 
 
@@ -131,12 +190,6 @@ def _advantages(sample: Sample) -> float | torch.Tensor:
 
 def _row_temperature(batch: PolicyBatch) -> float | torch.Tensor:
     return 1.0 if batch.temperature is None else batch.temperature
-
-
-def _temperature(recorded: float | None, default: float) -> float:
-    if recorded is None:
-        return default
-    return recorded if recorded > 0.0 else 1.0
 
 
 def token_logprobs(
@@ -171,12 +224,13 @@ def policy_loss(
     *,
     ref_logprobs: torch.Tensor | None = None,
     logits: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossMetrics]:
     """The batch's loss Σ w·mask·ℓ (a scalar to backpropagate, not averaged) and its metrics.
 
-    `logprobs` [B, T-1] are the current policy's `token_logprobs`; `ref_logprobs` [B, T-1] the
-    reference model's, needed when `config.kl_coef > 0`; `logits` [B, T, V], if given, only feed
-    the entropy metric.
+    `logprobs` [B, T'] are the current policy's (`trainer.forward.policy_logprobs`); `ref_logprobs`
+    [B, T'] the reference model's, needed when `config.kl_coef > 0`; `entropy` [B, T'] (or
+    `logits` [B, T, V] of the padded layout), if given, only feed the entropy metric.
     """
     if config.kl_coef > 0.0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs (the reference model's token_logprobs)")
@@ -210,7 +264,9 @@ def policy_loss(
             ratio_mean=_masked_mean(ratio, mask, tokens),
             approx_kl=_masked_mean(ratio - 1.0 - log_ratio, mask, tokens),
             kl_ref=None if kl_ref is None else _masked_mean(kl_ref, mask, tokens),
-            entropy=None
+            entropy=_masked_mean(entropy, mask, tokens)
+            if entropy is not None
+            else None
             if logits is None
             else _masked_mean(token_entropy(logits, temperature=_row_temperature(batch)), mask, tokens),
         )

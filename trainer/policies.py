@@ -50,19 +50,9 @@ def run_spec(config: TrainConfig, run_id: str) -> RunSpec:
             raise ConfigError(f"agent.job_template: cannot read {agent.job_template}: {exc.strerror}") from None
     adapter = config.adapter
     return RunSpec(
+        **{**msgspec.structs.asdict(agent), "job_template": template},
         run_id=run_id,
         name=run_id,
-        backend=agent.backend,
-        command=list(agent.command),
-        job_template=template,
-        image=agent.image,
-        concurrency=agent.concurrency,
-        timeout_s=agent.timeout_s,
-        max_attempts=agent.max_attempts,
-        retry_backoff_s=agent.retry_backoff_s,
-        evaluator_command=list(agent.evaluator_command) if agent.evaluator_command else None,
-        reward_from=agent.reward_from,
-        env=dict(agent.env),
         train_agents=list(adapter.agents),
         train_models=list(adapter.models) or trained_models(config),
         agent_models=agent_routes(config),

@@ -8,12 +8,7 @@ agent names to a model (an agent no entry names goes to `[model]`).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
-
-RewardFrom = Literal["agent", "evaluator"]
-ExecBackend = Literal["local", "kubernetes"]
 
 
 class PolicySection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

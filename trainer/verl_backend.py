@@ -10,7 +10,10 @@ through the engine's `forward_backward_batch` with Rollwire's loss (`trainer.ver
 takes `updates_per_step` optimizer steps (clipping and AdamW in the engine).
 
 On GPUs: bf16 compute (`[backend] dtype`) over float32 master weights, gradient checkpointing,
-padding-free micro-batches (flash-attention varlen through verl's patches). On CPU (tests):
+padding-free micro-batches (flash-attention varlen through verl's patches). Token logprobs come
+from Rollwire's chunked path run inside the output projection (`trainer.logprobs`,
+`trainer.verl_engine.rollwire_forward_step`), under each sample's temperature and nucleus, never
+from verl's per-row `logprobs_from_logits_v2` loop. On CPU (tests):
 verl's platform registry gets a `cpu` platform (`trainer.verl_platform`), sdpa attention and
 gloo; the same FSDP2 code runs and matches the CPU backend to float32 rounding.
 

@@ -10,6 +10,8 @@ and `position_ids` one row per sample, and whatever else the loss reads. Its for
     loss_mask                 [B, (n_i)]  1 where token t+1 was sampled (verl sums it for its token count)
     old_log_probs             [B, (n_i)]  behaviour logprob of token t+1, as the engine recorded it
     advantages, token_weight  [B, (n_i)]  the sample's advantage and loss weight on each position
+    sample_temperature, sample_top_p, sample_top_k
+                              [B, (n_i)]  how the sample's tokens were drawn (`trainer.logprobs.row_settings`)
     ref_log_probs             [B, (n_i)]  the reference policy's logprobs, when the loss has a KL term
 
 `policy_loss_function` pads those rows back to [B, T] (T: the micro-batch's longest sample) and
@@ -27,6 +29,7 @@ import torch
 
 from trainer.core import Sample
 from trainer.core.tokens import Logprobs
+from trainer.logprobs import TokenSampling, row_settings
 from trainer.loss import LossMetrics, PolicyBatch, PolicyLossConfig, policy_loss
 
 # A micro-batch a rank runs only to keep FSDP's collectives in step with the others: no loss, no gradient.
@@ -68,12 +71,19 @@ def to_tensordict(samples: Sequence[Sample], *, temperature: float, ref_log_prob
         "advantages": _jagged([_advantage_row(s) for s in samples]),
         "token_weight": _jagged([torch.full((len(s.tokens),), s.token_weight) for s in samples]),
     }
+    settings = [row_settings(s.temperature, s.top_p, s.top_k, temperature) for s in samples]
+    for name, column, dtype in (("sample_temperature", 0, torch.float32), ("sample_top_p", 1, torch.float32),
+                                ("sample_top_k", 2, torch.long)):  # fmt: skip
+        rows = [
+            torch.full((len(s.tokens),), row[column], dtype=dtype) for s, row in zip(samples, settings, strict=True)
+        ]
+        fields[name] = _jagged(rows)
     if ref_log_probs is not None:
         fields["ref_log_probs"] = _jagged(list(ref_log_probs))
     data = TensorDict(fields, batch_size=[len(samples)])
     tu.assign_non_tensor(
         data,
-        temperature=temperature,
+        temperature=1.0,  # verl's own scaling is unused: the head applies each sample's (`packed_request`)
         use_remove_padding=True,
         use_dynamic_bsz=False,
         micro_batch_size_per_gpu=len(samples),
@@ -81,6 +91,22 @@ def to_tensordict(samples: Sequence[Sample], *, temperature: float, ref_log_prob
         calculate_entropy=entropy,
     )
     return data
+
+
+def packed_request(data: Any) -> tuple[torch.Tensor, TokenSampling, torch.Tensor]:
+    """What the log-prob head needs of a micro-batch, over its packed tokens [N]: the next token of each
+    position (the next sample's first at a sample's end, never selected), how it was sampled, and which
+    positions are computed (the loss mask's)."""
+    ids = data["input_ids"].values()
+    return (
+        torch.roll(ids, -1),
+        TokenSampling(
+            temperature=data["sample_temperature"].values(),
+            top_p=data["sample_top_p"].values(),
+            top_k=data["sample_top_k"].values(),
+        ),
+        data["loss_mask"].values() > 0,
+    )
 
 
 def _padded(rows: torch.Tensor, width: int) -> torch.Tensor:

@@ -38,7 +38,44 @@ def _engine_class() -> Any:
             module.enable_input_require_grads()
             return lora.add_adapters(module, self.rollwire_settings, seed=self.rollwire_seed)
 
+        def forward_step(self, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+            """verl's forward step with Rollwire's log-prob path: `trainer.logprobs` inside the output
+            projection (chunked, each sample's temperature and nucleus, the sampled positions only)
+            instead of full logits and verl's `logprobs_from_logits`."""
+            return rollwire_forward_step(self, micro_batch, loss_function, forward_only)
+
     return RollwireFSDPEngine
+
+
+def rollwire_forward_step(engine: Any, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+    """One micro-batch through the engine's model, returning (loss, verl's output dict); see `_engine_class`."""
+    from contextlib import nullcontext
+
+    from verl.utils.device import get_device_id, get_device_name
+
+    from trainer.logprobs import computing_in_head
+    from trainer.verl_batch import packed_request
+
+    micro_batch = micro_batch.to(get_device_id())
+    model_inputs, _ = engine.prepare_model_inputs(micro_batch=micro_batch)
+    targets, sampling, select = packed_request(micro_batch)
+    dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
+    autocast: Any = nullcontext() if dtype == torch.float32 else torch.autocast(get_device_name(), dtype=dtype)
+    chunk = engine.rollwire_settings.logprob_chunk_tokens
+    with autocast:
+        with computing_in_head(engine.module, targets, sampling, select, chunk_tokens=chunk):
+            packed = engine.module(**model_inputs, use_cache=False).logits[0, : targets.shape[0]].float()  # [N, 2]
+        offsets = micro_batch["input_ids"].offsets()
+        model_output = {
+            "log_probs": torch.nested.nested_tensor_from_jagged(packed[:, 0], offsets),
+            "entropy": torch.nested.nested_tensor_from_jagged(packed[:, 1].detach(), offsets),
+        }
+        if loss_function is not None:
+            loss, metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=None)
+        else:
+            loss, metrics = torch.tensor(1.0, device=get_device_name()), {}
+    detached = {k: v.detach() for k, v in model_output.items()}
+    return loss, {"model_output": detached, "loss": loss.detach().item(), "metrics": metrics}
 
 
 def build_engine(
@@ -98,15 +135,13 @@ def build_reference_model(model_dir: Path) -> torch.nn.Module:
 
 def reference_from_model(model: torch.nn.Module, samples: Any, temperature: float) -> list[torch.Tensor]:
     """Per-sample reference logprob rows, target-aligned like `trainer.verl_batch` (last column 0)."""
-    from trainer.forward import forward_logits
-    from trainer.loss import collate, token_logprobs
+    from trainer.forward import policy_logprobs
+    from trainer.loss import collate
 
     pad = getattr(model.config, "pad_token_id", None)
     batch = collate(samples, pad_id=pad if isinstance(pad, int) else 0, default_temperature=temperature)
     with torch.no_grad():
-        logits = forward_logits(model, batch.input_ids, batch.attention_mask)
-        per_row = batch.temperature if batch.temperature is not None else temperature
-        logprobs = token_logprobs(logits, batch.input_ids, temperature=per_row)  # [B, T-1]
+        logprobs, _ = policy_logprobs(model, batch)  # [B, T-1]
     rows = []
     for row, sample in enumerate(samples):
         aligned = torch.zeros(len(sample.tokens))

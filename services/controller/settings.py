@@ -38,6 +38,10 @@ class ControllerSettings(msgspec.Struct, frozen=True, kw_only=True):
     runs: tuple[str, ...] = ()
     backends: tuple[str, ...] = KNOWN_BACKENDS
     executions_dir: Path = Path(".rollwire/executions")
+    data_dir: Path = Path(".rollwire")
+    agent_isolation: str = "none"
+    """How local agents are kept from the stack's secrets: auto, user, namespace or none
+    (`backends/local_isolation.py`); `rollwire up` sets auto."""
     local_capacity: int = 32
     local_kill_grace_s: float = 5.0
     resync_s: float = 5.0
@@ -67,6 +71,16 @@ def _backends(raw: str) -> tuple[str, ...]:
     return backends
 
 
+def _isolation(raw: str) -> str:
+    from services.controller.backends.local_isolation import MODES
+
+    if raw not in MODES:
+        raise SettingsError(
+            f"unknown agent isolation {raw!r} ({ENV_NAMES['--agent-isolation']}); allowed: {', '.join(MODES)}"
+        )
+    return raw
+
+
 def _runs(runs: Sequence[str]) -> tuple[str, ...]:
     try:
         return tuple(check_id("--run", run) for run in runs)
@@ -83,6 +97,7 @@ ENV_NAMES = {
     "--executions-dir": "ROLLWIRE_EXECUTIONS_DIR",
     "--data-dir": "ROLLWIRE_DATA_DIR",
     "--local-capacity": "ROLLWIRE_LOCAL_CAPACITY",
+    "--agent-isolation": "ROLLWIRE_AGENT_ISOLATION",
     "--durable": "ROLLWIRE_CONTROLLER_DURABLE",
     "--resync-s": "ROLLWIRE_CONTROLLER_RESYNC_S",
     "--metrics-host": "ROLLWIRE_CONTROLLER_HOST",
@@ -108,6 +123,9 @@ def settings_command(
     data_dir: Path = _option("--data-dir", Path(".rollwire"), "Data directory (executions go under it)."),
     executions_dir: Path | None = _option("--executions-dir", None, "Where local executions keep their files."),
     local_capacity: int = _option("--local-capacity", 32, "Most local executions running at once."),
+    agent_isolation: str = _option(
+        "--agent-isolation", "none", "Keep local agents from the data dir: auto, user (root), namespace or none."
+    ),
     durable: str = _option("--durable", "controller", "Name of the durable NATS consumer."),
     resync_s: float = _option("--resync-s", 5.0, "Period of the full reconcile in seconds."),
     metrics_host: str = _option("--metrics-host", "127.0.0.1", "Address of /metrics and /healthz."),
@@ -130,6 +148,8 @@ def settings_command(
         runs=_runs(runs),
         backends=_backends(backends),
         executions_dir=executions_dir or data_dir / "executions",
+        data_dir=data_dir,
+        agent_isolation=_isolation(agent_isolation),
         local_capacity=int(_positive(ENV_NAMES["--local-capacity"], local_capacity)),
         resync_s=_positive(ENV_NAMES["--resync-s"], resync_s),
         metrics_host=metrics_host,

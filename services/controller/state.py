@@ -14,6 +14,7 @@ from typing import Any
 
 from schemas.ids import ROLLOUT_ATTEMPT, ROLLOUT_CREATED, ROLLOUT_STATUS, RUN_SUBJECT
 from schemas.rollout import fold
+from schemas.run import RunView
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStore
 from services.common.outage import Outage
@@ -75,7 +76,8 @@ class ControllerState:
         self._backend_retry_at: dict[str, float] = {}
         self._watching: set[str] = set()
         self._templates: dict[str, tuple[str, str]] = {}
-        self.specs: dict[str, RunSpec | RunSpecError] = {}
+        self.runs: dict[str, RunView] = {}  # the contract's run fold of each run's `RunStarted`
+        self.specs: dict[str, RunSpec | RunSpecError] = {}  # each run's spec, from `runs` (`view.run_spec`)
         self.rollouts: dict[RolloutKey, Rollout] = {}
         self.by_run: dict[str, set[RolloutKey]] = {}
         self.executions: dict[RolloutKey, dict[str, ExecutionState]] = {}

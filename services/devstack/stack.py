@@ -12,6 +12,10 @@ Everything runs as child processes of one foreground command, with no Docker:
 
 Secrets (the admin token and the token-signing key) are generated once and kept in the data dir,
 so agents' tokens stay valid across restarts; `ROLLWIRE_ADMIN_TOKEN` / `ROLLWIRE_SECRET` override.
+So are the NATS users and the Postgres password (`credentials.py`): each service gets only its
+own, inside its NATS_URL / DATABASE_URL; what is printed and saved in `endpoints.json` has none.
+The data dir is 0700 (0711 when agents run as another user, see the controller's README) and its
+secrets 0600. Every child dies with `rollwire up`, even one killed by SIGKILL (`die_with_parent`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import fcntl
 import hashlib
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -44,14 +47,24 @@ from services.common.vllm import (
     tensor_parallel_size,
     visible_gpus,
 )
-from services.devstack import endpoints_file
-from services.devstack.embedded import EmbeddedServerError, NatsServer, PostgresServer, free_port, port_in_use
-from services.devstack.supervise import Supervisor, Unit
+from services.devstack import credentials, endpoints_file
+from services.devstack.embedded import (
+    EmbeddedServerError,
+    NatsServer,
+    PostgresServer,
+    free_port,
+    port_in_use,
+)
+from services.devstack.supervise import Unit
 
 DEFAULT_NATS_PORT = 14222
 DEFAULT_PG_PORT = 15432
 DEFAULT_GATEWAY_PORT = 18080
 DEFAULT_MODEL_NAME = "tiny"
+# vLLM 0.32's CPU build: a request with a seed whose prompt is prefilled in chunks kills the worker
+# (`_bookkeeping_sync` rewinds the request's generator with `set_offset`; "CPU Generator does not
+# use offset"), and every call after it is a 500. Whole-prompt prefill never rewinds.
+CPU_WORKAROUND_ARGS = ("--no-enable-chunked-prefill",)
 
 
 class StackError(RuntimeError):
@@ -64,7 +77,7 @@ class StackError(RuntimeError):
 
 def register_model(
     gateway_url: str, admin_token: str, name: str, base_url: str, *, served_model: str | None = None,
-    run_id: str | None = None, timeout_s: float = 30.0,
+    run_id: str | None = None, timeout_s: float = 30.0, api_key: str | None = None,
 ) -> None:  # fmt: skip
     """Register an OpenAI-compatible endpoint with the gateway (idempotent: same call, same result).
 
@@ -73,7 +86,10 @@ def register_model(
     body = {"name": name, "base_url": base_url, "served_model": served_model or name}
     if run_id:
         body["run_id"] = run_id
-    key = "register-" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+    key_body = dict(body)
+    if api_key:
+        body["api_key"] = api_key
+    key = "register-" + hashlib.sha256(json.dumps(key_body, sort_keys=True).encode()).hexdigest()[:32]
     try:
         response = httpx.post(
             f"{gateway_url.rstrip('/')}/api/models",
@@ -100,9 +116,11 @@ class StackConfig:
     services: tuple[str, ...] = ("engine", "gateway", "projector", "controller")
     engine_model: Path | None = None
     durable_postgres: bool = True
-    engine_kind: str = "embedded"  # or "vllm": `vllm_replicas` `vllm serve` processes (services.common.vllm)
+    engine_kind: str = "vllm"  # `vllm_replicas` vLLM servers (services.common.vllm), or "embedded"
     vllm: VllmServeSettings = field(default_factory=VllmServeSettings)
     vllm_replicas: int = 1
+    agent_isolation: str = "auto"
+    """How the controller keeps local agents from the data dir (`ROLLWIRE_AGENT_ISOLATION` overrides)."""
 
 
 @dataclass
@@ -129,19 +147,11 @@ class Endpoints:
     gateway_url: str | None = None
     engine_url: str | None = None
     admin_token: str = ""
+    engine_urls: list[str] = field(default_factory=list)  # every vLLM replica's /v1
+    engine_api_key: str = ""  # what vLLM requires on every route
     lines: list[str] = field(default_factory=list)
-
-
-def _read_or_create_secret(path: Path, env: str) -> tuple[str, bool]:
-    """The secret from `env`, else from `path`, else a new one written to `path` (True = generated)."""
-    if os.environ.get(env):
-        return os.environ[env], False
-    if path.exists():
-        return path.read_text().strip(), False
-    value = secrets.token_urlsafe(32)
-    path.write_text(value)
-    path.chmod(0o600)
-    return value, True
+    monitor_nats_url: str = ""
+    """The read-only NATS user's URL (for `rollwire tail`, monitors); empty with `--external`."""
 
 
 class Stack:
@@ -157,16 +167,20 @@ class Stack:
         self.children: list[ChildService] = []
         self.endpoints: Endpoints | None = None
         self._env: dict[str, str] = {}
+        self._credentials = credentials.Credentials(nats={}, postgres="")
+        self._engine_key = ""
+        self._vllm_ports: list[int] = []
 
     # ---- start -----------------------------------------------------------------------------
 
     def start(self) -> Endpoints:
         """Start everything and return the endpoints; raises StackError with one readable line."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock()
         try:
             endpoints = self._start_locked()
             endpoints_file.write(self.data_dir, endpoints.lines)
+            credentials.restrict_data_dir(self.data_dir)
             return endpoints
         except BaseException:
             self.stop()
@@ -174,16 +188,18 @@ class Stack:
 
     def _lock(self) -> None:
         lock_path = self.data_dir / "stack.lock"
-        handle = open(lock_path, "a+")
+        handle = os.fdopen(os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600), "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
             owner = handle.read().strip() or "unknown"
             handle.close()
+            gateway = endpoints_file.read(self.data_dir).get("gateway")
             raise StackError(
-                f"data dir {self.data_dir} is in use by another running stack (pid {owner}); "
-                "stop it or pass another --data-dir",
+                f"data dir {self.data_dir} is in use by another running stack (`rollwire up`, pid {owner}"
+                + (f", gateway {gateway}" if gateway else "")
+                + "); stop it or pass another --data-dir",
                 exit_code=2,
             ) from None
         handle.seek(0)
@@ -215,33 +231,41 @@ class Stack:
 
     def _start_locked(self) -> Endpoints:
         ports = self._ports()
-        admin_token, generated = _read_or_create_secret(self.data_dir / "admin_token", "ROLLWIRE_ADMIN_TOKEN")
-        signing_key, _ = _read_or_create_secret(self.data_dir / "secret", "ROLLWIRE_SECRET")
+        admin_token, generated = credentials.read_or_create_secret(
+            self.data_dir / "admin_token", "ROLLWIRE_ADMIN_TOKEN"
+        )
+        signing_key, _ = credentials.read_or_create_secret(self.data_dir / "secret", "ROLLWIRE_SECRET")
         if self.config.external:
             nats_url = os.environ.get("NATS_URL", "")
             database_url = os.environ.get("DATABASE_URL", "")
             if not nats_url or not database_url:
                 raise StackError("--external needs NATS_URL and DATABASE_URL of running servers", exit_code=2)
+            service_urls = {name: {"NATS_URL": nats_url} for name in ("gateway", "projector", "controller")}
+            service_urls["projector"]["DATABASE_URL"] = database_url
+            trainer_url = monitor_url = nats_url
         else:
-            try:
-                self.nats = NatsServer(self.data_dir / "nats", ports["nats"]).start()
-                self.postgres = PostgresServer(
-                    self.data_dir / "postgres", ports["postgres"], durable=self.config.durable_postgres
-                ).start()
-            except EmbeddedServerError as exc:
-                raise StackError(str(exc)) from None
-            nats_url, database_url = self.nats.url, self.postgres.url
-        endpoints = Endpoints(nats_url=nats_url, database_url=database_url, admin_token=admin_token)
-        endpoints.lines += [f"nats: {nats_url}", f"postgres: {database_url}"]
+            service_urls, database_url = self._start_servers(ports)
+            assert self.nats is not None
+            nats_url = self.nats.url
+            trainer_url = self._credentials.nats_url(nats_url, "trainer")
+            monitor_url = self._credentials.nats_url(nats_url, "monitor")
+        endpoints = Endpoints(
+            nats_url=trainer_url, database_url=database_url, admin_token=admin_token, monitor_nats_url=monitor_url
+        )
+        endpoints.lines += [
+            f"nats: {credentials.without_userinfo(nats_url)}",
+            f"postgres: {credentials.without_userinfo(database_url)}",
+        ]
+        if not self.config.external:
+            endpoints.lines.append(f"credentials: {self.data_dir / credentials.FILE}")
         if generated:
             endpoints.lines.append(f"admin token: {admin_token} (saved in {self.data_dir / 'admin_token'})")
         env = {
-            **os.environ,
-            "NATS_URL": nats_url,
-            "DATABASE_URL": database_url,
+            **{k: v for k, v in os.environ.items() if k not in ("NATS_URL", "DATABASE_URL")},
             "ROLLWIRE_ADMIN_TOKEN": admin_token,
             "ROLLWIRE_SECRET": signing_key,
             "ROLLWIRE_DATA_DIR": str(self.data_dir),
+            "ROLLWIRE_AGENT_ISOLATION": os.environ.get("ROLLWIRE_AGENT_ISOLATION", self.config.agent_isolation),
             "ROLLWIRE_GATEWAY_URL": f"http://127.0.0.1:{ports['gateway']}",
             "ROLLWIRE_PUBLIC_URL": f"http://127.0.0.1:{ports['gateway']}",
             "PYTHONUNBUFFERED": "1",
@@ -250,6 +274,7 @@ class Stack:
             env["ROLLWIRE_PROJECTOR_URL"] = f"http://127.0.0.1:{ports['projector']}"
         self._env = env
         for spec in self._service_specs(ports):
+            spec.env = {**service_urls.get(spec.name, {}), **spec.env}
             self._start_child(spec, env)
             if spec.endpoint:
                 endpoints.lines.append(spec.endpoint)
@@ -257,12 +282,39 @@ class Stack:
             endpoints.gateway_url = f"http://127.0.0.1:{ports['gateway']}"
         if "engine" in self.config.services and self.config.engine_kind == "embedded":
             endpoints.engine_url = f"http://127.0.0.1:{ports['engine']}/v1"
-        if endpoints.gateway_url and endpoints.engine_url:
-            self._register_engine(endpoints)
-        if endpoints.gateway_url and self.config.engine_kind == "vllm" and "engine" in self.config.services:
-            self._register_vllm(endpoints)
+            if endpoints.gateway_url:
+                self._register_engine(endpoints)
+        if self.config.engine_kind == "vllm" and "engine" in self.config.services:
+            endpoints.engine_urls = [f"http://{self.config.vllm.host}:{port}/v1" for port in self._vllm_ports]
+            endpoints.engine_url, endpoints.engine_api_key = endpoints.engine_urls[0], self._engine_key
+            if endpoints.gateway_url:
+                self._register_vllm(endpoints)
         self.endpoints = endpoints
         return endpoints
+
+    def _start_servers(self, ports: dict[str, int]) -> tuple[dict[str, dict[str, str]], str]:
+        """Start nats-server (a user per service) and Postgres (a password); each service's URLs, and Postgres'."""
+        self._credentials = credentials.load_or_create(self.data_dir)
+        try:
+            self.nats = NatsServer(
+                self.data_dir / "nats", ports["nats"],
+                authorization=credentials.nats_authorization(self._credentials), tied=True,
+            ).start()  # fmt: skip
+            self.postgres = PostgresServer(
+                self.data_dir / "postgres", ports["postgres"], durable=self.config.durable_postgres,
+                password=self._credentials.postgres, tied=True,
+            ).start()  # fmt: skip
+        except EmbeddedServerError as exc:
+            raise StackError(str(exc)) from None
+        database_url = self._credentials.postgres_url(self.postgres.url)
+        urls = {
+            name: {"NATS_URL": self._credentials.nats_url(self.nats.url, name)} for name in ("gateway", "controller")
+        }
+        urls["projector"] = {
+            "NATS_URL": self._credentials.nats_url(self.nats.url, "projector"),
+            "DATABASE_URL": database_url,
+        }
+        return urls, database_url
 
     def _service_specs(self, ports: dict[str, int]) -> list[ChildService]:
         """The services to start, in order, for the names in the config."""
@@ -295,45 +347,77 @@ class Stack:
                 endpoint=f"controller: http://127.0.0.1:{ports['controller']}/metrics",
             ),
         }  # fmt: skip
+        # The projector before the gateway: the gateway's reads, and so its /healthz, depend on it.
+        order = ("engine", "projector", "gateway", "controller")
         if self.config.engine_kind == "vllm":
             del known["engine"]
             replicas = self._vllm_specs() if "engine" in self.config.services else []
-            return replicas + [known[name] for name in self.config.services if name in known]
-        # The projector before the gateway: the gateway's reads, and so its /healthz, depend on it.
-        order = ("engine", "projector", "gateway", "controller")
+            return replicas + [known[name] for name in order if name in self.config.services and name in known]
         return [known[name] for name in order if name in self.config.services]
 
+    # ---- the engine: vLLM replicas ------------------------------------------------------------
+
     def _vllm_specs(self) -> list[ChildService]:
-        """One `vllm serve` per replica on consecutive ports, each on its own GPUs (`services.common.vllm`)."""
+        """One vLLM server per replica, each on its own GPUs, each requiring the stack's engine key.
+
+        vLLM is installed first when missing (`rollwire vllm install`); without a model the stack
+        serves the tiny default model; without CUDA the weights stay float32 (the trainer's dtype,
+        so recorded logprobs match its own) and the KV cache gets 1 GiB unless VLLM_CPU_KVCACHE_SPACE
+        says otherwise. Ports: consecutive from `vllm.port`, or free ones when it is 0.
+        """
+        from services.common.vllm_install import VllmInstallError, ensure_vllm, has_cuda_gpu
+
+        settings = self.config.vllm
         try:
-            executable = find_executable(self.config.vllm.executable)
-            tp = tensor_parallel_size(self.config.vllm.extra_args)
-            devices = replica_devices(self.config.vllm_replicas, tp, visible_gpus())
+            if not settings.executable:
+                settings = msgspec.structs.replace(settings, executable=str(ensure_vllm(self.say)))
+            executable = find_executable(settings.executable)
+        except (ReplicaError, VllmInstallError) as exc:
+            raise StackError(str(exc), 2) from None
+        cuda = has_cuda_gpu()
+        self._engine_key, _ = credentials.read_or_create_secret(self.data_dir / "engine_key", "ROLLWIRE_ENGINE_KEY")
+        settings = msgspec.structs.replace(
+            settings, executable=executable, api_key=self._engine_key, dtype=settings.dtype if cuda else "float32"
+        )
+        if not cuda:  # see CPU_WORKAROUND_ARGS
+            settings = msgspec.structs.replace(settings, extra_args=[*CPU_WORKAROUND_ARGS, *settings.extra_args])
+        model = str(self.config.engine_model or self._tiny_model())
+        count = self.config.vllm_replicas
+        self._vllm_ports = (
+            [settings.port + i for i in range(count)] if settings.port else [free_port() for _ in range(count)]
+        )
+        try:
+            devices = replica_devices(count, tensor_parallel_size(settings.extra_args), visible_gpus())
         except ReplicaError as exc:
             raise StackError(str(exc), 2) from None
-        settings = msgspec.structs.replace(self.config.vllm, executable=executable)
-        if self.config.engine_model is None:
-            raise StackError("--engine vllm needs --engine-model (a model directory or a Hugging Face id)", 2)
         specs = []
-        for index in range(self.config.vllm_replicas):
-            port = settings.port + index
-            argv, env = serve_command(settings, str(self.config.engine_model), DEFAULT_MODEL_NAME, port)
+        for index, port in enumerate(self._vllm_ports):
+            argv, env = serve_command(settings, model, DEFAULT_MODEL_NAME, port)
+            env = {**env, "CUDA_VISIBLE_DEVICES": devices[index]}
+            if not cuda:
+                env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
             specs.append(ChildService(
-                f"vllm-{index}", [], command=argv, env={**env, "CUDA_VISIBLE_DEVICES": devices[index]},
-                health_url=f"http://{settings.host}:{port}/health",
+                f"vllm-{index}", [], command=argv, env=env, health_url=f"http://{settings.host}:{port}/health",
                 endpoint=f"engine: http://{settings.host}:{port}/v1 (vLLM replica {index})", startup_s=900.0,
             ))  # fmt: skip
         return specs
 
     def _register_vllm(self, endpoints: Endpoints) -> None:
-        """Register every vLLM replica as a default model; the proxy keeps each rollout on one replica."""
+        """Register every vLLM replica (with its key) as a default model; a rollout sticks to one replica."""
         assert endpoints.gateway_url is not None
-        settings = self.config.vllm
-        for index in range(self.config.vllm_replicas):
+        for index, url in enumerate(endpoints.engine_urls):
             register_model(
-                endpoints.gateway_url, endpoints.admin_token, f"{DEFAULT_MODEL_NAME}-r{index}",
-                f"http://{settings.host}:{settings.port + index}/v1", served_model=DEFAULT_MODEL_NAME,
+                endpoints.gateway_url, endpoints.admin_token, f"{DEFAULT_MODEL_NAME}-r{index}", url,
+                served_model=DEFAULT_MODEL_NAME, api_key=self._engine_key,
             )  # fmt: skip
+
+    @staticmethod
+    def _tiny_model() -> Path:
+        from services.engine.tiny_model import ensure_tiny_model  # torch: only when the stack builds it
+
+        return ensure_tiny_model()
+
+    # ---- end of the engine ---------------------------------------------------------------------
 
     def _tokenizer_args(self) -> list[str]:
         """The engine model's tokenizer, scoped to that model, so the projection (and the viewer) has call text.
@@ -345,7 +429,8 @@ class Stack:
             return []
         model = self.config.engine_model
         if self.config.engine_kind == "vllm":
-            local = model is not None and Path(model).is_dir()
+            model = model if model is not None else self._tiny_model()
+            local = Path(model).is_dir()
             return ["--tokenizer", f"{DEFAULT_MODEL_NAME}={model}"] if local else []
         if model is None:
             from services.engine.tiny_model import tiny_model_dir  # torch: only with the engine
@@ -376,6 +461,7 @@ class Stack:
             stderr=subprocess.STDOUT,
             env={**env, **spec.env},
             start_new_session=True,
+            preexec_fn=credentials.child_setup,
         )
 
     def units(self) -> list[Unit]:
@@ -385,7 +471,7 @@ class Stack:
         for server in servers:
             name = "nats" if isinstance(server, NatsServer) else "postgres"
             log = server.data_dir / f"{name}.log"
-            out.append(Unit(name, partial(_proc_of, server), partial(_restart_server, server), log))
+            out.append(Unit(name, partial(_proc_of, server), partial(_restart_server, server, self.data_dir), log))
         for child in self.children:
             log = self.data_dir / "logs" / f"{child.name}.log"
             out.append(Unit(child.name, partial(_proc_of, child), partial(self._spawn, child, self._env), log))
@@ -446,36 +532,7 @@ def _proc_of(owner: NatsServer | PostgresServer | ChildService) -> subprocess.Po
     return owner.proc
 
 
-def _restart_server(server: NatsServer | PostgresServer) -> None:
+def _restart_server(server: NatsServer | PostgresServer, data_dir: Path) -> None:
     server.proc = None  # it died: start it again on its port and data dir
     server.start()
-
-
-def run_foreground(config: StackConfig, say: Callable[[str], None] = print) -> int:
-    """`rollwire up`: start the stack, print its endpoints and `ready`, run until a signal."""
-    stopping = False
-
-    def _on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    stack = Stack(config, say)
-    try:
-        endpoints = stack.start()
-        for line in endpoints.lines:
-            say(line)
-        say("ready")
-        supervisor = Supervisor(stack.units(), say)
-        while not stopping:
-            reason = supervisor.tick()
-            if reason is not None:
-                say(reason)
-                return 1
-            time.sleep(0.2)
-        say("stopping")
-        return 0
-    finally:
-        stack.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    credentials.restrict_data_dir(data_dir)  # as root, starting Postgres opens its parents for its own user

@@ -29,7 +29,8 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from services.engine.chat_template import CHAT_TEMPLATE
 from services.engine.corpus import corpus_lines
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: head dim 32 (vLLM's CPU attention supports 32, 64, ...; v1 had 40)
+HEAD_DIM = 32
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -81,16 +82,19 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
 def tiny_config(
     vocab_size: int, hidden: int, layers: int, max_positions: int, token_ids: dict[str, int]
 ) -> Qwen2Config:
-    """Qwen2 config for the tiny model: 4 heads, 2 KV heads, MLP 3x hidden, tied embeddings."""
-    if hidden % 4 != 0:
-        raise TinyModelError(f"hidden must be a multiple of 4 (4 attention heads), got {hidden}")
+    """Qwen2 config for the tiny model: heads of 32 dims (hidden / 32 of them, as many KV heads), MLP 3x hidden,
+    tied embeddings. vLLM's CPU attention refuses other head sizes than 32, 64, 80, 96, 112, 128, ...
+    ("Unsupported CPU attention configuration: head_dim=40"), so the head size is fixed and the
+    head count follows the width."""
+    if hidden % HEAD_DIM != 0:
+        raise TinyModelError(f"hidden must be a multiple of {HEAD_DIM} (the head size vLLM's CPU build supports)")
     return Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=3 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=hidden // HEAD_DIM,
+        num_key_value_heads=hidden // HEAD_DIM,
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=None,

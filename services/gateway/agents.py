@@ -10,9 +10,6 @@ each `model_request` event. The run spec's `agent_models` routes a named agent t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from schemas import InvalidId, check_id
 from services.gateway.errors import ApiError
 
@@ -44,14 +41,3 @@ def agent_name(from_path: str | None, from_header: str | None) -> str | None:
             field="agent",
         )
     return from_path if from_path is not None else (header or None)
-
-
-def routed_model(spec: Mapping[str, Any] | None, agent: str | None) -> str | None:
-    """The registered model the run spec's `agent_models` sends this agent to, if any."""
-    if agent is None or not spec:
-        return None
-    routes = spec.get("agent_models")
-    if isinstance(routes, dict):
-        model = routes.get(agent)
-        return model if isinstance(model, str) else None
-    return None

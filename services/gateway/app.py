@@ -249,7 +249,7 @@ async def set_phase(request: Request) -> Response:
     run_id = checked_id("run_id", phase.run_id or gw.settings.default_run)
 
     async def command(key: str | None) -> tuple[int, bytes]:
-        previous = gw.state.phases.get(run_id)
+        previous = gw.state.phase(run_id)
         version = (
             phase.weights_version
             if phase.weights_version is not None

@@ -14,7 +14,6 @@ from services.gateway.auth import Admin, AttemptScope, Authenticator, Principal
 from services.gateway.budgets import Budgets
 from services.gateway.errors import forbidden, not_found, unauthorized
 from services.gateway.idempotency import IdempotencyCache
-from services.gateway.limits import RunSettings
 from services.gateway.phase import PhaseGate
 from services.gateway.phasesync import PhaseSync
 from services.gateway.reaper import CallReaper
@@ -37,7 +36,6 @@ class Gateway:
     gate: PhaseGate
     upstream: UpstreamClient
     budgets: Budgets
-    run_settings: RunSettings = field(default_factory=RunSettings)
     chains: CallChains = field(default_factory=CallChains)
     reaper: CallReaper | None = None
     phases: PhaseSync | None = None

@@ -83,7 +83,7 @@ async def post_event(request: Request, rollout_id: str, attempt_id: str) -> Resp
         except (InvalidId, msgspec.ValidationError) as exc:
             raise from_validation(exc) from None
         if isinstance(event, CustomEvent) and source != "admin":  # counts against the attempt's byte budget
-            budget = gw.run_settings.of(view.run_id, gw.state.runs.get(view.run_id)).budget
+            budget = gw.state.spec(view.run_id).budget
             ack = await gw.budgets.append_event(view, attempt_id, budget, event)
         else:
             ack = await gw.store.append(event)

@@ -16,7 +16,7 @@ from typing import Any, TypeGuard
 import msgspec
 
 from schemas.bounds import INT32_MAX
-from schemas.runs import AttemptBudget, CallLimits, PromptMode
+from schemas.runs import CallLimits
 from services.gateway.errors import ApiError
 
 
@@ -29,40 +29,6 @@ class ProxyRefusal(ApiError):
         if code is not None:
             extra["code"] = code
         super().__init__(status, message, **extra)
-
-
-class CallSettings(msgspec.Struct, frozen=True):
-    """What the proxy applies to each call of a run: its limits, the attempt budget, the prompt mode."""
-
-    limits: CallLimits = msgspec.field(default_factory=CallLimits)
-    budget: AttemptBudget = msgspec.field(default_factory=AttemptBudget)
-    prompt_mode: PromptMode = "exact"
-
-
-class RunSettings:
-    """Each run's `CallSettings`, parsed once per spec (runs without one get the defaults)."""
-
-    def __init__(self) -> None:
-        self._parsed: dict[tuple[str, int], CallSettings] = {}
-
-    def of(self, run_id: str, spec: tuple[dict[str, Any], int] | None) -> CallSettings:
-        """The call settings of a run whose spec (config, seq) is `spec`."""
-        if spec is None:
-            return CallSettings()
-        key = (run_id, spec[1])
-        parsed = self._parsed.get(key)
-        if parsed is None:
-            config = spec[0]
-            try:
-                parsed = CallSettings(
-                    msgspec.convert(config.get("limits") or {}, CallLimits),
-                    msgspec.convert(config.get("budget") or {}, AttemptBudget),
-                    msgspec.convert(config.get("prompt_mode") or "exact", PromptMode),
-                )
-            except msgspec.ValidationError:
-                parsed = CallSettings()
-            self._parsed[key] = parsed
-        return parsed
 
 
 SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")

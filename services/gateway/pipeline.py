@@ -21,6 +21,7 @@ import msgspec
 from schemas import ModelRequestRecorded
 from schemas.codec import encode
 from schemas.rollout import RolloutView
+from schemas.runs import RunSpec
 from services.common.eventstore import EventStoreUnavailable, EventTooLarge
 from services.gateway import metrics
 from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send_json
@@ -30,7 +31,7 @@ from services.gateway.continuity import Continuity
 from services.gateway.errors import unavailable
 from services.gateway.frontends.base import Translator, error_body
 from services.gateway.ledger import Charge
-from services.gateway.limits import RECORD_OVERHEAD, CallSettings, asked, check_call, clamp_max_tokens, lower_max_tokens
+from services.gateway.limits import RECORD_OVERHEAD, asked, check_call, clamp_max_tokens, lower_max_tokens
 from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion, sampling_params
 from services.gateway.payload import refusal
 from services.gateway.reaper import CallReaped
@@ -118,7 +119,7 @@ class Pipeline:
         """Serve one call within the run's limits, the event store's and the attempt's budget, behind the phase gate."""
         gw = self.gw
         view = call.view
-        settings = gw.run_settings.of(view.run_id, gw.state.runs.get(view.run_id))
+        settings = gw.state.spec(view.run_id)
         check_call(call.recorded_request, settings.limits)
         call.payload, call.recorded_request = clamp_max_tokens(call.payload, call.recorded_request, settings.limits)
         # The payload as sent upstream bounds the request copy; only a call that might not fit pays for
@@ -147,7 +148,7 @@ class Pipeline:
             if reservation is not None:
                 await gw.budgets.settle(reservation, call.spent(reservation.charge), call.seqs)
 
-    async def _reserve(self, call: Call, settings: CallSettings) -> Reservation | None:
+    async def _reserve(self, call: Call, settings: RunSpec) -> Reservation | None:
         """Reserve the call against its attempt's budget, its `max_tokens` lowered to what is left."""
         prompt, n, max_tokens = asked(call.payload, call.recorded_request, settings.limits)
         size = len(call.payload) + RECORD_OVERHEAD
@@ -188,7 +189,7 @@ class Pipeline:
             return int(raw)
         if call.model.weights_version is not None:
             return call.model.weights_version
-        phase = self.gw.state.phases.get(call.view.run_id)
+        phase = self.gw.state.phase(call.view.run_id)
         return phase.weights_version if phase else None
 
     def events(self, call: Call, outcome: Outcome) -> list[ModelRequestRecorded]:

@@ -30,7 +30,7 @@ import msgspec
 from schemas import ModelRequestRecorded, new_id
 from schemas.ids import MODEL_REQUEST
 from schemas.rollout import RolloutView
-from services.gateway.agents import AGENT_HEADER, agent_name, routed_model, split_agent
+from services.gateway.agents import AGENT_HEADER, agent_name, split_agent
 from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_json
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.commands import ended_attempt
@@ -124,6 +124,12 @@ def _api_of(path: str) -> Api:
 Handler = Callable[["Proxy", Scope, Receive, Send, Route], Awaitable[None]]
 
 
+def _replica_of(name: str, model: str) -> bool:
+    """Whether `name` is one replica's entry of `model` (`model-rN`, as the trainer registers replicas)."""
+    stem, _, index = name.rpartition("-r")
+    return stem == model and index.isdigit()
+
+
 class Proxy:
     """ASGI handler for `/proxy/...` (mounted in front of the API by `app.py`)."""
 
@@ -211,12 +217,12 @@ class Proxy:
         else the run's; one endpoint per rollout of a pool.
         """
         models = self.models(view)
-        spec = self.gw.state.runs.get(view.run_id)
-        route = routed_model(spec[0] if spec else None, agent)
+        route = self.gw.state.spec(view.run_id).agent_models.get(agent) if agent is not None else None
         if route is not None:  # the run routes this agent to its model, whatever the request says
-            if not any(m.name == route for m in models):
+            routed = [m for m in models if m.name == route or _replica_of(m.name, route)]
+            if not routed:
                 raise unavailable(f"run {view.run_id} routes agent {agent} to model {route}, which is not registered")
-            requested = route
+            return sticky(view.rollout_id, routed).for_agent(agent)
         requested = self.gw.state.model_alias(view.run_id, requested)
         matching = [m for m in models if requested in (m.name, m.served_model)]
         # A rollout sticks to one endpoint (its prefix cache), the same through every gateway.
@@ -346,7 +352,7 @@ async def _count_tokens(proxy: Proxy, scope: Scope, receive: Receive, send: Send
     conv = messages.conversation({"max_tokens": 1, **request})
     model = proxy.choose(view, conv.model, route.agent)
     body = messages.count_body(conv, model.upstream_model)
-    settings = gw.run_settings.of(view.run_id, gw.state.runs.get(view.run_id))
+    settings = gw.state.spec(view.run_id)
     check_call(body, settings.limits)
     payload = _encode(body)
     if len(payload) > gw.store.max_payload:

@@ -15,6 +15,7 @@ from schemas import (
     RunStarted,
 )
 from schemas.ids import RUN_SUBJECT
+from schemas.run import InvalidRunSpec, spec_of
 from schemas.runs import RunSpec
 from services.common.eventstore import ConcurrencyConflict
 from services.gateway import bodies
@@ -136,15 +137,16 @@ async def start_run(request: Request) -> Response:
     async def command(key: str | None) -> Result:
         existing = await gw.store.last(RUN_SUBJECT.format(run=spec.run_id))  # the stream: no Postgres for a write
         if existing is not None and isinstance(existing.event, RunStarted):
-            if _same_spec(existing.event.config) != config:
+            current = _stored_spec(existing.event)
+            if current != spec:
                 raise ApiError(
                     409,
                     f"run {spec.run_id} was already started with a different spec; a run's spec never changes: "
                     "resume it with the same settings, or start a new run id",
-                    current=existing.event.config,
+                    current=msgspec.to_builtins(current) if isinstance(current, RunSpec) else current,
                 )
-            return 200, encode({"run_id": spec.run_id, "spec": existing.event.config, "seq": existing.seq})
-        event = RunStarted(event_id=derive_id(spec.run_id, "run"), run_id=spec.run_id, name=spec.name, config=config)
+            return 200, encode({"run_id": spec.run_id, "spec": config, "seq": existing.seq})
+        event = RunStarted(event_id=derive_id(spec.run_id, "run"), run_id=spec.run_id, name=spec.name, spec=spec)
         try:
             ack = await gw.append_registry(event, expected_last_subject_seq=0)
         except ConcurrencyConflict:
@@ -156,9 +158,10 @@ async def start_run(request: Request) -> Response:
     return await keyed(request, "admin", body, command)
 
 
-def _same_spec(config: dict[str, Any]) -> dict[str, Any]:
-    """A stored spec with the fields added since it was written at their defaults (so it compares equal)."""
+def _stored_spec(event: RunStarted) -> RunSpec | dict[str, Any]:
+    """A stored run's spec (an older event's fields added since at their defaults, so it compares equal);
+    an older event's invalid mapping as it is."""
     try:
-        return msgspec.to_builtins(msgspec.convert(config, RunSpec))
-    except (msgspec.ValidationError, InvalidId):
-        return config
+        return spec_of(event)
+    except InvalidRunSpec:
+        return dict(event.config)

@@ -139,8 +139,7 @@ async def _prepare(gw: Gateway, index: int, item: bodies.NewRollout, key: str | 
                 return existing
     else:
         rollout_id = new_id()
-    spec = gw.state.runs.get(run_id)
-    max_attempts = item.max_attempts or (int(spec[0].get("max_attempts", 1)) if spec else 1)
+    max_attempts = item.max_attempts or gw.state.spec(run_id).max_attempts
     if max_attempts < 1:
         raise invalid("max_attempts must be at least 1", f"rollouts[{index}].max_attempts")
     created = RolloutCreated(

@@ -12,23 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 import msgspec
 
 from schemas import (
     AttemptStarted,
-    ModelRegistered,
-    ModelRemoved,
-    PhaseChanged,
     RolloutCreated,
     RolloutStatusChanged,
-    RunStarted,
     check_id,
 )
 from schemas.rollout import RolloutView, fold
+from schemas.run import ModelView, PhaseView, RunView
+from schemas.run import fold as run_fold
+from schemas.runs import RunSpec
 from services.common.bytecache import ByteLRU
 from services.common.eventstore import EventStore, StoredEvent
+from services.gateway.errors import ApiError
+
+log = logging.getLogger("rollwire.gateway")
 
 ROLLOUT_PATTERNS = ("rl.*.rollout.*.created", "rl.*.rollout.*.status", "rl.*.rollout.*.attempt")
 REGISTRY_PATTERNS = ("rl.*.model.*", "rl.*.phase", "rl.*.run")
@@ -42,37 +45,8 @@ def _cached_size(view: RolloutView) -> int:
 _size_encoder = msgspec.json.Encoder()
 
 
-class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
-    """A registered inference endpoint."""
-
-    run_id: str
-    name: str
-    base_url: str
-    served_model: str | None
-    weights_version: int | None
-    api_key: str | None
-    seq: int
-    tokenizer: str | None = None
-    reasoning_parser: str | None = None
-    adapters: dict[str, str] = {}
-
-    @property
-    def upstream_model(self) -> str:
-        """The model name to send upstream."""
-        return self.served_model or self.name
-
-    def for_agent(self, agent: str | None) -> ModelEntry:
-        """This entry as the agent's calls use it: `served_model` is the agent's adapter when it has one."""
-        adapter = self.adapters.get(agent) if agent is not None else None
-        return self if adapter is None else msgspec.structs.replace(self, served_model=adapter)
-
-
-class PhaseEntry(msgspec.Struct, frozen=True, kw_only=True):
-    """The last phase of a run."""
-
-    phase: str
-    weights_version: int | None
-    seq: int
+ModelEntry = ModelView
+"""A registered inference endpoint (the contract's run fold's view of one model name)."""
 
 
 class GatewayState:
@@ -81,10 +55,8 @@ class GatewayState:
     def __init__(self, store: EventStore, *, cache_bytes: int = 256 * 1024 * 1024) -> None:
         self.store = store
         self.rollouts: ByteLRU[str, RolloutView] = ByteLRU(cache_bytes, _cached_size)  # without their input
-        self.models: dict[tuple[str, str], ModelEntry] = {}
-        self.phases: dict[str, PhaseEntry] = {}
-        self.runs: dict[str, tuple[dict[str, Any], int]] = {}
-        self._registry_seq: dict[str, int] = {}
+        self.runs: dict[str, RunView] = {}  # the contract's run fold (`schemas.run`), per run
+        self._defaults: dict[str, RunSpec] = {}
         self._listeners: list[Any] = []
         self._task: asyncio.Task[None] | None = None
         self._loads: dict[str, asyncio.Future[RolloutView | None]] = {}
@@ -136,32 +108,13 @@ class GatewayState:
             self._apply_registry(stored)
 
     def _apply_registry(self, stored: StoredEvent) -> None:
-        event = stored.event
-        key = stored.subject
-        if stored.seq <= self._registry_seq.get(key, 0):
+        before = self.runs.get(stored.event.run_id)
+        view = run_fold(before, stored)
+        if view is None or view is before:
             return
-        self._registry_seq[key] = stored.seq
-        if isinstance(event, ModelRegistered):
-            self.models[(event.run_id, event.name)] = ModelEntry(
-                run_id=event.run_id,
-                name=event.name,
-                base_url=event.base_url.rstrip("/"),
-                served_model=event.served_model,
-                weights_version=event.weights_version,
-                api_key=event.api_key,
-                seq=stored.seq,
-                tokenizer=event.tokenizer or None,
-                reasoning_parser=event.reasoning_parser or None,
-                adapters=dict(event.adapters),
-            )
-        elif isinstance(event, ModelRemoved):
-            self.models.pop((event.run_id, event.name), None)
-        elif isinstance(event, PhaseChanged):
-            self.phases[event.run_id] = PhaseEntry(
-                phase=event.phase, weights_version=event.weights_version, seq=stored.seq
-            )
-        elif isinstance(event, RunStarted):
-            self.runs.setdefault(event.run_id, (dict(event.config), stored.seq))
+        self.runs[view.run_id] = view
+        if view.spec_error is not None and (before is None or before.spec_error is None):
+            log.error("%s; its calls and rollouts are refused", view.spec_error)
         for listener in self._listeners:
             listener(stored)
 
@@ -224,22 +177,45 @@ class GatewayState:
 
     # ---- registries ------------------------------------------------------------------------
 
-    def models_for(self, run_id: str, default_run: str) -> list[ModelEntry]:
+    @property
+    def models(self) -> dict[tuple[str, str], ModelView]:
+        """Every live registered endpoint, by (run, name)."""
+        return {(m.run_id, m.name): m for view in self.runs.values() for m in view.live_models()}
+
+    def models_for(self, run_id: str, default_run: str) -> list[ModelView]:
         """Endpoints registered for the run, else those registered without a run."""
-        own = [m for (run, _), m in self.models.items() if run == run_id]
-        if own:
-            return own
-        return [m for (run, _), m in self.models.items() if run == default_run]
+        for run in (run_id, default_run):
+            view = self.runs.get(run)
+            own = view.live_models() if view is not None else []
+            if own:
+                return own
+        return []
+
+    def phase(self, run_id: str) -> PhaseView | None:
+        """The run's last phase (None: never switched)."""
+        view = self.runs.get(run_id)
+        return view.phase if view is not None else None
+
+    def spec(self, run_id: str) -> RunSpec:
+        """The run's spec: each call is checked against its limits, budget and prompt mode, routed by its
+        aliases and agent models. A run never started gets every default; a run whose stored spec is
+        invalid is refused (409), never defaulted."""
+        view = self.runs.get(run_id)
+        if view is not None and view.spec is not None:
+            return view.spec
+        if view is not None and view.spec_error is not None:
+            raise ApiError(409, view.spec_error)
+        spec = self._defaults.get(run_id)
+        if spec is None:
+            spec = self._defaults[run_id] = RunSpec(run_id=run_id)
+        return spec
 
     def model_alias(self, run_id: str, requested: Any) -> Any:
         """The registered model name a requested name stands for in this run (itself if no alias)."""
-        spec = self.runs.get(run_id)
-        aliases = spec[0].get("model_aliases") if spec else None
-        if isinstance(aliases, dict) and isinstance(requested, str):
-            return aliases.get(requested, requested)
+        if isinstance(requested, str):
+            return self.spec(run_id).model_aliases.get(requested, requested)
         return requested
 
     def reward_from(self, run_id: str) -> str:
         """Whose rewards count in this run: `agent` (default) or `evaluator`."""
-        spec = self.runs.get(run_id)
-        return str(spec[0].get("reward_from", "agent")) if spec else "agent"
+        return self.spec(run_id).reward_from

@@ -31,6 +31,8 @@ from schemas import (
 )
 from schemas.events import FLAG_EVENT
 from schemas.rollout import RolloutView, fold
+from schemas.run import RunView
+from schemas.run import fold as fold_run
 from services.common.eventstore import StoredEvent
 from services.projector import chains as chain_state
 from services.projector.flags import flag_names
@@ -43,6 +45,7 @@ AttemptKey = tuple[str, str, str]
 
 NEEDS_ATTEMPTS = (RolloutStatusChanged, AttemptStarted)
 NEEDS_REWARDS = (RolloutStatusChanged, RewardReported)
+RUN_EVENTS = (RunStarted, ModelRegistered, ModelRemoved, PhaseChanged)
 
 
 class Extras(msgspec.Struct, kw_only=True):
@@ -133,6 +136,7 @@ class Plan(msgspec.Struct, kw_only=True):
     stats: dict[AttemptKey, StatsDelta] = {}
     chains: dict[AttemptKey, bytes] = {}
     runs: dict[str, RunDelta] = {}
+    run_views: dict[str, RunView] = {}  # the batch's fold of each run's run, model and phase events
     models: dict[tuple[str, str], ModelDelta] = {}
     rows: Any = None  # every row to write, materialized once folding is done (see pgstore.materialize)
 
@@ -159,6 +163,7 @@ def needs(items: Iterable[Incoming]) -> tuple[set[RolloutKey], set[RolloutKey], 
 
 
 def _run_delta(plan: Plan, item: Incoming) -> None:
+    """Count the event toward its run's row; fold a run, model or phase event into the batch's run view."""
     event = item.event
     assert event is not None
     delta = plan.runs.get(event.run_id)
@@ -167,26 +172,42 @@ def _run_delta(plan: Plan, item: Incoming) -> None:
     delta.events += 1
     delta.last_seq = item.seq
     delta.last_event_at = event.time
-    if isinstance(event, RunStarted) and delta.started_seq is None:
-        delta.name, delta.config = event.name, _json.encode(event.config).decode()
-        delta.started_at, delta.started_seq = event.time, item.seq
-    elif isinstance(event, PhaseChanged):
-        delta.phase, delta.weights_version, delta.phase_seq = event.phase, event.weights_version, item.seq
-
-
-def _model_delta(plan: Plan, item: Incoming) -> None:
-    event = item.event
-    assert isinstance(event, (ModelRegistered, ModelRemoved))
-    delta = plan.models.setdefault((event.run_id, event.name), ModelDelta())
-    if isinstance(event, ModelRegistered):
-        delta.base_url, delta.served_model, delta.weights_version = (
-            event.base_url,
-            event.served_model,
-            event.weights_version,
+    if isinstance(event, RUN_EVENTS):
+        folded = fold_run(
+            plan.run_views.get(event.run_id), StoredEvent(seq=item.seq, subject=item.subject, event=event)
         )
-        delta.registered_at, delta.registered_seq = event.time, item.seq
-    else:
-        delta.removed_at, delta.removed_seq = event.time, item.seq
+        if folded is not None:
+            plan.run_views[event.run_id] = folded
+
+
+def _run_rows(plan: Plan) -> None:
+    """The `runs` and `models` rows' parts from the batch's run views (the contract's run fold).
+
+    A batch folds from no view, and the upserts merge it the way the fold does (the first `RunStarted`
+    stays, the last registration, removal and phase win), so the rows are the fold of the whole stream."""
+    for run_id, view in plan.run_views.items():
+        delta = plan.runs[run_id]
+        if view.started:
+            spec = view.recorded_spec()
+            delta.name, delta.config = view.name, _json.encode(spec).decode()
+            delta.started_at, delta.started_seq = view.started_at, view.started_seq
+        if view.phase is not None:
+            delta.phase, delta.weights_version, delta.phase_seq = (
+                view.phase.phase,
+                view.phase.weights_version,
+                view.phase.seq,
+            )
+        for name, model in view.models.items():
+            registered = model.seq > 0
+            plan.models[(run_id, name)] = ModelDelta(
+                base_url=model.base_url if registered else None,
+                served_model=model.served_model,
+                weights_version=model.weights_version,
+                registered_at=model.registered_at,
+                registered_seq=model.seq if registered else None,
+                removed_at=model.removed_at,
+                removed_seq=model.removed_seq,
+            )
 
 
 def _detail_rows(plan: Plan, item: Incoming) -> None:
@@ -209,8 +230,6 @@ def _detail_rows(plan: Plan, item: Incoming) -> None:
         )  # fmt: skip
     elif isinstance(event, PhaseChanged):
         plan.phases.append((item.seq, event.run_id, event.phase, event.weights_version, event.time))
-    elif isinstance(event, (ModelRegistered, ModelRemoved)):
-        _model_delta(plan, item)
 
 
 class CallRow(msgspec.Struct, kw_only=True, gc=False):
@@ -381,6 +400,7 @@ def fold_batch(items: Sequence[Incoming], loaded: Loaded) -> Plan:
             if event.name.startswith(FLAG_EVENT) and event.trusted:  # an agent's "flag" is only an event
                 _add_flags(extras, [event.name])
     plan.chains = {key: chain_state.dump(state) for key, state in open_chains.items()}
+    _run_rows(plan)
     for key in plan.touched:
         extras = plan.extras[key]
         view = plan.views[key]

@@ -19,6 +19,7 @@ import typer
 from schemas import InvalidId, MalformedEvent
 from services.common.eventstore import EventStore, EventStoreError
 from services.devstack import endpoints_file
+from services.devstack.credentials import local_credentials
 from services.devstack.stack import DEFAULT_NATS_PORT
 from services.tools.export import EXPORT_FORMATS, ExportUnavailable, export_run
 from services.tools.plot import PlotUnavailable
@@ -35,7 +36,7 @@ NATS_URL = typer.Option(
     None,
     "--nats-url",
     envvar="NATS_URL",
-    help="The NATS server (default: the one `rollwire up` started in --data-dir, per its endpoints.json).",
+    help="The NATS server (default: the one `rollwire up` started in --data-dir, as its read-only monitor user).",
 )
 DATA_DIR = typer.Option(
     Path(".rollwire"), "--data-dir", envvar="ROLLWIRE_DATA_DIR", help="The data dir of `rollwire up`."
@@ -44,8 +45,10 @@ DATA_DIR = typer.Option(
 
 def nats_endpoint(nats_url: str | None, data_dir: Path) -> str:
     """The NATS URL to use: the flag or NATS_URL, else the `nats` entry of `<data-dir>/endpoints.json`
-    (a stack started with `--nats-port 0` listens on a port of its choosing), else the default port."""
-    return nats_url or endpoints_file.read(data_dir).get("nats") or DEFAULT_NATS_URL
+    (a stack started with `--nats-port 0` listens on a port of its choosing), else the default port;
+    with the stack's `monitor` user when it is that stack's NATS and names no user."""
+    url = nats_url or endpoints_file.read(data_dir).get("nats") or DEFAULT_NATS_URL
+    return local_credentials(url, data_dir=data_dir)  # that stack's read-only user, for a URL naming none
 
 
 class UsageError(ValueError):
@@ -246,7 +249,9 @@ def retrain(
         None, "--validation", help="Validation tasks (JSONL): fresh val rollouts on the re-trained weights."
     ),
     validation_every: int | None = typer.Option(None, "--validation-every", help="Validate every K steps."),
-    config: Path | None = typer.Option(None, "--config", help="A TOML file whose [retrain] table sets these options."),
+    config: Path | None = typer.Option(
+        None, "--config", help="A TOML file whose \\[retrain] table sets these options."
+    ),
     compare: list[str] | None = typer.Option(
         None, "--compare", help="Re-train output directories to plot beside their original runs."
     ),

@@ -36,6 +36,7 @@ import nats.js.errors
 from schemas import AnyEvent, CustomEvent, Event, ModelRequestRecorded, check_id
 from schemas.events import FLAG_EVENT
 from services.common.eventstore import Appended, EventStore, EventStoreError, StartFrom, StoredEvent
+from services.devstack.credentials import local_credentials
 
 Severity = Literal["info", "warning", "critical"]
 SEVERITIES: tuple[str, ...] = ("info", "warning", "critical")
@@ -223,7 +224,7 @@ def monitor_main(
     options = parser.parse_args(argv)
 
     async def run() -> None:
-        monitor = await Monitor.connect(options.nats_url, name=name)
+        monitor = await Monitor.connect(local_credentials(options.nats_url), name=name)
         monitor.options = options
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()

@@ -66,6 +66,7 @@ def plot_compare(directories: Sequence[Path], out: Path) -> Path:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise PlotUnavailable("--compare needs matplotlib: pip install matplotlib") from None
     retrained, originals = load_curves(directories)
@@ -82,6 +83,7 @@ def plot_compare(directories: Sequence[Path], out: Path) -> Path:
             axis.plot(steps, values, marker="o", markersize=3, label=curves.label)
         axis.set_title(title)
         axis.set_xlabel("step")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
     for axis in list(axes.flat)[len(panels) :]:
         axis.set_visible(False)

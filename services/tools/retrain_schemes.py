@@ -74,9 +74,12 @@ def _loss_part(part: str) -> tuple[str, float | None] | None:
     return None
 
 
+LOSS_HELP = "clip=, clip-low=, clip-high=, ratio-cap= (a number or none), kl=, is-cap="
+
+
 def scheme_help() -> str:
     """What a re-training scheme may contain (for errors and `--help`)."""
-    return f"{spec_help()}; loss: clip=, clip-low=, clip-high=, ratio-cap=, kl=, is-cap="
+    return f"{spec_help()}; the loss's parts: {LOSS_HELP}"
 
 
 def parse_scheme(spec: str, adapter: AdapterConfig, loss: LossSection) -> RetrainScheme:
@@ -104,7 +107,10 @@ def parse_scheme(spec: str, adapter: AdapterConfig, loss: LossSection) -> Retrai
             changes["clip_low"] = changes["clip_high"] = value
         else:
             changes[field] = value
-    config = parse_spec("+".join(rest), adapter) if rest else adapter
+    try:
+        config = parse_spec("+".join(rest), adapter) if rest else adapter
+    except AdapterConfigError as exc:
+        raise AdapterConfigError(f"{exc}; the loss's parts: {LOSS_HELP}") from None
     try:
         section = msgspec.convert({**msgspec.to_builtins(loss), **changes}, LossSection)
         _check_loss(section)

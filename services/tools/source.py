@@ -41,6 +41,7 @@ import msgspec
 
 from schemas.events import AnyEvent, CustomEvent, RewardReported, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, REWARD, ROLLOUT_ATTEMPT, RUN_ALL, check_id
+from schemas.run import InvalidRunSpec, spec_of
 from services.common.eventstore import EventStore, StoredEvent, _stream_sequence
 from trainer.core import (
     TRAIN_STEP_EVENT,
@@ -280,9 +281,7 @@ async def index_run(
     for stored in await _small_events(store, run_id):
         event = stored.event
         if isinstance(event, RunStarted):
-            adapter = event.config.get("adapter")
-            recorded = dict(adapter) if isinstance(adapter, Mapping) else recorded
-            recorded = _spec_selection(event.config, recorded)
+            recorded = _spec_selection(event, recorded)
             continue
         if event.rollout_id is None:
             continue
@@ -332,10 +331,16 @@ async def index_run(
     return RunIndex(run_id=run_id, rollouts=rollouts, recorded_adapter=recorded, has_steps=has_steps)
 
 
-def _spec_selection(spec: Mapping[str, Any], recorded: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The run spec's declared selection (`train_agents`, `train_models`) under the recorded adapter config."""
-    selection = {key: list(spec[name]) for key, name in (("agents", "train_agents"), ("models", "train_models"))
-                 if isinstance(spec.get(name), list) and spec[name]}  # fmt: skip
+def _spec_selection(event: RunStarted, recorded: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The run spec's declared selection (`train_agents`, `train_models`) under the recorded adapter config
+    (a run whose stored spec is invalid declares none)."""
+    try:
+        spec = spec_of(event)
+    except InvalidRunSpec:
+        return recorded
+    selection = {
+        key: list(names) for key, names in (("agents", spec.train_agents), ("models", spec.train_models)) if names
+    }
     if not selection:
         return recorded
     return {**selection, **(recorded or {})}

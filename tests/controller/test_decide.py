@@ -8,6 +8,7 @@ import pytest
 
 from schemas import AnyEvent, AttemptStarted, RolloutCreated, RolloutStatusChanged, RunStarted
 from schemas.rollout import fold as fold_rollout
+from schemas.run import fold as fold_run
 from schemas.runs import RunSpec
 from services.common.eventstore import StoredEvent
 from services.controller.backends.base import ExecutionKey, ExecutionState
@@ -22,7 +23,7 @@ from services.controller.decide import (
     backoff_s,
     decide,
 )
-from services.controller.view import NOT_LAUNCHED, Rollout, RunSpecError, compact, spec_from_event
+from services.controller.view import NOT_LAUNCHED, Rollout, RunSpecError, compact, run_spec
 
 RUN = "r1"
 RID = "ro1"
@@ -83,14 +84,17 @@ def test_queued_rollout_starts_an_attempt() -> None:
 def test_no_spec_waits_and_invalid_spec_fails() -> None:
     view = build([created(), status("queuing")])
     assert decide(view, None, [], now=101.0) == Decision()
-    bad = spec_from_event(RunStarted(run_id=RUN, config={"backend": "docker"}))
+    bad = run_spec(
+        fold_run(None, StoredEvent(seq=1, subject="s", event=RunStarted(run_id=RUN, config={"backend": "docker"})))
+    )
     assert isinstance(bad, RunSpecError) and "backend" in bad.message
     (action,) = decide(view, bad, [], now=101.0).actions
     assert isinstance(action, MarkEnded) and action.status == "failed" and "backend" in (action.reason or "")
 
 
-def test_spec_from_event_takes_the_run_id_from_the_envelope() -> None:
-    spec = spec_from_event(RunStarted(run_id=RUN, config={"command": ["python", "a.py"], "concurrency": 4}))
+def test_an_older_spec_takes_the_run_id_from_the_envelope() -> None:
+    event = RunStarted(run_id=RUN, config={"command": ["python", "a.py"], "concurrency": 4})
+    spec = run_spec(fold_run(None, StoredEvent(seq=1, subject="s", event=event)))
     assert isinstance(spec, RunSpec) and spec.run_id == RUN and spec.concurrency == 4
 
 

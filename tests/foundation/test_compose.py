@@ -48,7 +48,7 @@ def test_compose_config_is_valid_and_complete() -> None:
     for infra in ("nats", "postgres"):
         assert services[infra]["healthcheck"]["test"], infra
         assert services[infra]["volumes"], infra
-    for component in ("gateway", "projector", "controller", "engine"):
+    for component in ("gateway", "projector", "controller"):
         svc = services[component]
         assert svc["build"]["dockerfile"] == "infra/Dockerfile"
         assert svc["command"][0] == f"services.{component}"
@@ -62,8 +62,16 @@ def test_compose_registers_the_engine_and_exposes_health() -> None:
     assert register["entrypoint"][:3] == ["rollwire", "models", "register"]
     assert register["depends_on"]["engine"]["condition"] == "service_healthy"
     assert register["depends_on"]["gateway"]["condition"] == "service_healthy"
-    assert "--model" not in services["engine"]["command"]  # built into the models volume on first start
-    assert services["engine"]["environment"]["ROLLWIRE_CACHE_DIR"] == "/models"
+    engine = services["engine"]  # vLLM from its own image, serving the model the one-shot builds
+    assert engine["build"]["dockerfile"] == "infra/Dockerfile.vllm"
+    assert engine["depends_on"]["tiny-model"]["condition"] == "service_completed_successfully"
+    assert engine["command"][engine["command"].index("--model") + 1] == "/models/tiny"
+    assert engine["environment"]["VLLM_API_KEY"]
+    assert (
+        register["entrypoint"][register["entrypoint"].index("--api-key") + 1] == engine["environment"]["VLLM_API_KEY"]
+    )
+    dockerfile = (ROOT / "infra" / "Dockerfile.vllm").read_text()
+    assert "rollwire_vllm_auth.RequireApiKey" in dockerfile and "processed_logprobs" in dockerfile
     assert "0.0.0.0" in services["projector"]["command"]
 
 

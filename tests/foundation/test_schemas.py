@@ -35,10 +35,11 @@ from schemas.bounds import check_int
 from schemas.export import JSON_DIR, stale_files
 from schemas.ids import check_recurring_id
 from schemas.refs import CallRef, pack
+from schemas.runs import RunSpec
 from schemas.transitions import IllegalTransition, check_transition
 
 EXAMPLES = [
-    RunStarted(run_id="r1", name="demo", config={"backend": "local"}),
+    RunStarted(run_id="r1", name="demo", spec=RunSpec(run_id="r1", command=["python", "a.py"], concurrency=2)),
     RolloutCreated(run_id="r1", rollout_id="ro1", input={"q": "2+2"}, group_id="task-7", metadata={"k": 1}),
     RolloutStatusChanged(
         run_id="r1", rollout_id="ro1", attempt_id="a1", status="failed", previous="running", reason="exit code 3"
@@ -192,7 +193,7 @@ def test_fields_at_their_default_are_absent_but_the_envelope_is_always_there(eve
     data = json.loads(encode(event))
     required = {f.name for f in msgspec.structs.fields(event_type) if f.required}
     assert set(data) == {*ENVELOPE_KEYS, "rollout_id", *required}
-    assert data["schema_version"] == SCHEMA_VERSION == 4
+    assert data["schema_version"] == SCHEMA_VERSION == 5
     assert decode(encode(event)) == event == from_dict(data)
     assert set(to_dict(event)) == {"type", *event_type.__struct_fields__} - {
         f.name for f in msgspec.structs.fields(event_type) if f.default is msgspec.UNSET

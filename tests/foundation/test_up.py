@@ -70,13 +70,20 @@ async def append_and_count(nats_url: str, run_id: str, append: bool) -> int:
         await store.close()
 
 
+def trainer_url(data_dir: Path, endpoints: dict[str, str]) -> str:
+    """The NATS URL of the stack's `trainer` user (a writer), from the data dir's credentials."""
+    from services.devstack.credentials import load_or_create
+
+    return load_or_create(data_dir).nats_url(endpoints["nats"], "trainer")
+
+
 def test_up_reports_ready_and_keeps_data_across_restart(tmp_path: Path) -> None:
     data = tmp_path / "stack"
     proc, endpoints = start_up(data)
     try:
         assert endpoints["nats"].startswith("nats://127.0.0.1:")
         assert endpoints["postgres"].startswith("postgresql://")
-        assert asyncio.run(append_and_count(endpoints["nats"], "persist", append=True)) == 1
+        assert asyncio.run(append_and_count(trainer_url(data, endpoints), "persist", append=True)) == 1
         second = subprocess.run(
             [*ROLLWIRE, "up", "--data-dir", str(data), "--nats-port", "0", "--pg-port", "0"],
             capture_output=True,
@@ -90,7 +97,7 @@ def test_up_reports_ready_and_keeps_data_across_restart(tmp_path: Path) -> None:
         stop(proc)
     proc, endpoints = start_up(data)
     try:
-        assert asyncio.run(append_and_count(endpoints["nats"], "persist", append=False)) == 1
+        assert asyncio.run(append_and_count(trainer_url(data, endpoints), "persist", append=False)) == 1
     finally:
         stop(proc)
 
@@ -120,8 +127,13 @@ def test_the_engine_tokenizer_is_scoped_to_the_engine_model(tmp_path: Path) -> N
     from services.devstack.stack import Stack, StackConfig
 
     model = tmp_path / "tiny-chat"
-    args = Stack(StackConfig(data_dir=tmp_path, engine_model=model), say=lambda _: None)._tokenizer_args()
+    embedded = StackConfig(data_dir=tmp_path, engine_model=model, engine_kind="embedded")
+    args = Stack(embedded, say=lambda _: None)._tokenizer_args()
     assert args == ["--tokenizer", f"tiny-chat={model}", "--tokenizer", f"tiny={model}"]
+    model.mkdir()  # vLLM (the default) answers to the served name only
+    assert Stack(StackConfig(data_dir=tmp_path, engine_model=model), say=lambda _: None)._tokenizer_args() == [
+        "--tokenizer", f"tiny={model}",
+    ]  # fmt: skip
     assert Stack(StackConfig(data_dir=tmp_path, services=("gateway",)), say=lambda _: None)._tokenizer_args() == []
 
 
@@ -131,7 +143,7 @@ def test_tail_and_runs_find_the_stack_in_its_data_dir(tmp_path: Path) -> None:
     proc, endpoints = start_up(data)
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "ROLLWIRE_DATA_DIR")}
     try:
-        asyncio.run(append_and_count(endpoints["nats"], "found-by-data-dir", append=True))
+        asyncio.run(append_and_count(trainer_url(data, endpoints), "found-by-data-dir", append=True))
         listed = subprocess.run(
             [*ROLLWIRE, "runs", "--data-dir", str(data)], capture_output=True, text=True, timeout=60, env=env
         )
@@ -149,3 +161,14 @@ def test_tail_and_runs_find_the_stack_in_its_data_dir(tmp_path: Path) -> None:
             tail.wait(10)
     finally:
         stop(proc)
+
+
+def test_with_vllm_the_projector_starts_before_the_gateway(tmp_path: Path) -> None:
+    """The gateway's /healthz waits for the projector: started after it, `rollwire up` never got healthy."""
+    from services.common.vllm import VllmServeSettings
+    from services.devstack.stack import Stack, StackConfig
+
+    config = StackConfig(data_dir=tmp_path, engine_model=tmp_path, vllm=VllmServeSettings(executable=sys.executable))
+    stack = Stack(config, say=lambda _: None)
+    specs = stack._service_specs({"gateway": 1, "engine": 2, "projector": 3, "controller": 4})
+    assert [spec.name for spec in specs] == ["vllm-0", "projector", "gateway", "controller"]

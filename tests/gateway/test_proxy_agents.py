@@ -63,3 +63,22 @@ def test_bad_or_conflicting_agent_names_are_422(gateway: GatewayHandle, fake_vll
     anthropic = httpx.post(f"{base}/agent/a*b/anthropic/v1/messages", json=body, headers=auth)
     assert anthropic.status_code == 422 and anthropic.json()["type"] == "error"  # Anthropic's shape
     assert fake_vllm.requests == []  # nothing was forwarded
+
+
+def test_an_agent_routed_to_a_model_with_replicas_reaches_one(
+    gateway: GatewayHandle, fake_vllm: FakeVLLM, run_id: str
+) -> None:
+    """A routed model served by several replicas (registered `judge-r0`, `judge-r1`, as the trainer
+    names them) is reached by the routed agent: it was a 503 "not registered" when the route named
+    the model and only replica names were registered."""
+    spec = {"run_id": run_id, "command": ["true"], "agent_models": {"checker": "judge"}}
+    assert gateway.admin.post("/api/runs", json=spec).status_code == 201
+    for index in range(2):
+        gateway.register_model(run_id, f"{fake_vllm.url}/v1", name=f"judge-r{index}", served_model="judge-served")
+    rollout, attempt = gateway.running(run_id, fake_vllm.url)
+    checker: Any = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"],
+                                 default_headers={"X-Rollwire-Agent": "checker"}, max_retries=0)  # fmt: skip
+    checker.chat.completions.create(model="fake", messages=MESSAGES, max_tokens=2)
+    calls = _calls(gateway, rollout["rollout_id"])
+    assert [c["agent"] for c in calls] == ["checker"] and calls[0]["endpoint"] in ("judge-r0", "judge-r1"), calls
+    assert fake_vllm.requests[-1]["model"] == "judge-served"

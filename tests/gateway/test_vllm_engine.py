@@ -146,12 +146,12 @@ async def test_lora_adapters_load_in_place_and_unload(replicas: list[FakeVLLM], 
 
 
 def test_serve_command_has_what_the_capture_and_reloads_need() -> None:
-    argv, env = serve_command(VllmServeSettings(executable="/opt/vllm/bin/vllm", max_lora_rank=16, max_loras=2),
+    argv, env = serve_command(VllmServeSettings(executable="/opt/vllm/bin/python", max_lora_rank=16, max_loras=2),
                               "/models/base", SERVED, 8123)  # fmt: skip
-    assert argv[:3] == ["/opt/vllm/bin/vllm", "serve", "/models/base"]
+    assert argv[:5] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/base"]
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert argv[argv.index("--served-model-name") + 1] == SERVED and argv[argv.index("--port") + 1] == "8123"
     assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "16"
-    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"  # the sampled distribution's
     ranks = {rank: serve_command(VllmServeSettings(max_lora_rank=rank), "m", SERVED, 1)[0] for rank in (4, 8, 12, 300)}
     assert {rank: argv[argv.index("--max-lora-rank") + 1] for rank, argv in ranks.items()} == {
         4: "8",
@@ -159,7 +159,7 @@ def test_serve_command_has_what_the_capture_and_reloads_need() -> None:
         12: "16",
         300: "320",
     }  # the ranks vLLM accepts (vllm/config/lora.py)
-    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
 
 
 def test_rollwire_up_starts_and_registers_vllm_replicas(tmp_path: Path) -> None:
@@ -172,8 +172,11 @@ def test_rollwire_up_starts_and_registers_vllm_replicas(tmp_path: Path) -> None:
 
     from services.devstack.embedded import free_port
 
-    executable = tmp_path / "vllm"
+    # vLLM's Python, faked: `python -m vllm.entrypoints.openai.api_server --model M ...` runs fake_vllm as `serve M ...`
+    executable = tmp_path / "python"
     executable.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                          "args = sys.argv[1:]\nassert args[:2] == ['-m', 'vllm.entrypoints.openai.api_server'], args\n"
+                          "sys.argv = [sys.argv[0], 'serve', args[3], *args[4:]]\n"
                           "runpy.run_path(sys.path[0] + '/fake_vllm.py', run_name='__main__')\n")  # fmt: skip
     executable.chmod(executable.stat().st_mode | stat.S_IEXEC)
     log, port = tmp_path / "argv.jsonl", free_port()
@@ -198,7 +201,8 @@ def test_rollwire_up_starts_and_registers_vllm_replicas(tmp_path: Path) -> None:
         for record in started:
             argv = record["argv"]
             assert argv[:2] == ["serve", "Qwen/Qwen3-0.6B"] and argv[argv.index("--served-model-name") + 1] == "tiny"
-            assert record["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+            assert record["env"]["VLLM_SERVER_DEV_MODE"] == "1" and record["env"]["VLLM_API_KEY"]
+            assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
     finally:
         proc.send_signal(2)
         proc.wait(60)

@@ -80,6 +80,7 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env["ROLLWIRE_ACCESS_LOG"] = "json"
     command = [sys.executable, "-m", "services.devstack.cli", "up", "--data-dir", str(data)]
     command += ["--nats-port", "0", "--pg-port", "0", "--gateway-port", "0"]
+    command += ["--engine", "embedded"]  # these tests read the embedded engine's own rollwire_engine_* metrics
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert proc.stdout is not None
     lines: list[str] = []

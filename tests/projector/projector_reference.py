@@ -28,6 +28,7 @@ from schemas import (
 )
 from schemas.rollout import RolloutView
 from schemas.rollout import fold as fold_rollout
+from schemas.run import InvalidRunSpec, spec_of
 from services.common.eventstore import EventStore, StoredEvent
 from services.projector.flags import call_flags, flag_names
 from services.projector.reader import PostgresRolloutReader
@@ -101,7 +102,11 @@ def _run_and_model(out: Expected, seq: int, event: Any) -> None:
     run["events"] += 1
     run["last_seq"], run["last_event_at"] = seq, event.time
     if isinstance(event, RunStarted) and run["started_seq"] is None:
-        run.update(name=event.name, config=event.config, started_at=event.time, started_seq=seq)
+        try:
+            config = msgspec.to_builtins(spec_of(event))
+        except InvalidRunSpec:
+            config = event.config
+        run.update(name=event.name, config=config, started_at=event.time, started_seq=seq)
     if isinstance(event, PhaseChanged):
         run.update(phase=event.phase, weights_version=event.weights_version)
     if isinstance(event, (ModelRegistered, ModelRemoved)):

@@ -22,6 +22,7 @@ from schemas import (
     encode,
 )
 from schemas.events import EventSource
+from schemas.runs import RunSpec
 
 RUNS = ("r0", "r1")
 ROLLOUTS = ("x0", "x1")
@@ -69,7 +70,11 @@ class StreamBuilder:
     def build(self, op: tuple[Any, ...]) -> Event | bytes:
         kind = op[0]
         if kind == "run":
-            return RunStarted(**self.envelope(op[1]), name=f"run {op[1]}", config={"k": op[2]})
+            if op[2] == 0:  # as written before schema version 5, a spec no RunSpec reads: recorded as it is
+                return RunStarted(**self.envelope(op[1]), name=f"run {op[1]}", config={"k": op[2]})
+            return RunStarted(
+                **self.envelope(op[1]), name=f"run {op[1]}", spec=RunSpec(run_id=op[1], concurrency=op[2])
+            )
         if kind == "created":
             return RolloutCreated(**self.envelope(op[1], op[2]), input={"task": op[3]}, group_id=f"g{op[3] % 2}")
         if kind == "status":

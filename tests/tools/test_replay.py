@@ -25,6 +25,7 @@ from schemas import (
     RolloutStatusChanged,
     RunStarted,
 )
+from schemas.runs import RunSpec
 from services.common.eventstore import EventStore
 from services.tools import replay, source
 from services.tools.replay import ReplayReport, replay_run, split_units
@@ -94,7 +95,7 @@ async def test_replay_of_a_trainer_step_equals_what_the_trainer_built(
     store: EventStore, nats_url: str, run_id: str, in_metadata: bool
 ) -> None:
     config = {"merge": "exact", "estimator": "rloo", "norm": "seq-mean-token-mean"}
-    events: list[Event] = [RunStarted(run_id=run_id, config={"adapter": config})]
+    events: list[Event] = [RunStarted(run_id=run_id, spec=RunSpec(run_id=run_id))]
     events += agent_run(run_id, groups=6, per_group=3, steps=3, seed=5, step_in_metadata=in_metadata)
     await store.append_many(events)
     recorded = [(e.rollout_id, e.payload["step"]) for e in events if isinstance(e, CustomEvent)]
@@ -106,9 +107,9 @@ async def test_replay_of_a_trainer_step_equals_what_the_trainer_built(
         # What the trainer built live in step n: build_step over that step's rollouts, its recorded config.
         trained = [r for r in collected.rollouts if steps.get(r.rollout_id) == n]
         live = build_step(trained, AdapterConfig.from_mapping(config))
-        report = await _replay(nats_url, run_id, step=n)
+        report = await _replay(nats_url, run_id, step=n, options=config)
         (scheme,) = report.schemes
-        assert scheme.config == AdapterConfig.from_mapping(config)  # the run's recorded adapter config is the default
+        assert scheme.config == AdapterConfig.from_mapping(config)
         _assert_same(scheme, live)
         assert scheme.summary.steps == [n]
 

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import msgspec
 import pytest
 
+from schemas import RunStarted
+from schemas.runs import AttemptBudget, CallLimits, RunSpec
+from services.common.eventstore import StoredEvent
+from services.gateway.state import GatewayState
 from trainer.config import ConfigError, config_from_mapping, config_to_mapping, load_config
+from trainer.policies import run_spec
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart" / "train.toml"
 
@@ -103,3 +109,24 @@ def test_train_runs_the_prepare_command_first_and_stops_when_it_fails(tmp_path: 
     result = CliRunner().invoke(app, ["train", str(config)])
     assert mark.exists() and result.exit_code == 1
     assert "run.prepare" in result.output and "exited with 3" in result.output
+
+
+def test_every_run_spec_field_of_agent_can_be_set_in_train_toml_and_reaches_the_run(tmp_path: Path) -> None:
+    """`[agent]` is the run spec's `AgentSpec`: budget, limits and model aliases set in `train.toml`
+    are in the spec the trainer declares (`POST /api/runs`), and the gateway checks calls against them."""
+    (tmp_path / "train.toml").write_text(
+        '[data]\npath = "t.jsonl"\n[model]\npath = "m"\nprompt_mode = "continuous"\n'
+        '[agent]\ncommand = ["python", "a.py"]\nmodel_aliases = {"claude-sonnet-4-5" = "policy"}\n'
+        "[agent.budget]\ncalls = 7\ntokens = 5000\n[agent.limits]\nmax_n = 2\n"
+    )
+    config = load_config(tmp_path / "train.toml")
+    assert config.agent.concurrency == RunSpec(run_id="x").concurrency == 8  # one default, the contract's
+    body = msgspec.json.encode(msgspec.to_builtins(run_spec(config, "r1")))  # what the trainer posts
+    spec = msgspec.json.decode(body, type=RunSpec)  # what the registry reads and records
+    assert spec.budget == AttemptBudget(calls=7, tokens=5000) and spec.limits == CallLimits(max_n=2)
+    assert spec.model_aliases == {"claude-sonnet-4-5": "policy"} and spec.prompt_mode == "continuous"
+    state = GatewayState(cast(Any, None))  # applying an event reads no store
+    state.apply(StoredEvent(seq=1, subject="rl.r1.run", event=RunStarted(run_id="r1", spec=spec)))
+    assert state.spec("r1").budget.calls == 7 and state.model_alias("r1", "claude-sonnet-4-5") == "policy"
+    with pytest.raises(ConfigError, match=r"agent\.budget\.calls"):
+        config_from_mapping(minimal(agent={"command": ["a"], "budget": {"calls": 0}}))

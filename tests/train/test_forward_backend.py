@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -78,8 +79,11 @@ def test_no_shared_prefix_is_a_plain_forward() -> None:
     assert shared_prefix_length(ids[:1], mask[:1]) == 0
 
 
-def multi_turn_samples(seed: int) -> list[Sample]:
-    """Samples of 6 rollouts in 2 groups, each rollout two merged calls, with varied rewards."""
+def multi_turn_samples(seed: int, agent_of: Callable[[int], str] | None = None) -> list[Sample]:
+    """Samples of 6 rollouts in 2 groups, each rollout two merged calls, with varied rewards.
+
+    `agent_of(r)`, if given, names the agent that made rollout r's calls (recorded on each call).
+    """
     rng = random.Random(seed)
     system = [rng.randrange(1, VOCAB) for _ in range(20)]
     rollouts = []
@@ -95,6 +99,7 @@ def multi_turn_samples(seed: int) -> list[Sample]:
                     response_ids=response,
                     logprobs=[-rng.uniform(4.0, 7.0) for _ in response],
                     weights_version=0,
+                    agent=agent_of(r) if agent_of else None,
                 )
             )
             prompt = prompt + response + [rng.randrange(1, VOCAB) for _ in range(3)]
@@ -158,3 +163,19 @@ def test_several_updates_per_step_clip(tmp_path: Path, updates: int) -> None:
     metrics = backend.update(multi_turn_samples(2))
     assert metrics.optimizer_steps == updates
     assert metrics.clip_fraction > 0.0  # the second pass is off-policy and some ratios leave the clip range
+
+
+def test_packed_micro_batches_equal_padded_ones(tmp_path: Path) -> None:
+    """Samples back to back in one row (positions restarting per sample) give the padded rows' loss and gradient."""
+    model = small_model(tmp_path)
+    algorithm = AlgorithmSection(lr=1e-2, micro_batch_tokens=8192, loss=LossSection(kl_coef=0.05))
+    samples = multi_turn_samples(0)
+    packed = CpuBackend(model, algorithm, settings=BackendSection(threads=1, pack_sequences=True))
+    padded = CpuBackend(model, algorithm, settings=BackendSection(threads=1, pack_sequences=False))
+    assert packed.batch(samples).input_ids.shape == (1, sum(len(s.tokens) for s in samples))
+    packed_loss, packed_grads = packed.loss_and_gradients(samples)
+    padded_loss, padded_grads = padded.loss_and_gradients(samples)
+    assert packed_loss == pytest.approx(padded_loss, rel=1e-5)
+    assert set(packed_grads) == set(padded_grads)
+    for name, grad in padded_grads.items():
+        assert float((packed_grads[name] - grad).norm()) <= 1e-5 * float(grad.norm()) + 1e-9, name

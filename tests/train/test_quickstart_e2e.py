@@ -3,7 +3,7 @@
 It also checks that `rollwire replay --step N` rebuilds exactly the samples the trainer trained on
 in step N (their sizes, advantages and loss weights), from the run's events alone.
 
-Two steps of the real quickstart: embedded stack (nats-server, Postgres, engine, gateway,
+Two steps of the real quickstart: embedded stack (nats-server, Postgres, vLLM, gateway,
 projector, controller), the real agent harness launched by the controller through the fork
 server, replay, update, reload. The model is a short warm start (seconds, not minutes), so the
 harness runs with its tool-use reward: rewards then differ within groups, which every parameter
@@ -65,6 +65,7 @@ def comparable(row: dict) -> tuple:
     return tuple(sorted((k, round(v, 9) if isinstance(v, float) else v) for k, v in row.items()))
 
 
+@pytest.mark.timeout(1500)  # the stack starts vLLM twice (the run, then its resume): minutes each on 2 loaded cores
 def test_two_quickstart_steps_update_every_parameter_and_serve_the_new_version(
     tmp_path: Path, model_cache: Path
 ) -> None:

@@ -33,7 +33,7 @@ from trainer.quickstart.run import QuickstartOptions, fork_server, run_quickstar
 from trainer.quickstart.task import make_tasks, write_tasks_jsonl
 from trainer.quickstart.warmstart import ensure_warm_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the warm start, built once per session, takes minutes
 
 T = TypeVar("T")
 RUN = "rt"
@@ -187,7 +187,9 @@ def test_a_validation_set_gets_fresh_rollouts_on_the_retrained_weights_through_t
         fork_server(key=f"{recorded.stack_dir.resolve()}/{RUN}"),
         embedded_stack(recorded.stack_dir, recorded.model_dir, lambda line: None) as urls,
     ):
-        stack = {"gateway_url": urls.gateway_url, "engine_url": urls.engine_url, "admin_token": urls.admin_token}
+        stack: dict[str, str | None] = {
+            "gateway_url": urls.gateway_url, "engine_url": urls.engine_url, "admin_token": urls.admin_token,
+        }  # fmt: skip
         options = RetrainOptions(run_dir=recorded.run_dir, out=tmp_path / "val", steps=2, validation=tasks,
                                  validation_every=1, stack=stack, nats_url=urls.nats_url)  # fmt: skip
 

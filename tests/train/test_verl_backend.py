@@ -18,6 +18,7 @@ pytest.importorskip("peft")
 
 from test_forward_backend import VOCAB, multi_turn_samples, small_model
 
+from trainer import lora
 from trainer.config import AlgorithmSection, BackendSection, LossSection
 from trainer.core import AdapterConfig, Call, RolloutCalls, Sample, build_step
 from trainer.core.weights import Norm
@@ -132,24 +133,32 @@ def test_verl_matches_the_cpu_backend_on_packed_micro_batches(tmp_path: Path, ve
     verl.close()
 
 
-def role_of(sample: Sample) -> str:
+def agent_of(rollout: int) -> str:
     """Two agent roles: rollouts r0..r2 are the planner's calls, the rest the coder's."""
-    return "planner" if sample.rollout_id in {"r0", "r1", "r2"} else "coder"
+    return "planner" if rollout < 3 else "coder"
 
 
 @pytest.mark.parametrize("backend", ["cpu", "verl"])
 def test_one_adapter_per_role(tmp_path: Path, backend: str, verl_backend_factory) -> None:  # type: ignore[no-untyped-def]
-    """Each role's calls train its own adapter on one base model; the other adapter gets none of its gradient."""
+    """Each role's calls train its own adapter on one base model; the other adapter gets none of its gradient.
+
+    The role is the agent recorded on the calls, carried by the adapter onto the samples (no role mapping
+    is injected): each adapter trains on exactly its role's samples.
+    """
     model = small_model(tmp_path)
     algorithm = AlgorithmSection(lr=1e-2, micro_batch_tokens=64)
     settings = BackendSection(threads=1, lora_rank=4, lora_alpha=8,
                               lora_adapters={"planner": "planner", "coder": "coder"})  # fmt: skip
     make = CpuBackend if backend == "cpu" else verl_backend_factory
-    samples = multi_turn_samples(0)
-    both = make(model, algorithm, seed=0, settings=settings, role_of=role_of)
+    samples = multi_turn_samples(0, agent_of)
+    split = lora.split_by_adapter(samples, settings)
+    print(f"{backend}: samples per adapter { ({k: len(v) for k, v in split.items()}) } of {len(samples)}")
+    assert {k: len(v) for k, v in split.items()} == {"planner": 3, "coder": 3}
+    assert all(s.agent == name for name, group in split.items() for s in group)
+    both = make(model, algorithm, seed=0, settings=settings)
     _, grads = both.loss_and_gradients(samples)
-    planner_only = make(model, algorithm, seed=0, settings=settings, role_of=role_of)
-    _, planner_grads = planner_only.loss_and_gradients([s for s in samples if role_of(s) == "planner"])
+    planner_only = make(model, algorithm, seed=0, settings=settings)
+    _, planner_grads = planner_only.loss_and_gradients(split["planner"])
     planner = {k: v for k, v in grads.items() if ".planner." in k}
     coder = {k: v for k, v in grads.items() if ".coder." in k}
     # lora_B starts at 0, so lora_A's first gradient is 0: check B's
@@ -157,7 +166,8 @@ def test_one_adapter_per_role(tmp_path: Path, backend: str, verl_backend_factory
     for key, value in planner.items():  # the coder's calls add nothing to the planner's adapter
         torch.testing.assert_close(value, planner_grads[key], rtol=1e-5, atol=1e-8)
     assert not any(".coder." in k and float(v.abs().sum()) > 0 for k, v in planner_grads.items())
-    both.update(samples)
+    metrics = both.update(samples)
+    assert metrics.samples == len(samples) and metrics.optimizer_steps == 1
     saved = both.save_weights(tmp_path / "v1")
     assert {p.name for p in (saved / "adapters").iterdir()} == {"coder", "planner"}
     assert not (saved / "model.safetensors").exists()  # several adapters are served by vLLM, never merged

@@ -44,4 +44,9 @@ def test_two_ranks_take_the_same_update_as_one(tmp_path: Path, lora_rank: int) -
     expected, got = load_file(str(tmp_path / "one" / name)), load_file(str(tmp_path / "two" / name))
     assert set(expected) == set(got) and expected
     for key, value in got.items():
-        torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6)
+        if lora_rank and "lora_B" in key:
+            # lora_B starts at 0, so its value is the step itself, and Adam's g/(|g|+eps) magnifies float
+            # rounding on its gradients ~1e-8: the step is compared as a whole, to 1e-4 relative.
+            assert float((value - expected[key]).norm()) <= 1e-4 * float(expected[key].norm()), key
+        else:
+            torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6)

@@ -34,6 +34,7 @@ PROXIMAL = np.array([0.0, math.log(0.6), math.log(0.5)])
 def test_importance_weight_is_proximal_over_behaviour_truncated_at_c() -> None:
     # w = 0.6/0.5 = 1.2 and 0.5/0.2 = 2.5, truncated to C = 2: per-token advantages A·w = 1.2, 2.0.
     (trained,), stats = decoupled_samples([_sample()], [PROXIMAL], is_cap=2.0)
+    assert trained.token_advantages is not None
     assert np.allclose(trained.token_advantages, [0.0, 1.2, 2.0])
     assert np.allclose(trained.logprobs, PROXIMAL)  # the ratio PPO clips is now π_θ / π_prox
     assert trained.advantage == 1.0 and trained.token_weight == 0.5

@@ -1,6 +1,8 @@
 """Tensor-parallel replicas each get their own GPUs: `start_replicas` with a fake `vllm` executable.
 
-A fake, because this machine has no GPU. It follows what vLLM does with the devices it is shown:
+A fake (standing in for vLLM's Python, which Rollwire starts with `-m
+vllm.entrypoints.openai.api_server`), because this machine has no GPU. It follows what vLLM does
+with the devices it is shown:
 its multiprocessing executor starts one worker per tensor-parallel rank and worker `r` takes the
 `r`-th visible device (`vllm/v1/executor/multiproc_executor.py`, `local_rank`), so two replicas that
 are shown the same devices would put their ranks on the same GPUs. The fake records the argv and
@@ -25,7 +27,8 @@ with open(os.environ["FAKE_VLLM_RECORD"], "a") as out:
 
 
 def _fake_vllm(tmp_path: Path) -> Path:
-    executable = tmp_path / "vllm"
+    """vLLM's Python, as Rollwire starts it (`python -m vllm.entrypoints.openai.api_server ...`)."""
+    executable = tmp_path / "python"
     executable.write_text(f"#!{sys.executable}\n{RECORDER}")
     executable.chmod(executable.stat().st_mode | stat.S_IEXEC)
     return executable

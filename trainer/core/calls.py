@@ -74,6 +74,8 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float | None = None
     ended_at: float | None = None
     temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     finish_reason: str | None = None
     event_id: str | None = None
     """The recorded event's id (None when unknown, or when the attempt recorded it twice)."""
@@ -186,6 +188,8 @@ class CallRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     endpoint: str | None = None
     started_at: float | None = None
     temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     prompt_ref: CallRef | UnsetType | None = UNSET
     packed: PackedTokens | UnsetType | None = UNSET
 
@@ -265,6 +269,8 @@ def _call(event: RecordedCall, prompt: IdArray, response: IdArray, logprobs: Flo
         started_at=started if event.time else None,
         ended_at=event.time or None,
         temperature=event.temperature,
+        top_p=event.top_p,
+        top_k=event.top_k,
         finish_reason=event.finish_reason,
         event_id=event.event_id,
         prompt_ref=ref.event_id if ref else None,

@@ -25,8 +25,10 @@ extends no chain opens one. A chain that was extended is no longer its old state
 forking from the old state (two branches from one turn) opens a new chain whose prompt carries the
 shared turn with mask 0, so no sampled token is ever trained twice.
 
-Temperature. The loss recomputes a sample's logprobs under one temperature, so a call sampled at
-another temperature than a chain's does not extend it (it opens a chain of its own).
+Sampling settings and agent. The loss recomputes a sample's logprobs under the distribution its
+tokens were drawn from (temperature, then the top-k / top-p nucleus), and a per-role adapter trains
+on one agent's samples, so a call whose temperature, top_p, top_k or agent differs from a chain's
+does not extend it (it opens a chain of its own). The sample carries all four.
 
 Length. A merged sample is exactly as long as its last call's prompt plus response (the chain is
 a prefix of that prompt), so a chain can only outgrow `max_length` through a call that is itself
@@ -87,6 +89,12 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     token_advantages: Logprobs | None = None
     """A per-token advantage the loss takes instead of `advantage` (one entry per token; None: `advantage`
     on every token). Off-policy re-training sets it to the advantage times each token's importance weight."""
+    top_p: float | None = None
+    """The nucleus its calls were sampled from (None: off); the loss re-applies it, so on policy the ratio is 1."""
+    top_k: int | None = None
+    """Top-k of its calls (None, 0 or -1: off); re-applied in the loss like `top_p`."""
+    agent: str | None = None
+    """The agent (role) that made its calls: which LoRA adapter trains it (`lora_adapters`)."""
 
     @property
     def num_calls(self) -> int:
@@ -110,15 +118,14 @@ class _Chain:
     """
 
     __slots__ = (
-        "call_ids", "end", "first", "last", "length", "prompt", "response", "spans", "temperature", "touched",
-        "versions",
+        "call_ids", "end", "first", "key", "last", "length", "prompt", "response", "spans", "touched", "versions",
     )  # fmt: skip
 
     def __init__(self, call: Call, touched: int) -> None:
         self.call_ids: list[str] = []
         self.spans: list[tuple[int, Call]] = []
         self.versions: list[int] = []
-        self.temperature = call.temperature
+        self.key = chain_key(call)
         self.extend(call, touched)
         self.first = int(self.prompt[0]) if len(self.prompt) else int(self.response[0]) if self.length else -1
 
@@ -161,21 +168,32 @@ class _Chain:
             response_tokens=sampled,
             min_weights_version=min(self.versions) if self.versions else None,
             max_weights_version=max(self.versions) if self.versions else None,
-            temperature=self.temperature,
+            temperature=self.key[0],
+            top_p=self.key[1],
+            top_k=self.key[2],
+            agent=self.key[3],
         )
 
 
+def chain_key(call: Call) -> tuple[float | None, float | None, int | None, str | None]:
+    """What calls of one sample share: temperature, top_p, top_k (off spelled None) and agent."""
+    top_p = call.top_p if call.top_p is not None and call.top_p < 1.0 else None
+    top_k = call.top_k if call.top_k is not None and call.top_k > 0 else None
+    return (call.temperature, top_p, top_k, call.agent)
+
+
 def _longest_prefix_chain(chains: Sequence[_Chain], call: Call, known: _Chain | None = None) -> _Chain | None:
-    """The longest open chain (same temperature) whose whole token sequence is a prefix of the call's prompt.
+    """The longest open chain (same `chain_key`) whose whole token sequence is a prefix of the call's prompt.
 
     Ties go to the most recent chain. `known` is an open chain already known to be such a prefix
     (the one the call's reference names): it is not compared again, only the others that could beat it.
     """
     prompt = as_ids(call.prompt_ids)
+    key = chain_key(call)
     best = known
     best_len = -1 if known is None else known.length
     for chain in chains:
-        if chain.temperature != call.temperature or chain is known:
+        if chain.key != key or chain is known:
             continue
         n = chain.length
         # Cheap rejections first; only a surviving candidate pays for the full comparison.
@@ -206,7 +224,7 @@ class _Ends:
         if ref is None or ref in self.repeated:
             return None
         chain = self.chains.get(ref)
-        if chain is None or chain.temperature != call.temperature:
+        if chain is None or chain.key != chain_key(call):
             return None
         prompt, n = call.prompt_ids, chain.length
         if call.ref_tokens != n or not 0 < n <= len(prompt) or prompt[n - 1] != chain.last or prompt[0] != chain.first:

@@ -183,7 +183,7 @@ def run_quickstart(options: QuickstartOptions, say: Callable[[str], None] = prin
         )
         config = quickstart_config(options, name, model_dir, dataset, command)
         say("starting the embedded stack...")
-        urls = stack.enter_context(embedded_stack(options.data_dir, model_dir, say))
+        urls = stack.enter_context(embedded_stack(options.data_dir, model_dir, say, config.engine))
         say(
             f"run {config.run.name}: {options.steps} steps of {options.tasks_per_step} tasks x "
             f"{options.rollouts_per_task} rollouts ({config.run.mode})"

@@ -27,6 +27,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import FailureCause
+from services.controller.backends import local_isolation
 from services.controller.backends.base import (
     INPUT_ENV,
     INPUT_ENV_LIMIT,
@@ -140,8 +142,26 @@ class LocalBackend:
         kill_grace_s: float = 5.0,
         poll_s: float = 1.0,
         python: str = sys.executable,
+        isolation: str = "none",
+        hidden: tuple[Path, ...] = (),
     ) -> None:
         self.root = Path(root).resolve()
+        try:
+            self.isolation = local_isolation.resolve(isolation, python)
+        except local_isolation.IsolationError as exc:
+            raise PermanentBackendError(str(exc)) from None
+        if isolation != "none":
+            logging.getLogger("rollwire.controller").log(
+                logging.WARNING if self.isolation == "none" else logging.INFO,
+                "local agents: isolation %s%s",
+                self.isolation,
+                " (no root and no user namespaces here: agents can read what this user reads)"
+                if self.isolation == "none"
+                else "",
+            )
+        """How agents are kept from the stack's secrets (`local_isolation`): user, namespace or none."""
+        self.hidden = tuple(Path(path).resolve() for path in hidden) or (self.root,)
+        """What a `namespace`-isolated agent cannot see (default: this backend's root)."""
         self.capacity = capacity
         self.kill_grace_s = kill_grace_s
         self.poll_s = poll_s
@@ -210,12 +230,19 @@ class LocalBackend:
         input_file = directory / "input.json"
         workspace.mkdir(exist_ok=True)
         input_file.write_text(spec.input_json)
+        name = f"{spec.key.run_id}/{spec.key.rollout_id}/{spec.key.attempt_id}"
+        commands = [command for command in (spec.command, spec.evaluator_command) if command]
+        isolation = local_isolation.prepare(
+            self.isolation, name, workspace, input_file, self.hidden, commands, os.environ.get("PATH")
+        )
+        home = {"HOME": str(workspace)} if self.isolation == "user" else {}  # the controller's is not theirs
         record = {
             "key": [spec.key.run_id, spec.key.rollout_id, spec.key.attempt_id],
             "command": spec.command,
-            "env": self._environment(spec, spec.env, input_file),
+            "env": {**self._environment(spec, spec.env, input_file), **home},
             "evaluator_command": spec.evaluator_command,
-            "evaluator_env": self._environment(spec, spec.evaluator_env or {}, input_file),
+            "evaluator_env": {**self._environment(spec, spec.evaluator_env or {}, input_file), **home},
+            "isolation": isolation,
             "timeout_s": spec.timeout_s,
             "deadline": time.time() + spec.timeout_s,
             "kill_grace_s": self.kill_grace_s,

@@ -69,11 +69,28 @@ def _describe_exit(phase: str, code: int) -> str:
     return f"{phase} exited with code {code}"
 
 
+def isolated(command: list[str], isolation: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """The command line and extra `Popen` arguments that run `command` isolated as the backend chose.
+
+    `user`: under the execution's own uid and gid, no supplementary groups; `namespace`: inside
+    the sandbox (`local_sandbox.py`), which hides the data dir; anything else: as it is.
+    """
+    mode = isolation.get("mode")
+    if mode == "user":
+        return command, {"user": int(isolation["uid"]), "group": int(isolation["gid"]), "extra_groups": []}
+    if mode == "namespace":
+        config = {k: isolation[k] for k in ("hide", "keep", "cwd")}
+        return [sys.executable, "-I", "-S", str(isolation["sandbox"]), json.dumps(config), *command], {}
+    return command, {}
+
+
 def run_phase(
-    directory: Path, phase: str, command: list[str], env: dict[str, str], deadline: float, grace_s: float
-) -> dict[str, Any]:
+    directory: Path, phase: str, command: list[str], env: dict[str, str], deadline: float, grace_s: float,
+    isolation: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Run one phase (agent or evaluator) to its end, its deadline or a cancellation."""
     prefix = "" if phase == "agent" else f"{phase}."
+    command, extra = isolated(command, isolation or {})
     with (
         open(directory / f"{prefix}stdout.log", "ab") as out,
         open(directory / f"{prefix}stderr.log", "ab") as err,
@@ -87,6 +104,7 @@ def run_phase(
                 stdout=out,
                 stderr=err,
                 process_group=0,
+                **extra,
             )
         except OSError as exc:
             return {
@@ -119,11 +137,12 @@ def supervise(directory: Path) -> dict[str, Any]:
     started = time.time()
     deadline = float(spec["deadline"])
     grace_s = float(spec.get("kill_grace_s", 5.0))
-    result = run_phase(directory, "agent", spec["command"], spec["env"], deadline, grace_s)
+    isolation = spec.get("isolation") or {}
+    result = run_phase(directory, "agent", spec["command"], spec["env"], deadline, grace_s, isolation)
     if result["outcome"] == "succeeded" and spec.get("evaluator_command"):
         env = dict(spec["evaluator_env"])
         env["ROLLWIRE_AGENT_EXIT_CODE"] = str(result["exit_code"])
-        result = run_phase(directory, "evaluator", spec["evaluator_command"], env, deadline, grace_s)
+        result = run_phase(directory, "evaluator", spec["evaluator_command"], env, deadline, grace_s, isolation)
     result["started_at"] = started
     result["ended_at"] = time.time()
     return result
@@ -132,6 +151,7 @@ def supervise(directory: Path) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     """Entry point: `local_supervisor.py <execution dir>`."""
     directory = Path(argv[1])
+    os.umask(0o077)  # its logs and records are the operator's, not the agents'
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _on_cancel)
     (directory / "supervisor.pid").write_text(str(os.getpid()))
