@@ -103,7 +103,7 @@ def test_one_step_through_real_vllm(tmp_path: Path, real_model: Path, realmodel_
     for call in record.calls:  # the model's own chat template, with the calculator declared, rendered by the proxy
         assert [t["function"]["name"] for t in call.request["tools"]] == ["calculator"]
         assert call.prompt_ids[:3] == [1, 9690, 198]  # <|im_start|>system\n
-        assert call.response_ids and len(call.response_logprobs or []) == len(call.response_ids)
+        assert call.response_ids and len(call.logprobs) == len(call.response_ids)
     for rollout_id, reward in rewards.items():
         first = next(c for c in record.calls if c.rollout_id == rollout_id)
         task = tasks.get(first.request["messages"][1]["content"])
