@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,6 +66,10 @@ def train(
     if follows_rank0():
         _follow(loaded)
         return
+    if loaded.run.prepare:
+        prepared = subprocess.run(loaded.run.prepare, check=False, cwd=config.resolve().parent)
+        if prepared.returncode != 0:
+            raise _fail(f"run.prepare {loaded.run.prepare} exited with {prepared.returncode}")
     try:
         with contextlib.ExitStack() as stack:
             if loaded.stack.embedded:

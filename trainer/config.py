@@ -54,7 +54,9 @@ class RunSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """`[run]`: the run id (`name`), where its files go (`out_dir/name`), the seed and the step count.
 
     `resume` continues from the run directory's last checkpoint; `keep_weights` keeps that many
-    newest weights versions on disk besides v0 and the checkpoint's (0 keeps all).
+    newest weights versions on disk besides v0 and the checkpoint's (0 keeps all). `prepare` is a
+    command `rollwire train` runs once before anything starts (convert a model, build the data),
+    with `python` and `{config_dir}` read as in `[agent] command`; a non-zero exit stops the run.
     """
 
     name: str = "run"
@@ -64,6 +66,7 @@ class RunSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     mode: Mode = "sync"
     resume: bool = True
     keep_weights: int = 3
+    prepare: list[str] = []
 
 
 class DataSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -460,15 +463,19 @@ def _check_models(config: TrainConfig) -> None:
         raise ConfigError("validation.every and validation.rollouts_per_task: must be at least 1")
 
 
+def _command(argv: list[str], base_dir: Path | None) -> list[str]:
+    """`python` as this interpreter and `{config_dir}` as the config's directory in one command."""
+    where = str(base_dir.resolve()) if base_dir is not None else "."
+    argv = [part.replace(CONFIG_DIR, where) for part in argv]
+    return [sys.executable, *argv[1:]] if argv[0] == "python" else argv
+
+
 def _agent_commands(agent: AgentSection, base_dir: Path | None) -> AgentSection:
     """`python` as this interpreter and `{config_dir}` as the config's directory in the agent's settings."""
     where = str(base_dir.resolve()) if base_dir is not None else "."
 
     def command(argv: list[str] | None) -> list[str] | None:
-        if argv is None:
-            return None
-        argv = [part.replace(CONFIG_DIR, where) for part in argv]
-        return [sys.executable, *argv[1:]] if argv[0] == "python" else argv
+        return None if argv is None else _command(argv, base_dir)
 
     return msgspec.structs.replace(
         agent,
@@ -486,6 +493,9 @@ def config_from_mapping(mapping: Mapping[str, Any], base_dir: Path | None = None
         raise _decode_error(exc) from None
     _check(config)
     config = msgspec.structs.replace(config, agent=_agent_commands(config.agent, base_dir))
+    if config.run.prepare:
+        prepare = _command(config.run.prepare, base_dir)
+        config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, prepare=prepare))
     if base_dir is not None:
         config = msgspec.structs.replace(
             config,

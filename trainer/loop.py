@@ -60,11 +60,11 @@ from trainer.dataset import TaskOrder, load_jsonl
 from trainer.engines import ServingEngine, connect_engine, register_replicas
 from trainer.extra_policies import OtherModels
 from trainer.loggers import open_sinks, tensorboard_dir
-from trainer.metrics import MetricsLog
+from trainer.metrics import MetricsLog, plot_curves
 from trainer.policies import failure_row, run_spec, trained_adapter, trained_models
 from trainer.relaunch import wait_relaunching
 from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group, update_spans
-from trainer.validation import ValidationPass
+from trainer.validation import VAL_REWARD, ValidationPass
 
 Row = dict[str, Any]
 
@@ -226,6 +226,8 @@ class Trainer:
             if in_flight:
                 await watch.adopt(r for g in in_flight for r in g.rollout_ids)
             started = time.monotonic() - state.elapsed_s
+            if self.validation is not None and self.validation.section.at_start and state.step == 0:
+                await self._validate_at_start(gateway, watch, store)
             for step in range(state.step + 1, self.config.run.steps + 1):
                 state, in_flight, row = await self._step(step, state, in_flight, store, gateway, engine, watch, started)
                 rows.append(row)
@@ -233,6 +235,7 @@ class Trainer:
                 for rollout_id in group.rollout_ids:
                     if rollout_id not in watch.ended:
                         await gateway.cancel_rollout(rollout_id, "the training run finished")
+            self._finish()
         finally:
             await watch.stop()
             await self.others.close()
@@ -244,6 +247,26 @@ class Trainer:
             if self.backend is not None:
                 await asyncio.to_thread(self.backend.close)
         return rows
+
+    async def _validate_at_start(self, gateway: GatewayClient, watch: StatusWatch, store: EventStore) -> None:
+        """The validation pass on the starting weights, recorded as step 0 (`[validation] at_start`)."""
+        assert self.validation is not None and self.metrics is not None
+        row: Row = {"step": 0, "weights_version": 0}
+        row |= await self.validation.run(0, gateway, watch, store)
+        self.metrics.add(row)
+        self.say(f"held-out reward before training: {row.get(VAL_REWARD)}")
+
+    def _finish(self) -> None:
+        """The reward curve (`reward_curve.png`: training and held-out reward per step) and held-out before/after."""
+        if self.metrics is None or not self.metrics.rows:
+            return
+        keys = ("reward_mean", VAL_REWARD)
+        curve = plot_curves(self.metrics, self.run_dir.reward_curve, keys, title=self.run_id)
+        steps, held = self.metrics.series(VAL_REWARD)
+        line = f"reward curve: {curve}"
+        if len(held) >= 2:
+            line += f"; held-out reward {held[0]:.3f} (step {steps[0]}) -> {held[-1]:.3f} (step {steps[-1]})"
+        self.say(line)
 
     async def _serve(self, engine: ServingEngine, gateway: GatewayClient, version: int) -> None:
         """Make every engine replica serve the run's current weights and route the run's calls to them."""

@@ -32,9 +32,11 @@ class FrozenSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 class ValidationSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`[validation]`: every `every` steps, each task of `path` runs `rollouts_per_task` times in `val`
-    mode through the same harness; never trained on, its mean reward is `val/reward`."""
+    mode through the same harness; never trained on, its mean reward is `val/reward`. With `at_start`,
+    the pass also runs on the starting weights before step 1 (row `step = 0`): the before of before/after."""
 
     path: str
     every: int = 5
     rollouts_per_task: int = 1
     max_tasks: int | None = None
+    at_start: bool = False

@@ -86,6 +86,31 @@ def test_missing_required_key_and_bad_files(tmp_path: Path) -> None:
         load_config(wrong)
 
 
+def test_the_realmodel_config_prepares_its_model_and_validates_before_training() -> None:
+    config = load_config(EXAMPLE.parents[1] / "realmodel" / "train.toml")
+    here = str(EXAMPLE.parents[1] / "realmodel")
+    assert config.run.prepare == [sys.executable, f"{here}/prepare.py"]  # `python` and {config_dir} read
+    assert config.model.path == str(Path.home() / ".cache/rollwire/models/smollm2-135m-instruct")
+    assert config.validation is not None and config.validation.at_start
+    assert config.engine.kind == "vllm" and config.model.prompt_mode == "continuous"
+
+
+def test_train_runs_the_prepare_command_first_and_stops_when_it_fails(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from services.devstack.cli import app
+
+    config = tmp_path / "train.toml"
+    mark = tmp_path / "prepared"
+    config.write_text(
+        f'[run]\nprepare = ["sh", "-c", "touch {mark}; exit 3"]\n[data]\npath = "t.jsonl"\n'
+        '[agent]\ncommand = ["agent"]\n[model]\npath = "m"\n[stack]\nembedded = false\n'
+    )
+    result = CliRunner().invoke(app, ["train", str(config)])
+    assert mark.exists() and result.exit_code == 1
+    assert "run.prepare" in result.output and "exited with 3" in result.output
+
+
 def test_every_run_spec_field_of_agent_can_be_set_in_train_toml_and_reaches_the_run(tmp_path: Path) -> None:
     """`[agent]` is the run spec's `AgentSpec`: budget, limits and model aliases set in `train.toml`
     are in the spec the trainer declares (`POST /api/runs`), and the gateway checks calls against them."""
