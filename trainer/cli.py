@@ -44,6 +44,7 @@ def train(
     from services.common.vllm import ReplicaError
     from services.common.vllm_install import VllmInstallError
     from services.devstack.stack import StackError
+    from trainer.backends.lora import adapter_names
     from trainer.checkpoint import CheckpointError
     from trainer.config import load_config
     from trainer.dataset import DatasetError
@@ -75,7 +76,12 @@ def train(
             if loaded.stack.embedded:
                 urls = stack.enter_context(
                     embedded_stack(
-                        Path(loaded.stack.data_dir), Path(loaded.model.path), say=print, engine=loaded.engine
+                        Path(loaded.stack.data_dir),
+                        Path(loaded.model.path),
+                        say=print,
+                        engine=loaded.engine,
+                        lora_rank=loaded.backend.lora_rank,
+                        max_loras=max(len(adapter_names(loaded.backend)), 1),
                     )
                 )
             else:

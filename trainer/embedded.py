@@ -32,12 +32,19 @@ def _engine_single_thread() -> Iterator[None]:
 
 @contextlib.contextmanager
 def embedded_stack(
-    data_dir: Path, model_dir: Path, say: Callable[[str], None], engine: EngineSection | None = None
+    data_dir: Path,
+    model_dir: Path,
+    say: Callable[[str], None],
+    engine: EngineSection | None = None,
+    *,
+    lora_rank: int = 0,
+    max_loras: int = 1,
 ) -> Iterator[ServiceUrls]:
     """The embedded stack (free ports, the engine `engine.kind` names serving `model_dir`) for the duration.
 
     With vLLM (the default) the stack starts `engine.replicas` vLLM servers (installing vLLM when
-    missing); the trainer attaches to them through `ServiceUrls.engine_urls` and their key.
+    missing); the trainer attaches to them through `ServiceUrls.engine_urls` and their key. A LoRA
+    run's `lora_rank` starts them with LoRA enabled, so the trainer can load its adapters there.
     """
     from services.common.vllm import VllmServeSettings
     from services.devstack.stack import Stack, StackConfig
@@ -46,6 +53,7 @@ def embedded_stack(
     vllm = VllmServeSettings(
         executable=engine.executable, port=0, dtype=engine.dtype,
         gpu_memory_utilization=engine.gpu_memory_utilization, extra_args=list(engine.extra_args),
+        max_lora_rank=lora_rank, max_loras=max_loras,
     )  # fmt: skip
     config = StackConfig(
         data_dir=data_dir, nats_port=0, pg_port=0, gateway_port=0, engine_model=model_dir,
