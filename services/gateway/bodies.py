@@ -9,7 +9,7 @@ a bare list or `{"rollouts": [...]}` for a batch, `{"status": "running"}` or
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -17,6 +17,8 @@ from schemas import FailureCause, RolloutStatus
 from schemas.bounds import Int32, Positive
 from schemas.events import ReasoningParser
 from schemas.ids import Id
+
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 
 
 class NewRollout(msgspec.Struct, kw_only=True):
@@ -94,7 +96,7 @@ class ModelBody(msgspec.Struct, kw_only=True):
     api_key: str | None = None
     tokenizer: str | None = None
     reasoning_parser: ReasoningParser | None = None
-    adapters: dict[str, str] = {}
+    adapters: dict[NonEmpty, NonEmpty] = {}
 
 
 class PhaseBody(msgspec.Struct, kw_only=True):

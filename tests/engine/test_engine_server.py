@@ -127,22 +127,29 @@ def _nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
 
 def test_logprobs_are_those_of_the_distribution_sampled_from(client: openai.OpenAI, tiny_model_dir: Path) -> None:
     temperature, top_p = 0.7, 0.9
-    resp = client.chat.completions.create(
-        model=SERVED_NAME,
-        messages=HELLO,
-        max_tokens=24,
-        n=2,
-        logprobs=True,
-        temperature=temperature,
-        top_p=top_p,
-        seed=5,
-        stop=["e"],
-        extra_body={"return_token_ids": True},
+
+    def sample(seed: int) -> Any:
+        return client.chat.completions.create(
+            model=SERVED_NAME,
+            messages=HELLO,
+            max_tokens=24,
+            n=2,
+            logprobs=True,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=["e"],
+            extra_body={"return_token_ids": True},
+        )
+
+    # Choices that stop at different steps, so the batch (and its KV cache) shrinks mid-generation:
+    # the first seed whose two choices differ in length (which seed does depends on the model's shape).
+    resp = next(
+        (r for r in map(sample, range(5, 45)) if len({len(_ids(c, "token_ids")) for c in r.choices}) == 2), None
     )
+    assert resp is not None, "no seed of 40 gave two choices of different lengths"
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     prompt_ids = _ids(resp, "prompt_token_ids")
-    # The choices stop at different steps, so the batch (and its KV cache) shrinks mid-generation.
-    assert len({len(_ids(c, "token_ids")) for c in resp.choices}) == 2
     for choice in resp.choices:
         token_ids = _ids(choice, "token_ids")
         assert choice.logprobs is not None and choice.logprobs.content is not None

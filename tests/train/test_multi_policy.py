@@ -56,11 +56,14 @@ def test_two_trained_models_and_a_frozen_one_in_one_run(tmp_path: Path, model_ca
         "policies": [{"name": "rewriter-policy", "path": str(rewriter), "agents": ["rewriter"]}],
         "frozen": [{"name": "checker", "path": str(writer), "agents": ["checker"]}],
         "backend": {"threads": 1},
+        # Rollwire's own CPU engine: this test is about the run's three models; the same run on vLLM, whose
+        # servers take minutes each to start here, is tests/vllm/test_other_models_engine.py.
+        "engine": {"kind": "embedded"},
         "algorithm": {"lr": 1e-3, "adapter": {"agents": ["writer", "rewriter"]}},
         "validation": {"path": str(REPO / "examples" / "multiagent" / "tasks.jsonl"), "every": 2, "max_tasks": 2},
     }  # fmt: skip
     config = config_from_mapping(mapping)
-    with embedded_stack(tmp_path / "stack", writer, say=lambda line: None) as urls:
+    with embedded_stack(tmp_path / "stack", writer, say=lambda line: None, engine=config.engine) as urls:
         rows = asyncio.run(Trainer(config, urls, say=lambda line: None).run())
 
     assert [row["step"] for row in rows] == [1, 2]
