@@ -98,7 +98,12 @@ class PipelinedAcks:
         self.ready: asyncio.Future[None] | None = None
 
     async def send(self, subject: str, data: bytes, headers: dict[str, str]) -> tuple[str, asyncio.Future[Ack]]:
-        """Publish one message: (its token, a future completed with its ack or JetStream's error)."""
+        """Publish one message: (its token, a future completed with its ack or JetStream's error).
+
+        Disconnected, it raises `OutboundBufferLimitError` at once rather than queue the message for
+        a reconnect: a caller answered "not stored" must never see it stored later."""
+        if not self.nc.is_connected:
+            raise nats.errors.OutboundBufferLimitError
         if self.ready is None:
             ready = self.ready = asyncio.get_running_loop().create_future()
             self.prefix = f"{self.nc.new_inbox()}."

@@ -113,7 +113,7 @@ class StreamClock:
 
     async def now(self) -> float:
         """Unix seconds now on the stream's clock (this host's clock if the server does not say)."""
-        if time.monotonic() - self._measured >= CLOCK_REFRESH_S:
+        if time.monotonic() - self._measured >= CLOCK_REFRESH_S and self.store.nc.is_connected:
             before = time.time()
             reply = await self.store.nc.request(f"$JS.API.STREAM.INFO.{self.store.stream}", b"", timeout=5)
             after = time.time()
@@ -229,6 +229,8 @@ class SharedLedger:
         raise EventStoreUnavailable(f"the budget of attempt {attempt_id} kept changing under this gateway")
 
     async def _load(self, kv: KeyValue, key: str, view: RolloutView, attempt_id: str) -> tuple[Ledger, int]:
+        if not self.store.nc.is_connected:  # refused now, not held until NATS answers again
+            raise EventStoreUnavailable(f"NATS is disconnected: the budget of attempt {attempt_id} cannot be read")
         for _ in range(_ATTEMPTS):
             with contextlib.suppress(nats.js.errors.KeyNotFoundError):
                 entry = await kv.get(key)

@@ -33,7 +33,12 @@ from trainer.validation import ValidationPass
 
 
 def stack_urls(config: TrainConfig, nats_url: str, given: dict[str, str | None] | None = None) -> ServiceUrls:
-    """The running stack's URLs: `given`, else the run's `[stack]` section, else the environment."""
+    """The running stack's URLs: `given`, else the run's `[stack]` section, else the environment.
+
+    The stack's vLLM replicas (`engine_urls`, comma-separated, and their `engine_api_key`; else
+    `ROLLWIRE_ENGINE_URLS` and `ROLLWIRE_ENGINE_KEY`) serve the re-trained weights; without them the
+    run's `[engine]` section decides (its `urls`, or servers of the validation's own).
+    """
     stack = config.stack
     given = given or {}
     values = {
@@ -55,7 +60,10 @@ def stack_urls(config: TrainConfig, nats_url: str, given: dict[str, str | None] 
         nats_url=found["nats_url"],
         engine_url=found["engine_url"],
         admin_token=found["admin_token"],
-        engine_api_key=os.environ.get("ROLLWIRE_ENGINE_KEY", ""),
+        engine_urls=tuple(
+            u for u in (given.get("engine_urls") or os.environ.get("ROLLWIRE_ENGINE_URLS", "")).split(",") if u
+        ),
+        engine_api_key=given.get("engine_api_key") or os.environ.get("ROLLWIRE_ENGINE_KEY", ""),
     )
 
 

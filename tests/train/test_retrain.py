@@ -189,6 +189,7 @@ def test_a_validation_set_gets_fresh_rollouts_on_the_retrained_weights_through_t
     ):
         stack: dict[str, str | None] = {
             "gateway_url": urls.gateway_url, "engine_url": urls.engine_url, "admin_token": urls.admin_token,
+            "engine_urls": ",".join(urls.engine_urls), "engine_api_key": urls.engine_api_key,
         }  # fmt: skip
         options = RetrainOptions(run_dir=recorded.run_dir, out=tmp_path / "val", steps=2, validation=tasks,
                                  validation_every=1, stack=stack, nats_url=urls.nats_url)  # fmt: skip
