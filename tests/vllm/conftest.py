@@ -27,6 +27,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent.parent / "gateway"))  # the gateway rigs (gw_harness, ...)
 
 from gw_harness import GatewayHandle, Served, gateway_settings
+from vllm_rig import VLLM_PYTHON
 
 from services.common.vllm import VllmServeSettings, serve_command
 from services.devstack.embedded import free_port
@@ -34,7 +35,6 @@ from services.engine.tiny_model import build_dir_atomically, build_tiny_model
 from services.gateway import create_app
 
 SERVED = "tiny"
-VLLM_PYTHON = Path(os.environ.get("ROLLWIRE_VLLM_PYTHON", Path.home() / ".cache/rollwire/vllm/bin/python"))
 START_TIMEOUT_S = 600.0
 
 

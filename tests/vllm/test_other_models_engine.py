@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from gw_harness import ADMIN, GatewayHandle
+from vllm_rig import VLLM_PYTHON
 
 from services.common.gateway_api import GatewayClient
 from services.devstack.embedded import free_port
@@ -42,8 +43,6 @@ def _wrapper(tmp_path: Path, python: Path) -> Path:
 async def test_policies_and_frozen_models_are_served_by_vllm(
     gateway: GatewayHandle, vllm_url: str, vllm_model_dir: Path, run_id: str, tmp_path: Path
 ) -> None:
-    from conftest import VLLM_PYTHON
-
     port = free_port()
     config = config_from_mapping({
         "run": {"name": "others", "out_dir": str(tmp_path / "runs")},

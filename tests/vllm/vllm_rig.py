@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,9 @@ from schemas import ModelRequestRecorded
 from trainer.core.recorded import CallTokens, call_from_event
 from trainer.forward import forward_logits
 from trainer.loss import token_logprobs
+
+VLLM_PYTHON = Path(os.environ.get("ROLLWIRE_VLLM_PYTHON", Path.home() / ".cache/rollwire/vllm/bin/python"))
+"""vLLM's Python: `rollwire vllm install`'s environment, or `$ROLLWIRE_VLLM_PYTHON`."""
 
 SERVED = "tiny"
 
