@@ -23,10 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.common.vllm import VllmServeSettings, serve_command
+from services.common.vllm import CPU_WORKAROUND_ARGS, VllmServeSettings, serve_command
 from services.common.vllm_install import vllm_home, vllm_python
 from services.devstack.embedded import free_port
-from services.devstack.stack import CPU_WORKAROUND_ARGS
 
 SERVED_NAME = "tiny"
 STARTUP_S = 900.0

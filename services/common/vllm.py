@@ -198,6 +198,26 @@ def replica_devices(replicas: int, tp: int, gpus: Sequence[str], slot: int = 0) 
     return [",".join(ids[first + i * tp : first + (i + 1) * tp]) for i in range(replicas)]
 
 
+# vLLM 0.32's CPU build: a request with a seed whose prompt is prefilled in chunks kills the worker
+# (`_bookkeeping_sync` rewinds the request's generator with `set_offset`; "CPU Generator does not
+# use offset"), and every call after it is a 500. Whole-prompt prefill never rewinds.
+CPU_WORKAROUND_ARGS = ("--no-enable-chunked-prefill",)
+CPU_KVCACHE_GIB = "1"  # vLLM's CPU build takes its KV cache from RAM: 1 GiB unless VLLM_CPU_KVCACHE_SPACE says
+
+
+def on_this_machine(settings: VllmServeSettings) -> tuple[VllmServeSettings, dict[str, str]]:
+    """`settings` and extra environment as this machine needs them: unchanged with a CUDA GPU; on
+    vLLM's CPU build, float32 weights (the trainer's dtype, so recorded logprobs match its own),
+    whole-prompt prefill (`CPU_WORKAROUND_ARGS`) and a KV cache of `CPU_KVCACHE_GIB`."""
+    from services.common.vllm_install import has_cuda_gpu
+
+    if has_cuda_gpu():
+        return settings, {}
+    extra = [arg for arg in CPU_WORKAROUND_ARGS if arg not in settings.extra_args]
+    cpu = msgspec.structs.replace(settings, dtype="float32", extra_args=[*extra, *settings.extra_args])
+    return cpu, {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)}
+
+
 def start_replicas(
     settings: VllmServeSettings,
     model: str,
@@ -211,6 +231,7 @@ def start_replicas(
     """Start `count` replicas on consecutive ports, each on its own GPUs (the `slot`-th block of `gpus`,
     `[engine] gpus`, or of the machine's visible GPUs when none are configured); returns (base URL, process) pairs."""
     executable = find_executable(settings.executable)
+    settings, machine_env = on_this_machine(settings)
     devices = replica_devices(
         count, tensor_parallel_size(settings.extra_args), [str(g) for g in gpus] or visible_gpus(), slot
     )
@@ -219,7 +240,7 @@ def start_replicas(
     for index in range(count):
         port = settings.port + index
         argv, extra = serve_command(msgspec.structs.replace(settings, executable=executable), model, served_name, port)
-        env = {**os.environ, **extra, "CUDA_VISIBLE_DEVICES": devices[index]}
+        env = {**os.environ, **machine_env, **extra, "CUDA_VISIBLE_DEVICES": devices[index]}
         log = (log_dir / f"vllm-{index}.log").open("ab")
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         started.append((f"http://{settings.host}:{port}", process))

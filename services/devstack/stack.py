@@ -42,6 +42,7 @@ from services.common.vllm import (
     ReplicaError,
     VllmServeSettings,
     find_executable,
+    on_this_machine,
     replica_devices,
     serve_command,
     tensor_parallel_size,
@@ -61,10 +62,6 @@ DEFAULT_NATS_PORT = 14222
 DEFAULT_PG_PORT = 15432
 DEFAULT_GATEWAY_PORT = 18080
 DEFAULT_MODEL_NAME = "tiny"
-# vLLM 0.32's CPU build: a request with a seed whose prompt is prefilled in chunks kills the worker
-# (`_bookkeeping_sync` rewinds the request's generator with `set_offset`; "CPU Generator does not
-# use offset"), and every call after it is a 500. Whole-prompt prefill never rewinds.
-CPU_WORKAROUND_ARGS = ("--no-enable-chunked-prefill",)
 
 
 class StackError(RuntimeError):
@@ -365,7 +362,7 @@ class Stack:
         so recorded logprobs match its own) and the KV cache gets 1 GiB unless VLLM_CPU_KVCACHE_SPACE
         says otherwise. Ports: consecutive from `vllm.port`, or free ones when it is 0.
         """
-        from services.common.vllm_install import VllmInstallError, ensure_vllm, has_cuda_gpu
+        from services.common.vllm_install import VllmInstallError, ensure_vllm
 
         settings = self.config.vllm
         try:
@@ -374,13 +371,10 @@ class Stack:
             executable = find_executable(settings.executable)
         except (ReplicaError, VllmInstallError) as exc:
             raise StackError(str(exc), 2) from None
-        cuda = has_cuda_gpu()
         self._engine_key, _ = credentials.read_or_create_secret(self.data_dir / "engine_key", "ROLLWIRE_ENGINE_KEY")
-        settings = msgspec.structs.replace(
-            settings, executable=executable, api_key=self._engine_key, dtype=settings.dtype if cuda else "float32"
+        settings, machine_env = on_this_machine(
+            msgspec.structs.replace(settings, executable=executable, api_key=self._engine_key)
         )
-        if not cuda:  # see CPU_WORKAROUND_ARGS
-            settings = msgspec.structs.replace(settings, extra_args=[*CPU_WORKAROUND_ARGS, *settings.extra_args])
         model = str(self.config.engine_model or self._tiny_model())
         count = self.config.vllm_replicas
         self._vllm_ports = (
@@ -393,9 +387,7 @@ class Stack:
         specs = []
         for index, port in enumerate(self._vllm_ports):
             argv, env = serve_command(settings, model, DEFAULT_MODEL_NAME, port)
-            env = {**env, "CUDA_VISIBLE_DEVICES": devices[index]}
-            if not cuda:
-                env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+            env = {**machine_env, **env, "CUDA_VISIBLE_DEVICES": devices[index]}
             specs.append(ChildService(
                 f"vllm-{index}", [], command=argv, env=env, health_url=f"http://{settings.host}:{port}/health",
                 endpoint=f"engine: http://{settings.host}:{port}/v1 (vLLM replica {index})", startup_s=900.0,

