@@ -50,10 +50,14 @@ async def test_policies_and_frozen_models_are_served_by_vllm(
             f"http://127.0.0.1:{port + 1}/v1",
             f"http://127.0.0.1:{port + 2}/v1",
         }, "slot 1 and 2 of [engine] port (slot 0 is [model]'s)"
-        for name in ("critic", "judge"):
-            served = (await asyncio.to_thread(httpx.get, f"{models[name]['base_url']}/models")).json()["data"]
-            assert [(m["id"], m["owned_by"]) for m in served] == [(name, "vllm")]
         policy = others.policies[0]
+        assert policy.vllm is not None and len(others.frozen_vllm) == 1
+        keys = {"critic": policy.vllm.api_key, "judge": others.frozen_vllm[0].api_key}  # each server's own
+        for name in ("critic", "judge"):
+            url, auth = f"{models[name]['base_url']}/models", {"Authorization": f"Bearer {keys[name]}"}
+            assert (await asyncio.to_thread(httpx.get, url)).status_code == 401  # no key, no answer
+            served = (await asyncio.to_thread(httpx.get, url, headers=auth)).json()["data"]
+            assert [(m["id"], m["owned_by"]) for m in served] == [(name, "vllm")]
         assert policy.engine is None and policy.vllm is not None, "no embedded engine was started"
         await policy._load(policy.weights(0).resolve())  # the reload sequence through vLLM's routes
     finally:
