@@ -150,17 +150,7 @@ def rollout_calls(
     be trained on. Events of another rollout are an error (`ValueError`).
     """
     ordered = list(events)
-    rollout_id = next((e.rollout_id for e in ordered if e.rollout_id is not None), None)
-    created: RolloutCreated | None = None
-    for event in ordered:
-        if event.rollout_id is not None and event.rollout_id != rollout_id:
-            raise ValueError(f"events of rollouts {rollout_id} and {event.rollout_id} mixed; pass one rollout's events")
-        if isinstance(event, RolloutCreated):
-            created = event
-    if created is None or rollout_id is None:
-        raise NotTrainable(rollout_id, "no-created-event", "replay the rollout's whole history")
-    if created.mode != "train":
-        raise NotTrainable(rollout_id, "val-mode")
+    rollout_id, created = _created(ordered)
     attempt, final = _final_attempt(ordered, rollout_id)
     select = select or Selection()
     calls: list[CallTokens] = []
@@ -184,18 +174,8 @@ def rollout_calls(
             reward = event.value
     failure: FailureKind | None = None
     if final.status != "succeeded":
-        last = max([*calls, *context], key=lambda c: c.ended_at or 0.0, default=None)
-        down = _endpoint_down(ordered, attempt)
-        kind = failure_kind(final.status, final.reason, last.finish_reason if last else None, final.cause, down)
-        if kind is None or final.status == "cancelled":
-            raise NotTrainable(rollout_id, "not-succeeded", f"final status {final.status}")
-        if kind in ("timeout", "length") and final.cause == "timeout" and updates:
-            began = next((e.time for e in ordered if isinstance(e, AttemptStarted) and e.attempt_id == attempt), None)
-            if began is not None and held_by_updates(began, final.time, updates):
-                kind = "infrastructure"
-        if kind == "infrastructure":
-            raise NotTrainable(rollout_id, "infrastructure", final.reason or "")
-        failure, reward = kind, None
+        failure = _policy_failure(ordered, rollout_id, attempt, final, [*calls, *context], updates)
+        reward = None
     return RolloutCalls(
         run_id=created.run_id,
         rollout_id=rollout_id,
@@ -207,6 +187,45 @@ def rollout_calls(
         failure=failure,
         group_size=_group_size(created),
     )
+
+
+def _created(ordered: list[Event | CallRecord]) -> tuple[str, RolloutCreated]:
+    """The rollout's id and its `RolloutCreated` (`NotTrainable` without one or in `val` mode)."""
+    rollout_id = next((e.rollout_id for e in ordered if e.rollout_id is not None), None)
+    created: RolloutCreated | None = None
+    for event in ordered:
+        if event.rollout_id is not None and event.rollout_id != rollout_id:
+            raise ValueError(f"events of rollouts {rollout_id} and {event.rollout_id} mixed; pass one rollout's events")
+        if isinstance(event, RolloutCreated):
+            created = event
+    if created is None or rollout_id is None:
+        raise NotTrainable(rollout_id, "no-created-event", "replay the rollout's whole history")
+    if created.mode != "train":
+        raise NotTrainable(rollout_id, "val-mode")
+    return rollout_id, created
+
+
+def _policy_failure(
+    ordered: list[Event | CallRecord],
+    rollout_id: str,
+    attempt: str | None,
+    final: RolloutStatusChanged,
+    calls: list[CallTokens],
+    updates: Sequence[tuple[float, float]],
+) -> FailureKind:
+    """The policy's failure that ended the attempt (`NotTrainable` when the policy did not cause it)."""
+    last = max(calls, key=lambda c: c.ended_at or 0.0, default=None)
+    down = _endpoint_down(ordered, attempt)
+    kind = failure_kind(final.status, final.reason, last.finish_reason if last else None, final.cause, down)
+    if kind is None or final.status == "cancelled":
+        raise NotTrainable(rollout_id, "not-succeeded", f"final status {final.status}")
+    if kind in ("timeout", "length") and final.cause == "timeout" and updates:
+        began = next((e.time for e in ordered if isinstance(e, AttemptStarted) and e.attempt_id == attempt), None)
+        if began is not None and held_by_updates(began, final.time, updates):
+            kind = "infrastructure"
+    if kind == "infrastructure":
+        raise NotTrainable(rollout_id, "infrastructure", final.reason or "")
+    return kind
 
 
 def _group_size(created: RolloutCreated) -> int | None:
