@@ -44,12 +44,10 @@ def train(
     from services.common.vllm import ReplicaError
     from services.common.vllm_install import VllmInstallError
     from services.devstack.stack import StackError
-    from trainer.backends.lora import adapter_names
     from trainer.checkpoint import CheckpointError
     from trainer.config import load_config
     from trainer.dataset import DatasetError
     from trainer.display import StepDisplay
-    from trainer.embedded import embedded_stack
     from trainer.loop import Trainer, TrainingError
 
     if check:
@@ -73,19 +71,7 @@ def train(
             raise _fail(f"run.prepare {loaded.run.prepare} exited with {prepared.returncode}")
     try:
         with contextlib.ExitStack() as stack:
-            if loaded.stack.embedded:
-                urls = stack.enter_context(
-                    embedded_stack(
-                        Path(loaded.stack.data_dir),
-                        Path(loaded.model.path),
-                        say=print,
-                        engine=loaded.engine,
-                        lora_rank=loaded.backend.lora_rank,
-                        max_loras=max(len(adapter_names(loaded.backend)), 1),
-                    )
-                )
-            else:
-                urls = _external_urls(loaded.stack)
+            urls = _stack_urls(stack, loaded)
             with StepDisplay(loaded.run.steps) as display:
                 rows = asyncio.run(Trainer(loaded, urls, on_step=display.step).run())
         print(f"{len(rows)} steps done; metrics in {loaded.run_dir / 'metrics.csv'}")
@@ -134,6 +120,26 @@ def _follow(config: TrainConfig) -> None:
 
     backend = build_backend(config)
     backend.follow()
+
+
+def _stack_urls(stack: contextlib.ExitStack, loaded: TrainConfig) -> ServiceUrls:
+    """The services of the run: the embedded stack, started inside `stack` (its vLLM with LoRA when
+    the run trains adapters), or the running stack `[stack]` names."""
+    from trainer.backends.lora import adapter_names
+    from trainer.embedded import embedded_stack
+
+    if not loaded.stack.embedded:
+        return _external_urls(loaded.stack)
+    return stack.enter_context(
+        embedded_stack(
+            Path(loaded.stack.data_dir),
+            Path(loaded.model.path),
+            say=print,
+            engine=loaded.engine,
+            lora_rank=loaded.backend.lora_rank,
+            max_loras=max(len(adapter_names(loaded.backend)), 1),
+        )
+    )
 
 
 def _external_urls(stack: StackSection) -> ServiceUrls:
