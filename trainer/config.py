@@ -158,7 +158,8 @@ class EngineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     urls: list[str] = []
     replicas: int = 1
     port: int = 8100
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    """vLLM's `--dtype`; "auto": bfloat16 on a GPU, float32 (the trainer's) on vLLM's CPU build."""
     gpu_memory_utilization: float = 0.85
     extra_args: list[str] = []
     startup_timeout_s: float = 900.0

