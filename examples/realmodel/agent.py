@@ -32,7 +32,9 @@ def main() -> None:
     """Run one episode on the task and write `result.json`."""
     task = read_input()
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": str(task["question"])}]
-    temperature = float(os.environ.get("REALMODEL_TEMPERATURE", "1.0"))
+    # A task may fix its own temperature: the held-out tasks ask for greedy answers (0), so that the
+    # before/after comparison is not sampling noise.
+    temperature = float(task.get("temperature", os.environ.get("REALMODEL_TEMPERATURE", "1.0")))
     episode = run_episode(
         client(), messages, [TOOL], run_tool, max_turns=MAX_TURNS, max_tokens=MAX_TOKENS, temperature=temperature
     )

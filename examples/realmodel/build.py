@@ -9,7 +9,8 @@ The training and held-out sets are drawn with different seeds and share no quest
 
     python -m examples.realmodel.build [--out examples/realmodel/data] [--count 2000] [--heldout 80]
 
-writes `tasks.jsonl` and `heldout.jsonl` (one rollout input per line: `id`, `question`, `answer`).
+writes `tasks.jsonl` and `heldout.jsonl` (one rollout input per line: `id`, `question`, `answer`; the
+held-out ones also `temperature: 0`, so the agent answers them greedily).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def build(out: Path, count: int = 2000, heldout: int = 80, seed: int = 0) -> dic
     out.mkdir(parents=True, exist_ok=True)
     held = draw(random.Random(seed + 1_000_003), heldout, set())
     train = draw(random.Random(seed), count, {t["question"] for t in held})
+    held = [{**row, "temperature": 0.0} for row in held]  # greedy: the held-out score is deterministic
     for name, rows in (("tasks.jsonl", train), ("heldout.jsonl", held)):
         (out / name).write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return {"tasks": len(train), "heldout": len(held)}

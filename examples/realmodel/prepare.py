@@ -23,7 +23,8 @@ def main() -> None:
     model = ensure_model()
     progress(f"model: {model}")
     data = HERE / "data"
-    if not (data / "tasks.jsonl").exists() or not (data / "heldout.jsonl").exists():
+    held = data / "heldout.jsonl"
+    if not (data / "tasks.jsonl").exists() or not held.exists() or '"temperature"' not in held.read_text():
         progress(f"building the tasks: {build(data)}")
 
 

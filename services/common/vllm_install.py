@@ -28,6 +28,8 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -127,16 +129,29 @@ def _base_python() -> str:
     )
 
 
-def _pip_env(python: Path, cuda: bool) -> dict[str, str]:
-    """pip's environment: for the CPU build, the PyTorch CPU index added to any configured extra index."""
+def index_reachable(url: str, timeout: float = 5.0) -> bool:
+    """Whether a package index answers at all: pip retries an unreachable one five times per package,
+    which on a machine behind a mirror turns a 5-minute install into 20."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return True
+    except urllib.error.HTTPError:
+        return True  # it answered
+    except (OSError, ValueError):
+        return False
+
+
+def _pip_env(python: Path, cuda: bool, torch_index: str = TORCH_CPU_INDEX) -> dict[str, str]:
+    """pip's environment: for the CPU build, the PyTorch CPU index (when it answers) added to any
+    configured extra index, which must otherwise hold vLLM's `torch==...+cpu` itself."""
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    if cuda:
+    if cuda or not index_reachable(torch_index):
         return env
     configured = subprocess.run(
         [str(python), "-m", "pip", "config", "get", "global.extra-index-url"], capture_output=True, text=True
     )
     extra = [os.environ.get("PIP_EXTRA_INDEX_URL", ""), configured.stdout.strip() if configured.returncode == 0 else ""]
-    env["PIP_EXTRA_INDEX_URL"] = " ".join(part for part in (*extra, TORCH_CPU_INDEX) if part)
+    env["PIP_EXTRA_INDEX_URL"] = " ".join(part for part in (*extra, torch_index) if part)
     return env
 
 

@@ -66,3 +66,22 @@ def test_an_interrupted_install_is_redone(tmp_path: Path) -> None:
     assert not is_installed(home, CPU_SPEC)
     (home / STAMP_NAME).write_text("{not json")
     assert not is_installed(home, CPU_SPEC)
+
+
+def test_the_pytorch_cpu_index_is_added_only_when_it_answers() -> None:
+    """pip retries an unreachable index five times per package: an index that does not answer is left out."""
+    import http.server
+    import threading
+
+    from services.common.vllm_install import _pip_env
+    from services.devstack.embedded import free_port
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        answering = f"http://127.0.0.1:{server.server_address[1]}/simple/"  # a 404 is an answer
+        assert answering in _pip_env(Path(sys.executable), cuda=False, torch_index=answering)["PIP_EXTRA_INDEX_URL"]
+    finally:
+        server.shutdown()
+    silent = f"http://127.0.0.1:{free_port()}/simple/"
+    assert silent not in _pip_env(Path(sys.executable), cuda=False, torch_index=silent).get("PIP_EXTRA_INDEX_URL", "")
