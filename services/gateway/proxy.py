@@ -33,6 +33,7 @@ from schemas.rollout import RolloutView
 from services.gateway.agents import AGENT_HEADER, agent_name, split_agent
 from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_json
 from services.gateway.auth import AttemptScope, Principal
+from services.gateway.call import Call
 from services.gateway.commands import ended_attempt
 from services.gateway.context import Gateway
 from services.gateway.errors import (
@@ -52,7 +53,7 @@ from services.gateway.http import refuse_huge_numbers
 from services.gateway.ledger import Charge
 from services.gateway.limits import check_call
 from services.gateway.openai_format import prepare_request
-from services.gateway.pipeline import Call, Pipeline
+from services.gateway.pipeline import Pipeline
 from services.gateway.routing import sticky
 from services.gateway.state import ModelEntry
 from services.gateway.upstream import UpstreamError
