@@ -19,15 +19,13 @@ from services.gateway import bodies
 from services.gateway.auth import AttemptScope
 from services.gateway.commands import (
     checked_id,
-    ended_attempt,
     event_id_for,
     gateway_of,
     keyed,
 )
-from services.gateway.errors import forbidden, from_validation, invalid
-from services.gateway.http import decode, encode, read_body
+from services.gateway.errors import ended_attempt, forbidden, from_validation, invalid
+from services.gateway.http import decode, encode, finite_number, read_body
 from services.gateway.idempotency import Recall, Result
-from services.gateway.limits import finite_number
 from services.gateway.views import event_json
 
 

@@ -34,10 +34,10 @@ from services.gateway.agents import AGENT_HEADER, agent_name, split_agent
 from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_json
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.call import Call
-from services.gateway.commands import ended_attempt
 from services.gateway.context import Gateway
 from services.gateway.errors import (
     ApiError,
+    ended_attempt,
     forbidden,
     internal,
     not_found,

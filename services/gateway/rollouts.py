@@ -26,14 +26,13 @@ from services.gateway import bodies
 from services.gateway.auth import Admin
 from services.gateway.commands import (
     checked_id,
-    current_state,
     event_id_for,
     gateway_of,
     keyed,
     written_view,
 )
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, invalid
+from services.gateway.errors import ApiError, current_state, invalid
 from services.gateway.http import decode, encode, json_response, read_body
 from services.gateway.idempotency import Result, derive_id
 from services.gateway.views import rollout_json
