@@ -120,7 +120,7 @@ ROOTS: dict[tuple[str, str], str] = {
     ("starlette/", "*"): "ASGI stack",
     ("fastapi/", "*"): "ASGI stack",
     ("services/gateway/app.py", "*"): "ASGI stack",
-    ("services/gateway/reads.py", "*"): "ASGI stack",
+    ("services/gateway/api/reads.py", "*"): "ASGI stack",
     ("nats/aio/client.py", "_read_loop"): "NATS socket I/O",
     ("nats/aio/client.py", "_flusher"): "NATS socket I/O",
     ("nats/protocol/", "*"): "NATS socket I/O",

@@ -15,18 +15,18 @@ from schemas import (
 from schemas.events import RESERVED_EVENT_NAMES, reserved_event_name
 from schemas.ids import CUSTOM_EVENT, REWARD
 from services.common.eventstore import StoredEvent
-from services.gateway import bodies
-from services.gateway.auth import AttemptScope
-from services.gateway.commands import (
+from services.gateway.api import bodies
+from services.gateway.api.commands import (
     checked_id,
     event_id_for,
     gateway_of,
     keyed,
 )
+from services.gateway.api.views import event_json
+from services.gateway.auth import AttemptScope
 from services.gateway.errors import ended_attempt, forbidden, from_validation, invalid
 from services.gateway.http import decode, encode, finite_number, read_body
 from services.gateway.idempotency import Recall, Result
-from services.gateway.views import event_json
 
 
 async def post_event(request: Request, rollout_id: str, attempt_id: str) -> Response:

@@ -18,8 +18,8 @@ from schemas.ids import RUN_SUBJECT
 from schemas.run import InvalidRunSpec, spec_of
 from schemas.runs import RunSpec
 from services.common.eventstore import ConcurrencyConflict
-from services.gateway import bodies
-from services.gateway.commands import (
+from services.gateway.api import bodies
+from services.gateway.api.commands import (
     checked_id,
     event_id_for,
     gateway_of,

@@ -14,11 +14,11 @@ from typing import Any
 from fastapi import FastAPI
 
 from schemas.runs import RunSpec
-from services.gateway import bodies
-from services.gateway.events import post_event
-from services.gateway.queries import get_rollout, get_run, healthz, list_events, list_rollouts, terminal_rollouts
-from services.gateway.registry import delete_models, list_models, register_models, start_run
-from services.gateway.rollouts import create_rollouts, delete_rollout, evaluator_token, patch_rollout, start_attempt
+from services.gateway.api import bodies
+from services.gateway.api.events import post_event
+from services.gateway.api.queries import get_rollout, get_run, healthz, list_events, list_rollouts, terminal_rollouts
+from services.gateway.api.registry import delete_models, list_models, register_models, start_run
+from services.gateway.api.rollouts import create_rollouts, delete_rollout, evaluator_token, patch_rollout, start_attempt
 
 BODIES: dict[Callable[..., Any], Any] = {
     create_rollouts: list[bodies.NewRollout] | bodies.RolloutBatch,
