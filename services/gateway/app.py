@@ -25,22 +25,22 @@ from services.gateway import metrics
 from services.gateway.api import bodies, reads, routes
 from services.gateway.api.commands import checked_id, event_id_for, keyed
 from services.gateway.auth import Authenticator, TokenSigner
-from services.gateway.budgets import Budgets
 from services.gateway.context import Gateway
 from services.gateway.errors import CLIENT_ERRORS, ApiError, internal, retry_headers, translate, unavailable
-from services.gateway.frontends.base import error_body
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import IdempotencyCache
 from services.gateway.openapi import openapi_document
-from services.gateway.payload import announce
 from services.gateway.phase import PhaseGate
 from services.gateway.phasesync import PhaseSync
-from services.gateway.proxy import PREFIX, Proxy, misdirected
-from services.gateway.reaper import CallReaper
-from services.gateway.recording import CallChains
+from services.gateway.proxy.budgets import Budgets
+from services.gateway.proxy.frontends.base import error_body
+from services.gateway.proxy.handler import PREFIX, Proxy, misdirected
+from services.gateway.proxy.payload import announce
+from services.gateway.proxy.reaper import CallReaper
+from services.gateway.proxy.recording import CallChains
+from services.gateway.proxy.upstream import UpstreamClient
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
-from services.gateway.upstream import UpstreamClient
 
 
 class _ProxyFirst:

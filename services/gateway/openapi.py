@@ -26,7 +26,7 @@ from fastapi.routing import APIRoute
 from schemas.bounds import JSON_INT_MAX, PAGE_MAX
 from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 from services.common.metrics import METRICS_PATH
-from services.gateway.proxy import ROUTES as PROXY_ROUTES
+from services.gateway.proxy.handler import ROUTES as PROXY_ROUTES
 
 REF = "#/components/schemas/{name}"
 PROXY_BASE = "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}"

@@ -31,7 +31,7 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from services.gateway.content_format import ContentFormat, detect_content_format, template_content, text_parts
+from services.gateway.proxy.content_format import ContentFormat, detect_content_format, template_content, text_parts
 
 MARKER = "\u2063rollwire-earlier-turn\u2063"
 _LEAD = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]

@@ -11,9 +11,9 @@ from typing import Any
 import msgspec
 
 from schemas.rollout import RolloutView
-from services.gateway.frontends.base import Translator
-from services.gateway.ledger import Charge
-from services.gateway.openai_format import ChoiceRecord
+from services.gateway.proxy.frontends.base import Translator
+from services.gateway.proxy.ledger import Charge
+from services.gateway.proxy.openai_format import ChoiceRecord
 from services.gateway.state import ModelEntry
 
 

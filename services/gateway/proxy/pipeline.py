@@ -24,20 +24,20 @@ from schemas.runs import RunSpec
 from services.common.eventstore import EventStoreUnavailable, EventTooLarge
 from services.gateway import metrics
 from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send_json
-from services.gateway.budgets import Reservation
-from services.gateway.call import Call, Outcome, Upstream
 from services.gateway.context import Gateway
-from services.gateway.continuity import Continuity
 from services.gateway.errors import unavailable
-from services.gateway.frontends.base import Translator, error_body
-from services.gateway.ledger import Charge
-from services.gateway.limits import RECORD_OVERHEAD, asked, check_call, clamp_max_tokens, lower_max_tokens
-from services.gateway.openai_format import StreamFold, int_usage, read_completion, sampling_params
-from services.gateway.payload import refusal
-from services.gateway.reaper import CallReaped
-from services.gateway.recording import OutOfBounds, cut, not_recorded, out_of_bounds
-from services.gateway.tokenin import ChunkConverter, chat_answer
-from services.gateway.upstream import UpstreamError, UpstreamResponse
+from services.gateway.proxy.budgets import Reservation
+from services.gateway.proxy.call import Call, Outcome, Upstream
+from services.gateway.proxy.continuity import Continuity
+from services.gateway.proxy.frontends.base import Translator, error_body
+from services.gateway.proxy.ledger import Charge
+from services.gateway.proxy.limits import RECORD_OVERHEAD, asked, check_call, clamp_max_tokens, lower_max_tokens
+from services.gateway.proxy.openai_format import StreamFold, int_usage, read_completion, sampling_params
+from services.gateway.proxy.payload import refusal
+from services.gateway.proxy.reaper import CallReaped
+from services.gateway.proxy.recording import OutOfBounds, cut, not_recorded, out_of_bounds
+from services.gateway.proxy.tokenin import ChunkConverter, chat_answer
+from services.gateway.proxy.upstream import UpstreamError, UpstreamResponse
 
 WEIGHTS_HEADER = "x-rollwire-weights-version"
 _decode_obj = msgspec.json.Decoder(dict[str, Any]).decode

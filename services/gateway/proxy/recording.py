@@ -27,7 +27,7 @@ from schemas import CallRef, ModelRequestRecorded
 from schemas.refs import pack
 from services.common.bytecache import ByteLRU
 from services.common.eventstore import Appended
-from services.gateway.payload import cut_request
+from services.gateway.proxy.payload import cut_request
 
 MIN_SHARED = 16
 """Fewest shared leading tokens worth a reference (below it the call is recorded in full)."""

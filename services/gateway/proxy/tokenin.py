@@ -1,6 +1,6 @@
 """Token in, token out: a chat call sent to the engine as a token-id completion, answered as chat.
 
-In continuous prompt mode the proxy builds the prompt ids itself (`services.gateway.continuity`)
+In continuous prompt mode the proxy builds the prompt ids itself (`services.gateway.proxy.continuity`)
 and posts them to the engine's `/completions` (vLLM's `CompletionRequest` with a token-id
 `prompt` and `return_token_ids`; the embedded engine speaks the same). This module writes that
 body from the chat body the front end built, and reads the answer back into the chat-completions
