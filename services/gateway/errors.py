@@ -156,7 +156,11 @@ def ended_attempt(view: RolloutView, attempt: AttemptView, refusal: str) -> ApiE
     return ApiError(
         409,
         f"attempt {attempt.attempt_id} of rollout {view.rollout_id} has ended ({how}); {refusal}",
-        attempt={"attempt_id": attempt.attempt_id, "status": ended_as, "reason": attempt.reason,
-                 "replaced_by": replaced},
+        attempt={
+            "attempt_id": attempt.attempt_id,
+            "status": ended_as,
+            "reason": attempt.reason,
+            "replaced_by": replaced,
+        },
         current=current_state(view),
-    )  # fmt: skip
+    )

@@ -173,10 +173,15 @@ class CallChains:
         calls = self.attempts.pop(key) or []
         calls.append(
             RecordedCall(
-                event.event_id, seq, tokens, event.request, size, len(event.prompt_ids),
+                event.event_id,
+                seq,
+                tokens,
+                event.request,
+                size,
+                len(event.prompt_ids),
                 reply if isinstance(reply, dict) else None,
             )
-        )  # fmt: skip
+        )
         self.attempts.put(key, calls[-PER_ATTEMPT:])  # an attempt larger than the budget is not kept
 
     def recent(self, key: AttemptKey) -> list[RecordedCall] | None:

@@ -30,9 +30,22 @@ from services.common.toolcalls import (
     split_reasoning,
 )
 
-_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
-             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-             "response_format")  # fmt: skip
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "response_format",
+)
 
 
 def completion_body(chat: dict[str, Any], prompt_ids: list[int], model: str) -> dict[str, Any]:
