@@ -112,6 +112,8 @@ ROOTS: dict[tuple[str, str], str] = {
     ("services/gateway/proxy/frontends/responses.py", "complete"): "answer",
     ("services/gateway/proxy/frontends/messages.py", "complete"): "answer",
     ("services/gateway/proxy/pipeline.py", "*"): "pipeline glue",
+    ("services/gateway/proxy/relay.py", "*"): "pipeline glue",
+    ("services/gateway/proxy/call.py", "*"): "pipeline glue",
     ("services/gateway/proxy/handler.py", "*"): "pipeline glue",
     ("services/gateway/proxy/continuity.py", "*"): "parse",
     ("services/gateway/proxy/render.py", "*"): "parse",

@@ -29,13 +29,14 @@ from services.gateway.errors import unavailable
 from services.gateway.proxy.budgets import Reservation
 from services.gateway.proxy.call import Call, Outcome, Upstream
 from services.gateway.proxy.continuity import Continuity
-from services.gateway.proxy.frontends.base import Translator, error_body
+from services.gateway.proxy.frontends.base import error_body
 from services.gateway.proxy.ledger import Charge
 from services.gateway.proxy.limits import RECORD_OVERHEAD, asked, check_call, clamp_max_tokens, lower_max_tokens
 from services.gateway.proxy.openai_format import StreamFold, int_usage, read_completion, sampling_params
 from services.gateway.proxy.payload import refusal
 from services.gateway.proxy.reaper import CallReaped
 from services.gateway.proxy.recording import OutOfBounds, cut, not_recorded, out_of_bounds
+from services.gateway.proxy.relay import relay_stream
 from services.gateway.proxy.tokenin import ChunkConverter, chat_answer
 from services.gateway.proxy.upstream import UpstreamError, UpstreamResponse
 
@@ -386,7 +387,7 @@ class Pipeline:
         if opening:
             await send({"type": "http.response.body", "body": opening, "more_body": True})
         convert = ChunkConverter(call.parse_tools, call.parse_reasoning) if call.token_in else None
-        relay = asyncio.ensure_future(_relay(response, fold, held, translator, send, convert))
+        relay = asyncio.ensure_future(relay_stream(response, fold, held, translator, send, convert))
         watch = asyncio.ensure_future(disconnected(receive))
         try:
             await asyncio.wait((relay, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -411,17 +412,25 @@ class Pipeline:
             return False
         error = relay.exception()
         if error is not None:
-            timed_out = isinstance(error, TimeoutError)
-            message = (
-                "the model endpoint timed out mid-stream"
-                if timed_out
-                else f"the model endpoint failed mid-stream: {error!r}"
-            )
-            await self._record_quietly(call, Outcome(status="failed", error=message, weights=weights))
-            await send(
-                {"type": "http.response.body", "body": translator.stream_error(504 if timed_out else 502, message)}
-            )
+            await self._broke(call, error, weights, send)
             return False
+        return await self._finish(call, seen, fold, held, send)
+
+    async def _broke(self, call: Call, error: BaseException, weights: str | None, send: Send) -> None:
+        """Record a stream the engine broke off (or that timed out) as failed, and end it with an error event."""
+        timed_out = isinstance(error, TimeoutError)
+        message = (
+            "the model endpoint timed out mid-stream"
+            if timed_out
+            else f"the model endpoint failed mid-stream: {error!r}"
+        )
+        await self._record_quietly(call, Outcome(status="failed", error=message, weights=weights))
+        body = call.translator.stream_error(504 if timed_out else 502, message)
+        await send({"type": "http.response.body", "body": body})
+
+    async def _finish(self, call: Call, seen: Outcome, fold: StreamFold, held: list[bytes], send: Send) -> bool:
+        """Record a whole stream, then send what was held back and its end; True when that worked."""
+        translator = call.translator
         try:
             await self.record(call, seen)
         except EventStoreUnavailable as exc:
@@ -437,44 +446,3 @@ class Pipeline:
         held.append(translator.end(fold))
         await send({"type": "http.response.body", "body": b"".join(held)})
         return True
-
-
-async def _relay(
-    response: UpstreamResponse,
-    fold: StreamFold,
-    held: list[bytes],
-    translator: Translator,
-    send: Send,
-    convert: ChunkConverter | None,
-) -> None:
-    """Forward SSE events as they arrive, folding each; hold back what the translator holds."""
-    buffer = b""
-    async for raw in response.iter_chunks():
-        buffer += raw
-        if b"\r\n" in buffer:
-            buffer = buffer.replace(b"\r\n", b"\n")
-        if b"\n\n" not in buffer:
-            continue
-        *events, buffer = buffer.split(b"\n\n")
-        out: list[bytes] = []
-        for event in events:
-            data = b"".join(line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:"))
-            if not data or data == b"[DONE]":
-                continue
-            try:
-                chunk = _decode_obj(data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-            if convert is not None and "choices" in chunk:
-                chunk = convert.convert(chunk)
-                data = _encode(chunk)
-            fold.feed(chunk)
-            if fold.model is None and isinstance(chunk.get("model"), str):
-                fold.model = chunk["model"]
-            now, later = translator.chunk(chunk, data)
-            if now:
-                out.append(now)
-            if later:
-                held.append(later)
-        if out:
-            await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
