@@ -3,7 +3,7 @@
 Every command becomes events through the event store. A status change is checked against the
 rollout's last status event, read fresh, and appended with that event's subject sequence, so two
 writers never both win; the loser gets 409 with the current state. Every POST/PATCH honours
-`Idempotency-Key` (see `idempotency.py`).
+`Idempotency-Key` (see `services/gateway/idempotency.py`).
 """
 
 from __future__ import annotations
