@@ -42,10 +42,10 @@ from template_vllm import qwen3_style_dir  # noqa: E402
 from services.devstack.embedded import NatsServer  # noqa: E402
 from services.engine.tiny_model import build_tiny_model  # noqa: E402
 from services.gateway import create_app  # noqa: E402
-from services.gateway.continuity import plan  # noqa: E402
-from services.gateway.recording import RecordedCall  # noqa: E402
-from services.gateway.render import ChatRenderer  # noqa: E402
-from services.gateway.tokenin import chat_answer, completion_body  # noqa: E402
+from services.gateway.proxy.continuity import plan  # noqa: E402
+from services.gateway.proxy.recording import RecordedCall  # noqa: E402
+from services.gateway.proxy.render import ChatRenderer  # noqa: E402
+from services.gateway.proxy.tokenin import chat_answer, completion_body  # noqa: E402
 from trainer.core.merge import merge_calls  # noqa: E402
 from trainer.core.recorded import call_from_event  # noqa: E402
 

@@ -153,7 +153,7 @@ async def write_run(
     """Append the run; `compact` records calls as the gateway does (references to the previous call, packed)."""
     # Imported here, not at the top: the replay's workers preload the main script's imports, and
     # `rollwire replay` (the main script users run) does not import the gateway and its web stack.
-    from services.gateway.recording import CallChains
+    from services.gateway.proxy.recording import CallChains
 
     store = await EventStore.connect(url)
     chains = CallChains(compact=fmt == "compact")

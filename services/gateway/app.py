@@ -21,25 +21,26 @@ from schemas import PhaseChanged
 from services.common.eventstore import EventStore, StoredEvent
 from services.common.metrics import ObservedApp
 from services.common.readside import ProjectorReader, RolloutReader, StreamRolloutReader
-from services.gateway import api, bodies, metrics, reads
+from services.gateway import metrics
+from services.gateway.api import bodies, reads, routes
+from services.gateway.api.commands import checked_id, event_id_for, keyed
 from services.gateway.auth import Authenticator, TokenSigner
-from services.gateway.budgets import Budgets
-from services.gateway.commands import checked_id, event_id_for, keyed
 from services.gateway.context import Gateway
 from services.gateway.errors import CLIENT_ERRORS, ApiError, internal, retry_headers, translate, unavailable
-from services.gateway.frontends.base import error_body
 from services.gateway.http import decode, encode, read_body
 from services.gateway.idempotency import IdempotencyCache
 from services.gateway.openapi import openapi_document
-from services.gateway.payload import announce
 from services.gateway.phase import PhaseGate
 from services.gateway.phasesync import PhaseSync
-from services.gateway.proxy import PREFIX, Proxy, misdirected
-from services.gateway.reaper import CallReaper
-from services.gateway.recording import CallChains
+from services.gateway.proxy.budgets import Budgets
+from services.gateway.proxy.frontends.base import error_body
+from services.gateway.proxy.handler import PREFIX, Proxy, misdirected
+from services.gateway.proxy.payload import announce
+from services.gateway.proxy.reaper import CallReaper
+from services.gateway.proxy.recording import CallChains
+from services.gateway.proxy.upstream import UpstreamClient
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
-from services.gateway.upstream import UpstreamClient
 
 
 class _ProxyFirst:
@@ -215,7 +216,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         app.add_exception_handler(exc_type, _errors)
     app.add_exception_handler(StarletteHTTPException, _http_errors)
     app.add_exception_handler(RequestValidationError, _validation)
-    api.register(app)
+    routes.register(app)
     reads.register(app)
     app.add_api_route("/api/phase", set_phase, methods=["POST"])
 
@@ -224,7 +225,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def openapi_json(request: Request) -> Response:
         """`GET /openapi.json`: this gateway's API (bodies as JSON Schema), built from its routes."""
         if not document:
-            document.append(encode(openapi_document(request.app, api.BODIES | {set_phase: bodies.PhaseBody})))
+            document.append(encode(openapi_document(request.app, routes.BODIES | {set_phase: bodies.PhaseBody})))
         return Response(document[0], media_type="application/json")
 
     app.add_api_route("/openapi.json", openapi_json, methods=["GET"], include_in_schema=False)

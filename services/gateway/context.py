@@ -11,16 +11,16 @@ from schemas.rollout import AttemptView, RolloutView
 from services.common.eventstore import Appended, EventStore, StoredEvent
 from services.common.readside import RolloutReader
 from services.gateway.auth import Admin, AttemptScope, Authenticator, Principal
-from services.gateway.budgets import Budgets
 from services.gateway.errors import forbidden, not_found, unauthorized
 from services.gateway.idempotency import IdempotencyCache
 from services.gateway.phase import PhaseGate
 from services.gateway.phasesync import PhaseSync
-from services.gateway.reaper import CallReaper
-from services.gateway.recording import CallChains
+from services.gateway.proxy.budgets import Budgets
+from services.gateway.proxy.reaper import CallReaper
+from services.gateway.proxy.recording import CallChains
+from services.gateway.proxy.upstream import UpstreamClient
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
-from services.gateway.upstream import UpstreamClient
 
 
 @dataclass

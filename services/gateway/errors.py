@@ -12,6 +12,7 @@ import nats.errors
 import nats.js.errors
 
 from schemas import IllegalTransition, InvalidId, MalformedEvent
+from schemas.rollout import AttemptView, RolloutView
 from services.common.eventstore import ConcurrencyConflict, EventStoreUnavailable, StoreFull
 from services.common.readside import ReadSideError
 
@@ -135,3 +136,31 @@ def translate(exc: Exception) -> ApiError | None:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
         return ApiError(exc.status, str(exc), headers=headers, **extra)
     return None
+
+
+def current_state(view: RolloutView | None, status: str | None = None) -> dict[str, Any]:
+    """The `current` field of a 409: where the rollout stands."""
+    if view is None:
+        return {"status": status}
+    return {"status": status or view.status, "attempt_id": view.attempt_id, "reason": view.reason}
+
+
+def ended_attempt(view: RolloutView, attempt: AttemptView, refusal: str) -> ApiError:
+    """The 409 for a token of an ended attempt: how that attempt ended (not the state of the attempt that
+    replaced it) in words and in `attempt`, with the rollout as it stands now in `current`."""
+    replaced = view.attempt_id if view.attempt_id != attempt.attempt_id else None
+    ended_as = attempt.ended_as or ("superseded" if replaced else view.status)
+    how = ended_as + (f": {attempt.reason}" if attempt.reason else "")
+    if replaced:
+        how += f"; attempt {replaced} replaced it and is {view.status}"
+    return ApiError(
+        409,
+        f"attempt {attempt.attempt_id} of rollout {view.rollout_id} has ended ({how}); {refusal}",
+        attempt={
+            "attempt_id": attempt.attempt_id,
+            "status": ended_as,
+            "reason": attempt.reason,
+            "replaced_by": replaced,
+        },
+        current=current_state(view),
+    )

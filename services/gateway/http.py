@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import msgspec
 from fastapi import Request, Response
@@ -74,6 +75,16 @@ def huge_number(value: Any) -> str | None:
 
 
 _FLOAT_MAX = int(sys.float_info.max)
+
+
+def finite_number(value: Any) -> TypeGuard[int | float]:
+    """True for an int or float (not a bool) that a 64-bit float holds finitely (10^400 is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def refuse_huge_numbers(body: bytes) -> None:

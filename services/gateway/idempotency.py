@@ -45,7 +45,7 @@ class IdempotencyCache:
     Each entry is charged its key, its request fingerprint and, once answered, its response body,
     so a client sending large bodies under fresh keys evicts old entries instead of growing the
     gateway. An evicted key is still safe to retry: the ids a command derives from its key make
-    the repeated append a duplicate, and creation answers the stored rollout (see `api.py`).
+    the repeated append a duplicate, and creation answers the stored rollout (see `api/rollouts.py`).
     """
 
     def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:

@@ -26,7 +26,7 @@ from fastapi.routing import APIRoute
 from schemas.bounds import JSON_INT_MAX, PAGE_MAX
 from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 from services.common.metrics import METRICS_PATH
-from services.gateway.proxy import ROUTES as PROXY_ROUTES
+from services.gateway.proxy.handler import ROUTES as PROXY_ROUTES
 
 REF = "#/components/schemas/{name}"
 PROXY_BASE = "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}"
@@ -85,20 +85,32 @@ HEALTH = {
 
 RESPONSES: dict[tuple[str, str], tuple[str, dict[str, Any] | None]] = {
     ("get", "/healthz"): ("200", HEALTH),
-    ("post", "/api/rollouts"): ("201", {"anyOf": [
-        {"type": "array", "items": ROLLOUT},
-        {"type": "object", "required": ["rollouts", "seq"], "properties": {
-            "rollouts": {"type": "array", "items": ROLLOUT}, "seq": SEQ}},
-    ]}),
+    ("post", "/api/rollouts"): (
+        "201",
+        {
+            "anyOf": [
+                {"type": "array", "items": ROLLOUT},
+                {
+                    "type": "object",
+                    "required": ["rollouts", "seq"],
+                    "properties": {"rollouts": {"type": "array", "items": ROLLOUT}, "seq": SEQ},
+                },
+            ]
+        },
+    ),
     ("get", "/api/rollouts"): ("200", {"type": "array", "items": ROLLOUT}),
-    ("get", "/api/rollouts/terminal"): ("200", {
-        "type": "object", "required": ["items", "next_after", "total_terminal"]}),
+    ("get", "/api/rollouts/terminal"): (
+        "200",
+        {"type": "object", "required": ["items", "next_after", "total_terminal"]},
+    ),
     ("get", "/api/rollouts/{rollout_id}"): ("200", ROLLOUT),
     ("patch", "/api/rollouts/{rollout_id}"): ("200", ROLLOUT),
     ("delete", "/api/rollouts/{rollout_id}"): ("204", None),
     ("post", "/api/rollouts/{rollout_id}/attempts"): ("201", ATTEMPT),
-    ("post", "/api/rollouts/{rollout_id}/attempt/{attempt_id}/evaluator-token"): ("201", {
-        "type": "object", "required": ["token", "rollout_id", "attempt_id"]}),
+    ("post", "/api/rollouts/{rollout_id}/attempt/{attempt_id}/evaluator-token"): (
+        "201",
+        {"type": "object", "required": ["token", "rollout_id", "attempt_id"]},
+    ),
     ("post", "/api/rollouts/{rollout_id}/attempt/{attempt_id}/events"): ("201", EVENT),
     ("get", "/api/rollouts/{rollout_id}/events"): ("200", {"type": "array", "items": OBJECT}),
     ("post", "/api/models"): ("201", {"anyOf": [{"type": "array", "items": OBJECT}, OBJECT]}),
@@ -108,7 +120,7 @@ RESPONSES: dict[tuple[str, str], tuple[str, dict[str, Any] | None]] = {
     ("get", "/api/runs/{run_id}"): ("200", {"type": "object", "required": ["run_id", "spec", "rollouts"]}),
     ("get", "/api/runs/{run_id}/summary"): ("200", OBJECT),
     ("post", "/api/phase"): ("200", {"type": "object", "required": ["run_id", "phase", "seq"]}),
-}  # fmt: skip
+}
 """Each operation's success status and the JSON Schema of its body (None: no body)."""
 
 EXTRA_SUCCESS = {("post", "/api/runs"): "200"}
@@ -116,13 +128,23 @@ EXTRA_SUCCESS = {("post", "/api/runs"): "200"}
 
 
 def _int(name: str, minimum: int, description: str, maximum: int = PAGE_MAX) -> dict[str, Any]:
-    return {"name": name, "in": "query", "required": False, "description": description,
-            "schema": {"type": "integer", "minimum": minimum, "maximum": maximum}}  # fmt: skip
+    return {
+        "name": name,
+        "in": "query",
+        "required": False,
+        "description": description,
+        "schema": {"type": "integer", "minimum": minimum, "maximum": maximum},
+    }
 
 
 def _text(name: str, description: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"name": name, "in": "query", "required": False, "description": description,
-            "schema": schema or {"type": "string"}}  # fmt: skip
+    return {
+        "name": name,
+        "in": "query",
+        "required": False,
+        "description": description,
+        "schema": schema or {"type": "string"},
+    }
 
 
 ID_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_ID_LENGTH, "pattern": ID_PATTERN}
@@ -154,19 +176,41 @@ _NAME = {"type": ["string", "null"]}
 EVENT_BODY = {
     "description": "a reward, a custom event, or Agent Lightning's EventCreate",
     "anyOf": [
-        {"type": "object", "required": ["type", "value"], "properties": {
-            "type": {"const": "reward"}, "value": {"type": "number"}, "name": _NAME,
-            "step": {"type": ["integer", "null"], "minimum": -(2**31), "maximum": 2**31 - 1}}},
-        {"type": "object", "required": ["type", "name"], "properties": {
-            "type": {"const": "custom"}, "name": ID_SCHEMA, "payload": {"type": ["object", "null"]}}},
-        {"type": "object", "required": ["event_type", "data"], "properties": {
-            "type": {"type": "null"}, "event_type": {"const": "reward"},
-            "data": {"type": "object", "required": ["value"], "properties": {"value": {"type": "number"}}}}},
-        {"type": "object", "required": ["event_type"], "properties": {
-            "type": {"type": "null"}, "event_type": {**ID_SCHEMA, "not": {"enum": ["reward", "model_request"]}},
-            "data": {"type": ["object", "null"]}}},
+        {
+            "type": "object",
+            "required": ["type", "value"],
+            "properties": {
+                "type": {"const": "reward"},
+                "value": {"type": "number"},
+                "name": _NAME,
+                "step": {"type": ["integer", "null"], "minimum": -(2**31), "maximum": 2**31 - 1},
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type", "name"],
+            "properties": {"type": {"const": "custom"}, "name": ID_SCHEMA, "payload": {"type": ["object", "null"]}},
+        },
+        {
+            "type": "object",
+            "required": ["event_type", "data"],
+            "properties": {
+                "type": {"type": "null"},
+                "event_type": {"const": "reward"},
+                "data": {"type": "object", "required": ["value"], "properties": {"value": {"type": "number"}}},
+            },
+        },
+        {
+            "type": "object",
+            "required": ["event_type"],
+            "properties": {
+                "type": {"type": "null"},
+                "event_type": {**ID_SCHEMA, "not": {"enum": ["reward", "model_request"]}},
+                "data": {"type": ["object", "null"]},
+            },
+        },
     ],
-}  # fmt: skip
+}
 
 MIN_SEQ = _int(
     "min_seq", 0, "answer only once the projection has applied this stream sequence (503 after a wait)", JSON_INT_MAX
@@ -293,11 +337,14 @@ def _proxy_operation(method: str, path: str) -> dict[str, Any]:
         "parameters": _path_parameters(path),
         "responses": {
             "200": ok,
-            "4XX": {"description": "refused (nothing generated), in the API's error shape", "content": error,
-                    "headers": NO_RETRY},
+            "4XX": {
+                "description": "refused (nothing generated), in the API's error shape",
+                "content": error,
+                "headers": NO_RETRY,
+            },
             "5XX": {"description": "the engine or the event store failed; the call may be retried", "content": error},
         },
-    }  # fmt: skip
+    }
     if method == "post":
         operation["requestBody"] = {"required": True, "content": _json(OBJECT)}
     if method != "head":
@@ -309,24 +356,32 @@ def _other_operation(method: str, path: str) -> dict[str, Any]:
     """`/metrics`, `/openapi.json` and the viewer (forwarded to the projector)."""
     if path == METRICS_PATH:
         text = {"text/plain": {"schema": {"type": "string"}}}
-        return {"summary": "Prometheus metrics (no run, rollout or attempt ids in them)",
-                "responses": {"200": {"description": "the exposition", "content": text}}}  # fmt: skip
+        return {
+            "summary": "Prometheus metrics (no run, rollout or attempt ids in them)",
+            "responses": {"200": {"description": "the exposition", "content": text}},
+        }
     if path == "/openapi.json":
         return {
             "summary": "This document",
             "responses": {"200": {"description": "OpenAPI 3.1", "content": _json(OBJECT)}},
         }
-    refused = {"description": "not found, or a path that is not canonical", "content": _json(ERROR),
-               "headers": NO_RETRY}  # fmt: skip
+    refused = {
+        "description": "not found, or a path that is not canonical",
+        "content": _json(ERROR),
+        "headers": NO_RETRY,
+    }
     return {
         "summary": "The trajectory viewer, served by the projector: its page is open, its data (`/ui/api/...`) "
         "needs the admin token",
         "parameters": _path_parameters(path),
-        "responses": {"200": {"description": "a file of the page, or the viewer's data"},
-                      "307": {"description": "to `/ui/`"}, "4XX": refused,
-                      "503": {"description": "the projector cannot be reached", "content": _json(ERROR)}},
+        "responses": {
+            "200": {"description": "a file of the page, or the viewer's data"},
+            "307": {"description": "to `/ui/`"},
+            "4XX": refused,
+            "503": {"description": "the projector cannot be reached", "content": _json(ERROR)},
+        },
         "security": [{}, {"bearer": []}],
-    }  # fmt: skip
+    }
 
 
 def openapi_document(app: FastAPI, bodies: Mapping[Callable[..., Any], Any]) -> dict[str, Any]:
@@ -374,8 +429,10 @@ def _refine(components: dict[str, Any]) -> None:
     if "NewRollout" in components:  # required, and never null (a task needs an input)
         components["NewRollout"]["properties"]["input"] = {"not": {"type": "null"}}
     if "RunSpec" in components:  # what RunSpec.__post_init__ checks
-        components["RunSpec"]["if"] = {"required": ["reward_from"], "properties": {
-            "reward_from": {"const": "evaluator"}, "backend": {"const": "local"}}}  # fmt: skip
+        components["RunSpec"]["if"] = {
+            "required": ["reward_from"],
+            "properties": {"reward_from": {"const": "evaluator"}, "backend": {"const": "local"}},
+        }
         components["RunSpec"]["then"] = {
             "required": ["evaluator_command"],
             "properties": {"evaluator_command": {"type": "array", "minItems": 1}},

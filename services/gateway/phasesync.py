@@ -5,7 +5,7 @@ into the JetStream key-value bucket `rollwire_phase` (`close.<run hash>`: run id
 token). Every gateway watches the bucket: on a close request it closes its own gate of the run
 (new calls wait), waits for its own calls of the run in flight to finish, and reports
 `drained.<run hash>.<instance>` with the token. The gateway that took the request waits until
-every live gateway (the heartbeat bucket of `reaper.py`) has reported, and only then appends
+every live gateway (the heartbeat bucket of `proxy/reaper.py`) has reported, and only then appends
 `PhaseChanged(update)`; so no call runs on any gateway across the update. Going back to
 `rollout` (or a drain that timed out) writes `open`, which releases every gateway's gate; the
 `PhaseChanged` events keep doing so as well for gateways that start later.

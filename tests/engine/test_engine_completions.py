@@ -89,7 +89,7 @@ def test_tokenizer_route_serves_what_the_engine_renders_with(
     engine_server: EngineHandle, client: openai.OpenAI
 ) -> None:
     """GET /v1/tokenizer: a gateway rendering with what it serves gets the chat endpoint's prompt ids."""
-    from services.gateway.render import ChatRenderer
+    from services.gateway.proxy.render import ChatRenderer
 
     files = httpx.get(engine_server.url + "/v1/tokenizer").json()
     assert files["eos_token_ids"] == sorted(engine_server.engine.eos_token_ids)

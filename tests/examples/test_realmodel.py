@@ -21,7 +21,7 @@ from examples.realmodel.build import build
 from examples.realmodel.reward import score
 from services.common.toolcalls import parse_tool_calls
 from services.common.vllm_install import vllm_python
-from services.gateway.render import ChatRenderer
+from services.gateway.proxy.render import ChatRenderer
 from trainer.clients import ServiceUrls
 from trainer.config import load_config
 from trainer.embedded import embedded_stack

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from services.gateway.frontends import messages, responses
-from services.gateway.frontends.canonical import TranslationError, Turn, history
+from services.gateway.proxy.frontends import messages, responses
+from services.gateway.proxy.frontends.canonical import TranslationError, Turn, history
 
 IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,AA"}
 THOUGHT = {"type": "reasoning_text", "text": "hm"}

@@ -32,7 +32,7 @@ def test_every_api_route_is_documented_with_its_body(gateway: GatewayHandle) -> 
         for path, method in routes
         if method in ("post", "patch") and (method, path) not in bodyless and "requestBody" not in paths[path][method]
     )
-    assert not undescribed, f"write routes whose body schema is missing (add them to api.BODIES): {undescribed}"
+    assert not undescribed, f"write routes whose body schema is missing (add them to api.routes.BODIES): {undescribed}"
 
     components = document["components"]["schemas"]
     run_body = paths["/api/runs"]["post"]["requestBody"]["content"]["application/json"]["schema"]

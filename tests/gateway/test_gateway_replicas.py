@@ -15,7 +15,7 @@ import openai
 from fake_vllm import FakeVLLM
 from gw_harness import ADMIN, GatewayHandle
 
-from services.gateway.routing import sticky
+from services.gateway.proxy.routing import sticky
 
 
 def test_a_key_reused_for_another_body_through_another_gateway_is_refused(

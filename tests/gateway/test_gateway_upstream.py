@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from services.devstack.embedded import free_port
-from services.gateway.upstream import UpstreamClient, UpstreamError, UpstreamTimeout
+from services.gateway.proxy.upstream import UpstreamClient, UpstreamError, UpstreamTimeout
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"

@@ -21,7 +21,7 @@ from gw_harness import ADMIN, SECRET, GatewayHandle, Served, gateway_settings
 from services.common.eventstore import EventStore
 from services.devstack.embedded import NatsServer, free_port
 from services.gateway import create_app
-from services.gateway.reaper import CALLS
+from services.gateway.proxy.reaper import CALLS
 
 INTERVAL_S = 0.5
 

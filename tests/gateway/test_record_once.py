@@ -25,7 +25,7 @@ from test_reaper import INTERVAL_S, _events, _markers, _start_gateway
 from services.common.eventstore import EventStore
 from services.devstack.embedded import NatsServer, free_port
 from services.gateway import create_app
-from services.gateway.reaper import CallReaper
+from services.gateway.proxy.reaper import CallReaper
 
 
 async def _pair(url: str) -> tuple[CallReaper, CallReaper, EventStore, EventStore]:

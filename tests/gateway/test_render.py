@@ -13,8 +13,8 @@ pytest.importorskip("transformers", reason="the comparison needs transformers (p
 
 from services.engine.tiny_model import build_tiny_model
 from services.engine.tokenizer import load_tokenizer
-from services.gateway.render import ChatRenderer, RenderError, template_messages
-from services.gateway.tokenin import OutputParser, completion_body
+from services.gateway.proxy.render import ChatRenderer, RenderError, template_messages
+from services.gateway.proxy.tokenin import OutputParser, completion_body
 
 TOOLS: Any = [{"type": "function", "function": {"name": "add", "description": "a + b",
                "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]  # fmt: skip

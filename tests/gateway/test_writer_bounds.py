@@ -76,7 +76,7 @@ def test_an_answer_outside_the_contract_is_recorded_failed_and_readable(
 @pytest.mark.parametrize("bad", [2**31, 2**32, -1, -(2**40)])
 def test_token_ids_outside_the_contract_are_refused_in_both_record_formats(compact: bool, bad: int) -> None:
     """The packed (version 2) and the full-list (version 1) encodings refuse the same ids."""
-    from services.gateway.recording import CallChains, OutOfBounds
+    from services.gateway.proxy.recording import CallChains, OutOfBounds
 
     def call(response: list[int], prompt: list[int]) -> ModelRequestRecorded:
         return ModelRequestRecorded(run_id="r", rollout_id="x", attempt_id="a", call_id="c", prompt_ids=prompt,

@@ -22,7 +22,7 @@ from viewer_demo import WORDS, word_tokenizer_json
 from schemas import AttemptStarted, Event, ModelRequestRecorded, RolloutCreated, RolloutStatusChanged, RunStarted
 from services.common.eventstore import Appended, EventStore
 from services.devstack.embedded import NatsServer
-from services.gateway.recording import CallChains
+from services.gateway.proxy.recording import CallChains
 from services.projector.packing import unpack_int32
 from services.projector.reader import PostgresRolloutReader
 from services.projector.rebuild import rebuild_run

@@ -13,7 +13,7 @@ from projector_support import running_projector, wait_applied
 from schemas import Event, ModelRequestRecorded
 from services.common.eventstore import EventStore
 from services.devstack.embedded import NatsServer
-from services.gateway.recording import CallChains
+from services.gateway.proxy.recording import CallChains
 from services.projector.packing import unpack_float64, unpack_int32
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))

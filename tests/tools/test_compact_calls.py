@@ -29,7 +29,7 @@ from schemas.refs import (
     upcast,
 )
 from services.common.eventstore import Appended, EventStore
-from services.gateway.recording import CallChains, compact_request
+from services.gateway.proxy.recording import CallChains, compact_request
 from services.tools.replay import ReplayReport, replay_run
 from trainer.core import AdapterConfig, build_step, collect_rollouts, merge_rollout, plain, rollout_calls
 from trainer.rollouts import rollout_history

@@ -1,7 +1,7 @@
 """Continuous prompt mode renders a message's text parts as vLLM's chat endpoint does.
 
 vLLM hands a template that loops over a message's content the list of parts, and any other
-template one string, the parts joined with "\\n" (`services.gateway.content_format` repeats its
+template one string, the parts joined with "\\n" (`services.gateway.proxy.content_format` repeats its
 detection). Both kinds of template are checked: the tiny model's own (it loops over parts) and a
 Qwen3-style one (it writes `message.content` as a string), sent to vLLM as the request's
 `chat_template`. Before, the gateway always joined the parts with "", which is what vLLM renders
@@ -20,7 +20,7 @@ from gw_harness import GatewayHandle
 from template_vllm import QWEN3_STYLE, qwen3_style_dir
 from vllm_rig import SERVED, recorded, start_run
 
-from services.gateway.render import ChatRenderer
+from services.gateway.proxy.render import ChatRenderer
 
 # No digits: transformers (and so vLLM) loads the tiny model's tokenizer as `Qwen2Tokenizer`, which
 # splits digits one by one, while its tokenizer.json (what the gateway reads) does not.

@@ -20,92 +20,29 @@ import msgspec
 
 from schemas import ModelRequestRecorded
 from schemas.codec import encode
-from schemas.rollout import RolloutView
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStoreUnavailable, EventTooLarge
 from services.gateway import metrics
 from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send_json
-from services.gateway.budgets import Reservation
 from services.gateway.context import Gateway
-from services.gateway.continuity import Continuity
 from services.gateway.errors import unavailable
-from services.gateway.frontends.base import Translator, error_body
-from services.gateway.ledger import Charge
-from services.gateway.limits import RECORD_OVERHEAD, asked, check_call, clamp_max_tokens, lower_max_tokens
-from services.gateway.openai_format import ChoiceRecord, StreamFold, int_usage, read_completion, sampling_params
-from services.gateway.payload import refusal
-from services.gateway.reaper import CallReaped
-from services.gateway.recording import OutOfBounds, cut, not_recorded, out_of_bounds
-from services.gateway.state import ModelEntry
-from services.gateway.tokenin import ChunkConverter, chat_answer
-from services.gateway.upstream import UpstreamError, UpstreamResponse
+from services.gateway.proxy.budgets import Reservation
+from services.gateway.proxy.call import Call, Outcome, Upstream
+from services.gateway.proxy.continuity import Continuity
+from services.gateway.proxy.frontends.base import error_body
+from services.gateway.proxy.ledger import Charge
+from services.gateway.proxy.limits import RECORD_OVERHEAD, asked, check_call, clamp_max_tokens, lower_max_tokens
+from services.gateway.proxy.openai_format import StreamFold, int_usage, read_completion, sampling_params
+from services.gateway.proxy.payload import refusal
+from services.gateway.proxy.reaper import CallReaped
+from services.gateway.proxy.recording import OutOfBounds, cut, not_recorded, out_of_bounds
+from services.gateway.proxy.relay import relay_stream
+from services.gateway.proxy.tokenin import ChunkConverter, chat_answer
+from services.gateway.proxy.upstream import UpstreamError, UpstreamResponse
 
 WEIGHTS_HEADER = "x-rollwire-weights-version"
 _decode_obj = msgspec.json.Decoder(dict[str, Any]).decode
 _encode = msgspec.json.Encoder().encode
-
-
-class Upstream(msgspec.Struct):
-    """An upstream answer read in full: status, the weights version header, body bytes."""
-
-    status: int
-    weights: str | None
-    content: bytes
-
-
-class Call(msgspec.Struct, kw_only=True):
-    """One admitted call: who, where to, what to send and record, and how to answer."""
-
-    view: RolloutView
-    attempt_id: str
-    mode: str
-    model: ModelEntry
-    call_id: str
-    api: str
-    payload: bytes
-    recorded_request: dict[str, Any]
-    stream: bool
-    translator: Translator
-    started: float = 0.0
-    started_at: float = 0.0
-    agent: str | None = None
-    endpoint: str = "/chat/completions"
-    continuity: str | None = None
-    parse_tools: bool = False
-    parse_reasoning: bool = False
-    used: int | None = None
-    """Tokens the engine spent on the call (None: unknown, the call is charged its reservation)."""
-    seqs: list[int] = msgspec.field(default_factory=list)
-    """Stream sequences of the call's records."""
-    record_bytes: int = 0
-    """Bytes of its records that count against the byte budget (those of a failed or aborted call)."""
-
-    def note(self, outcome: Outcome) -> None:
-        """Note the tokens an outcome shows the engine spent (its prompt and responses), when it shows any."""
-        if outcome.prompt_ids or outcome.records:
-            self.used = len(outcome.prompt_ids) + sum(len(r.token_ids) for r in outcome.records)
-
-    def spent(self, reserved: Charge) -> Charge:
-        """What the call spent, to settle its reservation with."""
-        tokens = reserved.tokens if self.used is None else self.used
-        return Charge(calls=1 if self.seqs else 0, tokens=tokens, bytes=self.record_bytes)
-
-    @property
-    def token_in(self) -> bool:
-        """Sent as a token-in completion (continuous prompt mode), answered back as chat."""
-        return self.endpoint == "/completions"
-
-
-class Outcome(msgspec.Struct, kw_only=True):
-    """What a call produced, to record."""
-
-    status: str
-    prompt_ids: list[int] = msgspec.field(default_factory=list)
-    records: list[ChoiceRecord] = msgspec.field(default_factory=list)
-    usage: Any = None
-    weights: str | None = None
-    error: str | None = None
-    model: str | None = None
 
 
 class Pipeline:
@@ -450,7 +387,7 @@ class Pipeline:
         if opening:
             await send({"type": "http.response.body", "body": opening, "more_body": True})
         convert = ChunkConverter(call.parse_tools, call.parse_reasoning) if call.token_in else None
-        relay = asyncio.ensure_future(_relay(response, fold, held, translator, send, convert))
+        relay = asyncio.ensure_future(relay_stream(response, fold, held, translator, send, convert))
         watch = asyncio.ensure_future(disconnected(receive))
         try:
             await asyncio.wait((relay, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -475,17 +412,25 @@ class Pipeline:
             return False
         error = relay.exception()
         if error is not None:
-            timed_out = isinstance(error, TimeoutError)
-            message = (
-                "the model endpoint timed out mid-stream"
-                if timed_out
-                else f"the model endpoint failed mid-stream: {error!r}"
-            )
-            await self._record_quietly(call, Outcome(status="failed", error=message, weights=weights))
-            await send(
-                {"type": "http.response.body", "body": translator.stream_error(504 if timed_out else 502, message)}
-            )
+            await self._broke(call, error, weights, send)
             return False
+        return await self._finish(call, seen, fold, held, send)
+
+    async def _broke(self, call: Call, error: BaseException, weights: str | None, send: Send) -> None:
+        """Record a stream the engine broke off (or that timed out) as failed, and end it with an error event."""
+        timed_out = isinstance(error, TimeoutError)
+        message = (
+            "the model endpoint timed out mid-stream"
+            if timed_out
+            else f"the model endpoint failed mid-stream: {error!r}"
+        )
+        await self._record_quietly(call, Outcome(status="failed", error=message, weights=weights))
+        body = call.translator.stream_error(504 if timed_out else 502, message)
+        await send({"type": "http.response.body", "body": body})
+
+    async def _finish(self, call: Call, seen: Outcome, fold: StreamFold, held: list[bytes], send: Send) -> bool:
+        """Record a whole stream, then send what was held back and its end; True when that worked."""
+        translator = call.translator
         try:
             await self.record(call, seen)
         except EventStoreUnavailable as exc:
@@ -501,44 +446,3 @@ class Pipeline:
         held.append(translator.end(fold))
         await send({"type": "http.response.body", "body": b"".join(held)})
         return True
-
-
-async def _relay(
-    response: UpstreamResponse,
-    fold: StreamFold,
-    held: list[bytes],
-    translator: Translator,
-    send: Send,
-    convert: ChunkConverter | None,
-) -> None:
-    """Forward SSE events as they arrive, folding each; hold back what the translator holds."""
-    buffer = b""
-    async for raw in response.iter_chunks():
-        buffer += raw
-        if b"\r\n" in buffer:
-            buffer = buffer.replace(b"\r\n", b"\n")
-        if b"\n\n" not in buffer:
-            continue
-        *events, buffer = buffer.split(b"\n\n")
-        out: list[bytes] = []
-        for event in events:
-            data = b"".join(line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:"))
-            if not data or data == b"[DONE]":
-                continue
-            try:
-                chunk = _decode_obj(data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-            if convert is not None and "choices" in chunk:
-                chunk = convert.convert(chunk)
-                data = _encode(chunk)
-            fold.feed(chunk)
-            if fold.model is None and isinstance(chunk.get("model"), str):
-                fold.model = chunk["model"]
-            now, later = translator.chunk(chunk, data)
-            if now:
-                out.append(now)
-            if later:
-                held.append(later)
-        if out:
-            await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})

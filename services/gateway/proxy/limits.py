@@ -10,14 +10,14 @@ the parameter, so the harness's client raises its ordinary `BadRequestError`.
 
 from __future__ import annotations
 
-import math
-from typing import Any, TypeGuard
+from typing import Any
 
 import msgspec
 
 from schemas.bounds import INT32_MAX
 from schemas.runs import CallLimits
 from services.gateway.errors import ApiError
+from services.gateway.http import finite_number
 
 
 class ProxyRefusal(ApiError):
@@ -35,16 +35,6 @@ SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "freque
 SAMPLING_INTEGERS = {"top_k": (-1, INT32_MAX), "seed": (-(2**63), 2**63 - 1), "top_logprobs": (0, INT32_MAX)}
 """Sampling parameters checked before a call is forwarded: each must be a finite number (an integer in
 range), so nothing the engine generates is lost to a value the call's record cannot hold."""
-
-
-def finite_number(value: Any) -> TypeGuard[int | float]:
-    """True for an int or float (not a bool) that a 64-bit float holds finitely (10^400 is not one)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
 
 
 def check_sampling(request: dict[str, Any]) -> None:

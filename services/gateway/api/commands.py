@@ -5,7 +5,6 @@ commands (`Idempotency-Key`), event ids, the `current` of a 409, and the rollout
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from fastapi import Request, Response
 
@@ -14,11 +13,11 @@ from schemas import (
     check_id,
     new_id,
 )
-from schemas.rollout import AttemptView, RolloutView
+from schemas.rollout import RolloutView
 from services.common.query import int_query
 from services.common.readside import StreamRolloutReader
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, invalid, unavailable
+from services.gateway.errors import invalid, unavailable
 from services.gateway.http import fingerprint
 from services.gateway.idempotency import Recall, Result, derive_id
 
@@ -62,30 +61,6 @@ async def keyed(
 def event_id_for(key: str | None, *parts: str) -> str:
     """The event id of a command: derived from its idempotency key (a retry appends a duplicate), else new."""
     return derive_id(key, *parts) if key else new_id()
-
-
-def current_state(view: RolloutView | None, status: str | None = None) -> dict[str, Any]:
-    """The `current` field of a 409: where the rollout stands."""
-    if view is None:
-        return {"status": status}
-    return {"status": status or view.status, "attempt_id": view.attempt_id, "reason": view.reason}
-
-
-def ended_attempt(view: RolloutView, attempt: AttemptView, refusal: str) -> ApiError:
-    """The 409 for a token of an ended attempt: how that attempt ended (not the state of the attempt that
-    replaced it) in words and in `attempt`, with the rollout as it stands now in `current`."""
-    replaced = view.attempt_id if view.attempt_id != attempt.attempt_id else None
-    ended_as = attempt.ended_as or ("superseded" if replaced else view.status)
-    how = ended_as + (f": {attempt.reason}" if attempt.reason else "")
-    if replaced:
-        how += f"; attempt {replaced} replaced it and is {view.status}"
-    return ApiError(
-        409,
-        f"attempt {attempt.attempt_id} of rollout {view.rollout_id} has ended ({how}); {refusal}",
-        attempt={"attempt_id": attempt.attempt_id, "status": ended_as, "reason": attempt.reason,
-                 "replaced_by": replaced},
-        current=current_state(view),
-    )  # fmt: skip
 
 
 async def written_view(gw: Gateway, rollout_id: str, run_id: str | None = None) -> RolloutView | None:

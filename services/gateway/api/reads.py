@@ -32,8 +32,8 @@ from urllib.parse import parse_qs, quote
 from fastapi import FastAPI, Request, Response
 
 from services.common.readside import ProjectorReader, ReadSideError
+from services.gateway.api.commands import checked_id
 from services.gateway.auth import Admin, AttemptScope, Principal
-from services.gateway.commands import checked_id
 from services.gateway.errors import ApiError, not_found, translate
 
 _FORWARDED_HEADERS = ("content-type", "cache-control", "etag", "last-modified", "location", "retry-after")

@@ -27,7 +27,7 @@ from schemas import CallRef, ModelRequestRecorded
 from schemas.refs import pack
 from services.common.bytecache import ByteLRU
 from services.common.eventstore import Appended
-from services.gateway.payload import cut_request
+from services.gateway.proxy.payload import cut_request
 
 MIN_SHARED = 16
 """Fewest shared leading tokens worth a reference (below it the call is recorded in full)."""
@@ -173,10 +173,15 @@ class CallChains:
         calls = self.attempts.pop(key) or []
         calls.append(
             RecordedCall(
-                event.event_id, seq, tokens, event.request, size, len(event.prompt_ids),
+                event.event_id,
+                seq,
+                tokens,
+                event.request,
+                size,
+                len(event.prompt_ids),
                 reply if isinstance(reply, dict) else None,
             )
-        )  # fmt: skip
+        )
         self.attempts.put(key, calls[-PER_ATTEMPT:])  # an attempt larger than the budget is not kept
 
     def recent(self, key: AttemptKey) -> list[RecordedCall] | None:

@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from services.gateway.openai_format import ChoiceRecord, StreamFold
+from services.gateway.proxy.openai_format import ChoiceRecord, StreamFold
 
 Api = Literal["openai", "anthropic"]
 _encode = msgspec.json.Encoder().encode

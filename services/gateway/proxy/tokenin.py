@@ -1,6 +1,6 @@
 """Token in, token out: a chat call sent to the engine as a token-id completion, answered as chat.
 
-In continuous prompt mode the proxy builds the prompt ids itself (`services.gateway.continuity`)
+In continuous prompt mode the proxy builds the prompt ids itself (`services.gateway.proxy.continuity`)
 and posts them to the engine's `/completions` (vLLM's `CompletionRequest` with a token-id
 `prompt` and `return_token_ids`; the embedded engine speaks the same). This module writes that
 body from the chat body the front end built, and reads the answer back into the chat-completions
@@ -30,9 +30,22 @@ from services.common.toolcalls import (
     split_reasoning,
 )
 
-_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
-             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-             "response_format")  # fmt: skip
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "response_format",
+)
 
 
 def completion_body(chat: dict[str, Any], prompt_ids: list[int], model: str) -> dict[str, Any]:

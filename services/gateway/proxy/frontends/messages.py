@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.frontends.base import Api, error_body, sse, upstream_message
-from services.gateway.frontends.canonical import (
+from services.gateway.proxy.frontends.base import Api, error_body, sse, upstream_message
+from services.gateway.proxy.frontends.canonical import (
     Conversation,
     Output,
     Tool,
@@ -35,7 +35,7 @@ from services.gateway.frontends.canonical import (
     listed,
     output_of,
 )
-from services.gateway.openai_format import ChoiceRecord, StreamFold, reasoning_of
+from services.gateway.proxy.openai_format import ChoiceRecord, StreamFold, reasoning_of
 
 _encode = msgspec.json.Encoder().encode
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}

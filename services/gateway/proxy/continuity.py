@@ -29,14 +29,14 @@ import msgspec
 import numpy as np
 
 from schemas import ModelRequestRecorded
-from services.gateway.limits import ProxyRefusal
-from services.gateway.recording import PER_ATTEMPT, AttemptKey, CallChains, RecordedCall
-from services.gateway.render import ChatRenderer, RenderError, template_arguments, text_content
-from services.gateway.tokenin import completion_body
+from services.gateway.proxy.call import Call
+from services.gateway.proxy.limits import ProxyRefusal
+from services.gateway.proxy.recording import PER_ATTEMPT, AttemptKey, CallChains, RecordedCall
+from services.gateway.proxy.render import ChatRenderer, RenderError, template_arguments, text_content
+from services.gateway.proxy.tokenin import completion_body
 
 if TYPE_CHECKING:
     from services.gateway.context import Gateway
-    from services.gateway.pipeline import Call
     from services.gateway.state import ModelEntry
 
 _decode = msgspec.json.Decoder(dict[str, Any]).decode

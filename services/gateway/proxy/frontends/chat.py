@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.frontends.base import Api, error_body, upstream_message
-from services.gateway.openai_format import (
+from services.gateway.proxy.frontends.base import Api, error_body, upstream_message
+from services.gateway.proxy.openai_format import (
     ChoiceRecord,
     StreamFold,
     Wants,

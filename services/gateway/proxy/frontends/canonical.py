@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.openai_format import ChoiceRecord, reasoning_of
+from services.gateway.proxy.openai_format import ChoiceRecord, reasoning_of
 
 _encode = msgspec.json.Encoder().encode
 

@@ -19,16 +19,16 @@ from schemas import (
 from schemas.events import CALL_STARTED_EVENT
 from schemas.rollout import RolloutView
 from services.common.readside import RolloutQuery
-from services.gateway.auth import AttemptScope, Principal
-from services.gateway.commands import (
+from services.gateway.api.commands import (
     checked_id,
     gateway_of,
     int_param,
 )
+from services.gateway.api.views import event_json, rollout_detail_json, rollout_json, triplet_json
+from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
 from services.gateway.errors import forbidden, invalid, not_found
 from services.gateway.http import json_response
-from services.gateway.views import event_json, rollout_detail_json, rollout_json, triplet_json
 
 
 async def _full_view(gw: Gateway, rollout_id: str, run_id: str | None = None) -> RolloutView | None:

@@ -3,7 +3,7 @@
 Every command becomes events through the event store. A status change is checked against the
 rollout's last status event, read fresh, and appended with that event's subject sequence, so two
 writers never both win; the loser gets 409 with the current state. Every POST/PATCH honours
-`Idempotency-Key` (see `idempotency.py`).
+`Idempotency-Key` (see `services/gateway/idempotency.py`).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 from fastapi import FastAPI
 
 from schemas.runs import RunSpec
-from services.gateway import bodies
-from services.gateway.events import post_event
-from services.gateway.queries import get_rollout, get_run, healthz, list_events, list_rollouts, terminal_rollouts
-from services.gateway.registry import delete_models, list_models, register_models, start_run
-from services.gateway.rollouts import create_rollouts, delete_rollout, evaluator_token, patch_rollout, start_attempt
+from services.gateway.api import bodies
+from services.gateway.api.events import post_event
+from services.gateway.api.queries import get_rollout, get_run, healthz, list_events, list_rollouts, terminal_rollouts
+from services.gateway.api.registry import delete_models, list_models, register_models, start_run
+from services.gateway.api.rollouts import create_rollouts, delete_rollout, evaluator_token, patch_rollout, start_attempt
 
 BODIES: dict[Callable[..., Any], Any] = {
     create_rollouts: list[bodies.NewRollout] | bodies.RolloutBatch,

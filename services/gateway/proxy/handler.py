@@ -9,7 +9,7 @@ An agent of a multi-agent harness names itself with `agent/{name}` after the mod
 `X-Rollwire-Agent` header (`agents.py`); the name is recorded on its calls and may route them.
 
 This is the hot path, so it is a plain ASGI handler (no routing or validation framework in the
-way), admission is checked against the in-memory state (`state.py`), the upstream is one pooled
+way), admission is checked against the in-memory state (`services.gateway.state`), the upstream is one pooled
 `UpstreamClient` (`upstream.py`), and JSON goes through msgspec.
 
 A path is parsed into a `Route` (attempt, mode, which API, the rest), the call is admitted
@@ -30,13 +30,12 @@ import msgspec
 from schemas import ModelRequestRecorded, new_id
 from schemas.ids import MODEL_REQUEST
 from schemas.rollout import RolloutView
-from services.gateway.agents import AGENT_HEADER, agent_name, split_agent
 from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_json
 from services.gateway.auth import AttemptScope, Principal
-from services.gateway.commands import ended_attempt
 from services.gateway.context import Gateway
 from services.gateway.errors import (
     ApiError,
+    ended_attempt,
     forbidden,
     internal,
     not_found,
@@ -45,17 +44,19 @@ from services.gateway.errors import (
     unauthorized,
     unavailable,
 )
-from services.gateway.frontends import chat, messages, responses
-from services.gateway.frontends.base import Api, Translator, error_body
-from services.gateway.frontends.canonical import Conversation, TranslationError, Turn, history
 from services.gateway.http import refuse_huge_numbers
-from services.gateway.ledger import Charge
-from services.gateway.limits import check_call
-from services.gateway.openai_format import prepare_request
-from services.gateway.pipeline import Call, Pipeline
-from services.gateway.routing import sticky
+from services.gateway.proxy.agents import AGENT_HEADER, agent_name, split_agent
+from services.gateway.proxy.call import Call
+from services.gateway.proxy.frontends import chat, messages, responses
+from services.gateway.proxy.frontends.base import Api, Translator, error_body
+from services.gateway.proxy.frontends.canonical import Conversation, TranslationError, Turn, history
+from services.gateway.proxy.ledger import Charge
+from services.gateway.proxy.limits import check_call
+from services.gateway.proxy.openai_format import prepare_request
+from services.gateway.proxy.pipeline import Pipeline
+from services.gateway.proxy.routing import sticky
+from services.gateway.proxy.upstream import UpstreamError
 from services.gateway.state import ModelEntry
-from services.gateway.upstream import UpstreamError
 
 PREFIX = "/proxy/rollout/"
 SERVED = (

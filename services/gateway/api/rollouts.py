@@ -22,21 +22,20 @@ from schemas.ids import ROLLOUT_CREATED
 from schemas.rollout import RolloutView, fold_all
 from schemas.transitions import IllegalTransition
 from services.common.eventstore import Appended, ConcurrencyConflict, StoredEvent
-from services.gateway import bodies
-from services.gateway.auth import Admin
-from services.gateway.commands import (
+from services.gateway.api import bodies
+from services.gateway.api.commands import (
     checked_id,
-    current_state,
     event_id_for,
     gateway_of,
     keyed,
     written_view,
 )
+from services.gateway.api.views import rollout_json
+from services.gateway.auth import Admin
 from services.gateway.context import Gateway
-from services.gateway.errors import ApiError, invalid
+from services.gateway.errors import ApiError, current_state, invalid
 from services.gateway.http import decode, encode, json_response, read_body
 from services.gateway.idempotency import Result, derive_id
-from services.gateway.views import rollout_json
 
 
 async def create_rollouts(request: Request) -> Response:

@@ -43,8 +43,8 @@ from schemas.rollout import RolloutView
 from schemas.runs import AttemptBudget
 from services.common.eventstore import Appended, EventStore, EventStoreUnavailable
 from services.gateway.idempotency import derive_id
-from services.gateway.ledger import Busy, Charge, Ledger, Refused, SharedLedger
-from services.gateway.limits import ProxyRefusal
+from services.gateway.proxy.ledger import Busy, Charge, Ledger, Refused, SharedLedger
+from services.gateway.proxy.limits import ProxyRefusal
 
 BUDGET_EVENT = BUDGET_EXCEEDED_EVENT
 HOLD_S = 30.0

@@ -27,8 +27,8 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.frontends.base import Api, error_body, sse, upstream_message
-from services.gateway.frontends.canonical import (
+from services.gateway.proxy.frontends.base import Api, error_body, sse, upstream_message
+from services.gateway.proxy.frontends.canonical import (
     Conversation,
     Output,
     Tool,
@@ -40,7 +40,7 @@ from services.gateway.frontends.canonical import (
     listed,
     output_of,
 )
-from services.gateway.openai_format import ChoiceRecord, StreamFold, reasoning_of
+from services.gateway.proxy.openai_format import ChoiceRecord, StreamFold, reasoning_of
 
 _encode = msgspec.json.Encoder().encode
 DROPPED_TOOLS = frozenset({"web_search", "web_search_preview", "namespace"})

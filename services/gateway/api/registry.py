@@ -18,8 +18,8 @@ from schemas.ids import RUN_SUBJECT
 from schemas.run import InvalidRunSpec, spec_of
 from schemas.runs import RunSpec
 from services.common.eventstore import ConcurrencyConflict
-from services.gateway import bodies
-from services.gateway.commands import (
+from services.gateway.api import bodies
+from services.gateway.api.commands import (
     checked_id,
     event_id_for,
     gateway_of,
@@ -30,6 +30,8 @@ from services.gateway.http import decode, encode, json_response, read_body
 from services.gateway.idempotency import Result, derive_id
 
 _SLUG = re.compile(r"[^A-Za-z0-9_-]+")
+_SHOWN = ("name", "base_url", "run_id", "served_model", "weights_version", "tokenizer", "reasoning_parser", "adapters")
+"""The fields of a registered model that its registration answers with (the API key is not among them)."""
 
 
 async def register_models(request: Request) -> Response:
@@ -58,9 +60,7 @@ async def register_models(request: Request) -> Response:
             except (InvalidId, msgspec.ValidationError) as exc:
                 raise from_validation(exc) from None
             ack = await gw.append_registry(event)
-            shown = ("name", "base_url", "run_id", "served_model", "weights_version", "tokenizer", "reasoning_parser",
-                     "adapters")  # fmt: skip
-            return 201, encode({**{key: getattr(event, key) for key in shown}, "seq": ack.seq})
+            return 201, encode({**{key: getattr(event, key) for key in _SHOWN}, "seq": ack.seq})
         out = []
         for index, model in enumerate(parsed):
             name = _agl_model_name(model.model, model.endpoint)
@@ -99,11 +99,18 @@ async def list_models(request: Request) -> Response:
     gw.admin(request)
     run_id = request.query_params.get("run_id")
     models = [
-        {"name": m.name, "run_id": run, "base_url": m.base_url, "served_model": m.upstream_model,
-         "weights_version": m.weights_version, "has_api_key": m.api_key is not None, "seq": m.seq}
+        {
+            "name": m.name,
+            "run_id": run,
+            "base_url": m.base_url,
+            "served_model": m.upstream_model,
+            "weights_version": m.weights_version,
+            "has_api_key": m.api_key is not None,
+            "seq": m.seq,
+        }
         for (run, _), m in sorted(gw.state.models.items())
         if run_id is None or run == run_id
-    ]  # fmt: skip
+    ]
     return json_response({"models": models})
 
 

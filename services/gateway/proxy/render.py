@@ -31,7 +31,7 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from services.gateway.content_format import ContentFormat, detect_content_format, template_content, text_parts
+from services.gateway.proxy.content_format import ContentFormat, detect_content_format, template_content, text_parts
 
 MARKER = "\u2063rollwire-earlier-turn\u2063"
 _LEAD = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
@@ -59,8 +59,9 @@ def _raise(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -107,8 +108,10 @@ def template_messages(messages: Sequence[Any], content_format: ContentFormat = "
         texts = text_parts(message.get("content"))
         if texts is None:
             raise RenderError("message content must be text or a list of text parts")
-        item: dict[str, Any] = {"role": message["role"], "content": template_content(message["role"], texts,
-                                                                                     content_format)}  # fmt: skip
+        item: dict[str, Any] = {
+            "role": message["role"],
+            "content": template_content(message["role"], texts, content_format),
+        }
         calls = message.get("tool_calls")
         if calls:
             item["tool_calls"] = [
