@@ -71,11 +71,14 @@ async def test_reload_runs_on_every_replica_inside_the_gate(
         assert {m.served_model for m in registered} == {SERVED}
 
         # calls spread over both replicas, stamped with the phase's version 0
-        before = [await _agent_call(gateway, run_id, i) for i in range(8)]
-        for call, _ in before:
+        before: list[str] = []
+        while len(before) < 32 and (len(before) < 8 or not all(r.served for r in replicas)):
+            # rendezvous hashing: 8 rollouts all land on one of 2 replicas 1 time in 128, so add more until both served
+            call, rollout_id = await _agent_call(gateway, run_id, len(before))
             await call
+            before.append(rollout_id)
         assert all(r.served for r in replicas), "every replica serves some rollouts"
-        assert {v for _, rid in before for v in _versions(gateway, rid)} == {0}
+        assert {v for rid in before for v in _versions(gateway, rid)} == {0}
 
         await client.set_phase(run_id, "update", 0, key=f"{run_id}-update-1")
         forwarded = [len(r.request_times) for r in replicas]
