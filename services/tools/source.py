@@ -43,7 +43,8 @@ from schemas.calls import decode_call
 from schemas.events import AnyEvent, CustomEvent, RewardReported, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, REWARD, ROLLOUT_ATTEMPT, RUN_ALL, check_id
 from schemas.run import InvalidRunSpec, spec_of
-from services.common.eventstore import EventStore, StoredEvent, _stream_sequence
+from services.common.eventstore import EventStore, StoredEvent
+from services.common.streamread import stream_sequence
 from trainer.core import (
     TRAIN_STEP_EVENT,
     MalformedCall,
@@ -455,7 +456,7 @@ async def stream_chunks(
                 left = remaining.get(rid)
                 if left is None:  # a rollout outside the planned units (skipped, or another step)
                     continue
-                raw[rid].append((_stream_sequence(msg.reply), msg.data))
+                raw[rid].append((stream_sequence(msg.reply), msg.data))
                 if left > 1:
                     remaining[rid] = left - 1
                     continue
