@@ -35,7 +35,6 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-
 def _running(pid: int) -> bool:
     """Whether `pid` is a live process: a zombie (killed, not yet reaped by an init that never reaps) is not."""
     try:
@@ -49,6 +48,7 @@ def _running(pid: int) -> bool:
     except OSError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
 
 class EmbeddedServerError(RuntimeError):
     """An embedded server could not be started; the message says why."""
