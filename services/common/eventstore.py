@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
-from datetime import UTC, datetime
-from typing import Literal
 
 import msgspec
 import nats
@@ -34,18 +31,38 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+from nats.js.api import StorageType, StreamConfig
 
-from schemas import AnyEvent, Event, ModelRequestRecorded, RolloutStatusChanged, check_id, decode, encode
+from schemas import Event, ModelRequestRecorded, RolloutStatusChanged, check_id, decode, encode
 from schemas.ids import ROLLOUT_ALL, ROLLOUT_STATUS, RUN_ALL, STREAM_NAME, STREAM_SUBJECTS
 from schemas.refs import Resolver, UnresolvedReference
 from services.common.jspublish import PipelinedAcks, connection_options, probe
+from services.common.storeerrors import (
+    STORE_FULL,
+    WRONG_LAST_SEQUENCE,
+    ConcurrencyConflict,
+    EventStoreError,
+    EventStoreUnavailable,
+    EventTooLarge,
+    NotSent,
+    StoreFull,
+)
+from services.common.streamread import StartFrom, StoredEvent, follow, raise_if_cancelling, read_batches, to_stored
 
-WRONG_LAST_SEQUENCE = 10071
-STORE_FULL = frozenset({10023, 10047, 10077})
-"""JetStream's codes for a store that refuses writes for lack of room: insufficient resources (10023),
-insufficient storage (10047), the stream's maximum bytes reached (10077)."""
-FETCH_BATCH = 2048
+__all__ = [
+    "Appended",
+    "ConcurrencyConflict",
+    "EventStore",
+    "EventStoreError",
+    "EventStoreUnavailable",
+    "EventTooLarge",
+    "NotSent",
+    "StartFrom",
+    "StoreFull",
+    "StoredEvent",
+    "raise_if_cancelling",
+]
+
 HEADER_ALLOWANCE = 512
 """Bytes of a message's headers and framing kept free under the server's max_payload."""
 ACK_TIMEOUT_S = 30.0
@@ -54,115 +71,11 @@ PUBLISH_TIMEOUT_S = 5.0
 """How long one append waits for its ack (nats-py's `js.publish` default)."""
 
 
-class EventStoreError(RuntimeError):
-    """A problem talking to the event store; the message says what to do."""
-
-
-class EventStoreUnavailable(EventStoreError):
-    """No NATS server with JetStream answers at the configured URL."""
-
-
-class StoreFull(EventStoreUnavailable):
-    """The store refuses writes for lack of room (see `STORE_FULL`, or a disk out of space)."""
-
-    def __init__(self, subject: str, description: str, code: int) -> None:
-        super().__init__(
-            f"the event store refuses writes ({description}, JetStream code {code}): it is full; "
-            "free disk space or raise the stream's limits, then retry"
-        )
-        self.subject = subject
-        self.code = code
-
-
-class NotSent(EventStoreUnavailable):
-    """NATS is disconnected and the event was not sent: it is certainly not stored (the reconnect buffer is off)."""
-
-
-class EventTooLarge(EventStoreError):
-    """An event larger than the server accepts (NATS `max_payload`): retrying cannot help."""
-
-    def __init__(self, subject: str, size: int, limit: int) -> None:
-        super().__init__(
-            f"{subject}: the event is {size} bytes, over the event store's limit of {limit} bytes (NATS max_payload)"
-        )
-        self.size = size
-        self.limit = limit
-
-
-class ConcurrencyConflict(EventStoreError):
-    """Another writer appended to the subject first (JetStream error 10071)."""
-
-    def __init__(self, subject: str, expected: int, detail: str) -> None:
-        super().__init__(f"{subject}: expected last sequence {expected}, but the stream moved on ({detail})")
-        self.subject = subject
-        self.expected = expected
-
-
 class Appended(msgspec.Struct, frozen=True):
     """The stream's answer to an append: its sequence and whether it was a duplicate."""
 
     seq: int
     duplicate: bool = False
-
-
-class StoredEvent(msgspec.Struct, frozen=True, gc=False):
-    """An event as read back from the stream, with its stream sequence and subject."""
-
-    seq: int
-    subject: str
-    event: AnyEvent
-
-
-StartFrom = Literal["start", "new"]
-
-
-class _Batch:
-    """Collects the messages answering one pull request; `done` is set when it is complete."""
-
-    def __init__(self) -> None:
-        self.messages: list[Msg] = []
-        self.wanted = 0
-        self.done = asyncio.Event()
-
-    def expect(self, wanted: int) -> None:
-        self.messages = []
-        self.wanted = wanted
-        self.done.clear()
-
-    async def on_message(self, msg: Msg) -> None:
-        if msg.headers and "Status" in msg.headers:  # 404 no messages / 408 timeout: the batch ended early
-            self.done.set()
-            return
-        self.messages.append(msg)
-        if len(self.messages) >= self.wanted:
-            self.done.set()
-
-
-def raise_if_cancelling() -> None:
-    """Re-raise a cancellation that a timeout inside nats-py swallowed.
-
-    On Python 3.11, `asyncio.wait_for` (which nats-py's fetch uses) can turn a cancellation that
-    races with its timeout into a TimeoutError; a loop that retries on timeouts would then never
-    stop. The task still counts the request (`cancelling()`), so it is raised again here. Our own
-    waits use `asyncio.timeout`, which keeps the cancellation; this is for third-party ones.
-    """
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-
-
-def _stream_sequence(reply: str) -> int:
-    """The stream sequence from a JetStream ack subject, without building nats-py's metadata object.
-
-    `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>`; the newer
-    form adds `<domain>.<account hash>` after `$JS.ACK` (and a random token at the end).
-    """
-    tokens = reply.split(".")
-    return int(tokens[5] if len(tokens) == 9 else tokens[7])
-
-
-def _to_stored(msg: Msg, unpack: bool = True) -> StoredEvent:
-    return StoredEvent(_stream_sequence(msg.reply), msg.subject, decode(msg.data, unpack=unpack))
 
 
 class EventStore:
@@ -442,72 +355,22 @@ class EventStore:
         """
         async for batch in self.read_raw(filter_subject, after_seq=after_seq, last_per_subject=last_per_subject):
             for msg in batch:
-                yield _to_stored(msg, unpack)
+                yield to_stored(msg, unpack)
 
-    async def read_raw(
+    def read_raw(
         self, filter_subject: str | Sequence[str], *, after_seq: int = 0, last_per_subject: bool = False
     ) -> AsyncIterator[list[Msg]]:
         """Yield batches of raw messages matching the filter(s) until none is pending.
 
-        An ephemeral pull consumer with no acks; batches are requested with `no_wait` and
-        delivered to one callback subscription, which avoids a task per message in the client.
-        The next batch is requested before this one is yielded, so the server reads and sends it
-        while the caller works (one request in flight: a batch is complete before the next starts).
-        `last_per_subject` reads only the newest message of each matching subject: the server
-        finds those from its subject index, where a wildcard filter otherwise makes it test every
-        message of the stream (a few small events of a large run then cost a scan of all of it).
+        An ephemeral pull consumer with no acks, the next batch requested before this one is
+        yielded (see `services.common.streamread`). `last_per_subject` reads only the newest
+        message of each matching subject: the server finds those from its subject index, where a
+        wildcard filter otherwise makes it test every message of the stream (a few small events of
+        a large run then cost a scan of all of it).
         """
-        filters = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
-        name = secrets.token_hex(8)
-        policy = DeliverPolicy.BY_START_SEQUENCE if after_seq else DeliverPolicy.ALL
-        if last_per_subject:
-            if after_seq:
-                raise ValueError("a read of the last message per subject starts at the stream's start")
-            policy = DeliverPolicy.LAST_PER_SUBJECT
-        config = ConsumerConfig(
-            name=name,
-            ack_policy=AckPolicy.NONE,
-            deliver_policy=policy,
-            opt_start_seq=after_seq + 1 if after_seq else None,
-            inactive_threshold=30.0,
-            mem_storage=True,
-            max_ack_pending=-1,
+        return read_batches(
+            self.nc, self.js, self.stream, filter_subject, after_seq=after_seq, last_per_subject=last_per_subject
         )
-        if len(filters) == 1:
-            config.filter_subject = filters[0]
-        else:
-            config.filter_subjects = filters
-        info = await self.js.add_consumer(self.stream, config)
-        remaining = info.num_pending or 0
-        batch = _Batch()
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox, cb=batch.on_message, pending_bytes_limit=1 << 30)
-        next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{name}"
-
-        async def request() -> None:
-            batch.expect(min(FETCH_BATCH, remaining))
-            await self.nc.publish(next_subject, b'{"batch":%d,"no_wait":true}' % batch.wanted, reply=inbox)
-
-        try:
-            if remaining > 0:
-                await request()
-            while remaining > 0:
-                try:
-                    await asyncio.wait_for(batch.done.wait(), 10.0)
-                except TimeoutError:
-                    raise EventStoreUnavailable("JetStream stopped delivering during a read") from None
-                msgs = batch.messages
-                if not msgs:
-                    break
-                remaining -= len(msgs)
-                if remaining > 0:  # the next batch is on its way while the caller works on this one
-                    await request()
-                yield msgs
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-            with contextlib.suppress(Exception):
-                await self.js.delete_consumer(self.stream, name)
 
     async def read_rollout(self, run_id: str, rollout_id: str) -> list[StoredEvent]:
         """Every event of one rollout, in order, calls with their full prompts (ends when the stream is idle)."""
@@ -584,7 +447,7 @@ class EventStore:
         info = await self.js.stream_info(self.stream)
         return info.state.last_seq
 
-    async def subscribe(
+    def subscribe(
         self,
         pattern: str | Sequence[str],
         *,
@@ -602,44 +465,13 @@ class EventStore:
         after the last event it finished with. `unpack=False` leaves calls' packed arrays as
         recorded (see `schemas.codec.decode`).
         """
-        if after_seq is not None:
-            deliver = DeliverPolicy.BY_START_SEQUENCE
-        elif since is not None:
-            deliver = DeliverPolicy.BY_START_TIME
-        else:
-            deliver = DeliverPolicy.ALL if start == "start" else DeliverPolicy.NEW
-        patterns = [pattern] if isinstance(pattern, str) else list(pattern)
-        config = ConsumerConfig(
-            ack_policy=AckPolicy.EXPLICIT if durable else AckPolicy.NONE,
-            deliver_policy=deliver,
-            opt_start_time=datetime.fromtimestamp(since, tz=UTC) if since is not None and after_seq is None else None,
-            opt_start_seq=after_seq + 1 if after_seq is not None else None,
-            inactive_threshold=None if durable else 60.0,
-            max_ack_pending=-1 if not durable else 10_000,
+        return follow(
+            self.js,
+            self.stream,
+            pattern,
+            start=start,
+            durable=durable,
+            since=since,
+            after_seq=after_seq,
+            unpack=unpack,
         )
-        if len(patterns) == 1:
-            config.filter_subject = patterns[0]
-        else:
-            config.filter_subjects = patterns
-        psub = await self.js.pull_subscribe(patterns[0], durable=durable, stream=self.stream, config=config)
-        unfinished: list[Msg] = []
-        try:
-            while True:
-                try:
-                    unfinished = await psub.fetch(256, timeout=1.0)
-                except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises both on an idle fetch
-                    raise_if_cancelling()
-                    continue
-                while unfinished:
-                    yield _to_stored(unfinished[0], unpack)
-                    if durable:
-                        await unfinished[0].ack()
-                    unfinished.pop(0)
-        finally:
-            if durable:
-                # Hand back what was fetched but not finished, so a restart resumes right there.
-                for msg in unfinished:
-                    with contextlib.suppress(Exception):
-                        await msg.nak()
-            with contextlib.suppress(Exception):
-                await psub.unsubscribe()

@@ -35,8 +35,24 @@ METRICS_PATH = "/metrics"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds: from a 1 ms health check to a 10-minute model call.
 LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0,
-)  # fmt: skip
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    600.0,
+)
 
 HTTP_REQUESTS = Counter(
     "rollwire_http_requests",

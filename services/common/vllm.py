@@ -125,16 +125,17 @@ def serve_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The argv and extra environment of one vLLM replica for Rollwire's capture and reloads."""
     argv, env = launch_args(settings, model)
-    argv += [
-        "--served-model-name", served_name,
-        "--host", settings.host,
-        "--port", str(port),
-        "--dtype", settings.dtype,
-        "--max-logprobs", str(settings.max_logprobs),
-        "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
-        "--generation-config", "vllm",  # sample with the request's settings, not the model's defaults
-        "--logprobs-mode", "processed_logprobs",  # the logprobs of the distribution sampled from
-    ]  # fmt: skip
+    options = {
+        "--served-model-name": served_name,
+        "--host": settings.host,
+        "--port": str(port),
+        "--dtype": settings.dtype,
+        "--max-logprobs": str(settings.max_logprobs),
+        "--gpu-memory-utilization": str(settings.gpu_memory_utilization),
+        "--generation-config": "vllm",  # sample with the request's settings, not the model's defaults
+        "--logprobs-mode": "processed_logprobs",  # the logprobs of the distribution sampled from
+    }
+    argv += [part for option in options.items() for part in option]
     if settings.max_lora_rank > 0:
         argv += [
             "--enable-lora",
@@ -175,8 +176,13 @@ def visible_gpus() -> list[str]:
     if shutil.which("nvidia-smi") is None:
         return []
     try:
-        listed = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30, check=True).stdout  # fmt: skip
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.strip() for line in listed.splitlines() if line.strip()]
@@ -337,12 +343,13 @@ class VllmReplicas:
         """
         await self._on_all(
             [
-                self._post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path),
-                                                           "load_inplace": True})
+                self._post(
+                    url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "load_inplace": True}
+                )
                 for url in self.urls
                 for name, path in adapters.items()
             ]
-        )  # fmt: skip
+        )
         await self.reset_prefix_cache()
 
     async def reset_prefix_cache(self) -> None:

@@ -99,9 +99,10 @@ class ExecutionsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
-            "rollwire_controller_executions", "Executions the controller tracks, by backend and state.",
+            "rollwire_controller_executions",
+            "Executions the controller tracks, by backend and state.",
             labels=["backend", "state"],
-        )  # fmt: skip
+        )
         if self.source is not None:
             counts = Tally({(backend, phase): 0 for backend in BACKENDS for phase in PHASES})
             counts.update(self.source())

@@ -23,9 +23,21 @@ attempts_app = typer.Typer(help="Attempts of a rollout.", no_args_is_help=True)
 
 ROLLOUT_COLUMNS = ("rollout_id", "run_id", "group_id", "mode", "state", "attempt_count", "reward", "reason")
 ROLLOUT_FIELDS = (
-    "rollout_id", "run_id", "group_id", "mode", "state", "reason", "attempt_id", "attempt_count",
-    "max_attempts", "reward", "input", "metadata", "created_at", "updated_at",
-)  # fmt: skip
+    "rollout_id",
+    "run_id",
+    "group_id",
+    "mode",
+    "state",
+    "reason",
+    "attempt_id",
+    "attempt_count",
+    "max_attempts",
+    "reward",
+    "input",
+    "metadata",
+    "created_at",
+    "updated_at",
+)
 MODEL_COLUMNS = ("run_id", "name", "base_url", "served_model", "weights_version")
 STATES = ("queuing", "preparing", "running", "requeuing", "succeeded", "failed", "cancelled")
 
@@ -43,9 +55,13 @@ def _session(gateway_url: str | None, admin_token: str | None, data_dir: Path) -
 
 
 def _run(
-    gateway_url: str | None, admin_token: str | None, data_dir: Path, as_json: bool,
-    work: Callable[[SyncGatewayClient], Any], render: Callable[[Any], str],
-) -> None:  # fmt: skip
+    gateway_url: str | None,
+    admin_token: str | None,
+    data_dir: Path,
+    as_json: bool,
+    work: Callable[[SyncGatewayClient], Any],
+    render: Callable[[Any], str],
+) -> None:
     """Open a client, do the work, print the result (JSON or rendered), close."""
     api = _session(gateway_url, admin_token, data_dir)
     try:
@@ -85,9 +101,11 @@ def rollouts_create(
     max_attempts: int | None = typer.Option(None, help="Attempts allowed (default: the run's)."),
     metadata: str | None = typer.Option(None, help="Free-form JSON object kept with each rollout."),
     idempotency_key: str | None = typer.Option(None, help="Repeat-safe key (default: a fresh one)."),
-    gateway_url: str | None = GatewayUrl, admin_token: str | None = AdminToken, data_dir: Path = DataDir,
+    gateway_url: str | None = GatewayUrl,
+    admin_token: str | None = AdminToken,
+    data_dir: Path = DataDir,
     as_json: bool = AsJson,
-) -> None:  # fmt: skip
+) -> None:
     """Declare rollouts (status `queuing`): `POST /api/rollouts`."""
     if mode not in ("train", "val"):
         raise ApiCliError(f"--mode {mode!r}: use train or val", 2)
@@ -116,9 +134,11 @@ def rollouts_list(
     mode: str | None = typer.Option(None, help="Only train or val rollouts."),
     limit: int = typer.Option(50, help="At most this many (the next page: --cursor)."),
     cursor: int | None = typer.Option(None, help="Start after this cursor (printed after a full page)."),
-    gateway_url: str | None = GatewayUrl, admin_token: str | None = AdminToken, data_dir: Path = DataDir,
+    gateway_url: str | None = GatewayUrl,
+    admin_token: str | None = AdminToken,
+    data_dir: Path = DataDir,
     as_json: bool = AsJson,
-) -> None:  # fmt: skip
+) -> None:
     """List rollouts in creation order: `GET /api/rollouts`."""
     if state is not None:
         unknown = [s for s in state.split(",") if s and s not in STATES]
@@ -145,9 +165,11 @@ def rollouts_list(
 @rollouts_app.command("show")
 def rollouts_show(
     rollout_id: str = typer.Argument(..., help="The rollout."),
-    gateway_url: str | None = GatewayUrl, admin_token: str | None = AdminToken, data_dir: Path = DataDir,
+    gateway_url: str | None = GatewayUrl,
+    admin_token: str | None = AdminToken,
+    data_dir: Path = DataDir,
     as_json: bool = AsJson,
-) -> None:  # fmt: skip
+) -> None:
     """One rollout with its attempts and reward: `GET /api/rollouts/{id}`."""
 
     def work(api: SyncGatewayClient) -> Any:
@@ -162,9 +184,11 @@ def rollouts_show(
 def rollouts_cancel(
     rollout_id: str = typer.Argument(..., help="The rollout."),
     reason: str = typer.Option("cancelled from the command line", help="Why (kept in the status event)."),
-    gateway_url: str | None = GatewayUrl, admin_token: str | None = AdminToken, data_dir: Path = DataDir,
+    gateway_url: str | None = GatewayUrl,
+    admin_token: str | None = AdminToken,
+    data_dir: Path = DataDir,
     as_json: bool = AsJson,
-) -> None:  # fmt: skip
+) -> None:
     """Cancel a rollout (the controller stops its execution): `PATCH /api/rollouts/{id}` to `cancelled`."""
     body = {"status": "cancelled", "reason": reason}
 
@@ -180,9 +204,11 @@ def rollouts_cancel(
 def attempts_start(
     rollout_id: str = typer.Argument(..., help="A queuing or requeuing rollout."),
     executor: str | None = typer.Option(None, help="Who runs the attempt (recorded with it)."),
-    gateway_url: str | None = GatewayUrl, admin_token: str | None = AdminToken, data_dir: Path = DataDir,
+    gateway_url: str | None = GatewayUrl,
+    admin_token: str | None = AdminToken,
+    data_dir: Path = DataDir,
     as_json: bool = AsJson,
-) -> None:  # fmt: skip
+) -> None:
     """Start an attempt by hand: its agent token and proxy URL (`POST /api/rollouts/{id}/attempts`)."""
     body = {"executor": executor} if executor else {}
     keys = ("rollout_id", "run_id", "attempt_id", "sequence", "token", "proxy_base_url", "events_url")
@@ -200,9 +226,11 @@ def reward(
     attempt_id: str | None = typer.Option(None, help="The attempt (default: the rollout's current one)."),
     name: str | None = typer.Option(None, help="The reward's name, e.g. pass."),
     step: int | None = typer.Option(None, help="The step it belongs to, if any."),
-    gateway_url: str | None = GatewayUrl, admin_token: str | None = AdminToken, data_dir: Path = DataDir,
+    gateway_url: str | None = GatewayUrl,
+    admin_token: str | None = AdminToken,
+    data_dir: Path = DataDir,
     as_json: bool = AsJson,
-) -> None:  # fmt: skip
+) -> None:
     """Report a reward for a rollout's attempt: `POST /api/rollouts/{id}/attempt/{aid}/events`."""
     body: dict[str, Any] = {"type": "reward", "value": value}
     if name is not None:
@@ -223,16 +251,21 @@ def reward(
 
 def models_list(
     run_id: str | None = typer.Option(None, help="Only this run's endpoints."),
-    gateway_url: str | None = GatewayUrl, admin_token: str | None = AdminToken, data_dir: Path = DataDir,
+    gateway_url: str | None = GatewayUrl,
+    admin_token: str | None = AdminToken,
+    data_dir: Path = DataDir,
     as_json: bool = AsJson,
-) -> None:  # fmt: skip
+) -> None:
     """The inference endpoints the proxy routes to: `GET /api/models`."""
     query = {"run_id": run_id} if run_id else None
     _run(
-        gateway_url, admin_token, data_dir, as_json,
+        gateway_url,
+        admin_token,
+        data_dir,
+        as_json,
         lambda api: api.call("GET", "/api/models", params=query),
         lambda r: table(r["models"], MODEL_COLUMNS),
-    )  # fmt: skip
+    )
 
 
 def register(app: typer.Typer, models_app: typer.Typer) -> None:

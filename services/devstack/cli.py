@@ -71,10 +71,16 @@ def up(
     if replicas < 1:
         raise CliError("--replicas must be at least 1", 2)
     config = StackConfig(
-        data_dir=data_dir, gateway_port=gateway_port, nats_port=nats_port, pg_port=pg_port, external=external,
-        engine_kind=engine, engine_model=Path(engine_model) if engine_model else None,
-        vllm=VllmServeSettings(executable=vllm_executable, port=vllm_port), vllm_replicas=replicas,
-    )  # fmt: skip
+        data_dir=data_dir,
+        gateway_port=gateway_port,
+        nats_port=nats_port,
+        pg_port=pg_port,
+        external=external,
+        engine_kind=engine,
+        engine_model=Path(engine_model) if engine_model else None,
+        vllm=VllmServeSettings(executable=vllm_executable, port=vllm_port),
+        vllm_replicas=replicas,
+    )
     if services != "all":
         chosen = tuple(name for name in services.split(",") if name and name != "none")
         unknown = sorted(set(chosen) - set(config.services))
@@ -145,9 +151,17 @@ trainer_cli.register(app)
 api_cli.register(app, models_app)
 
 KNOWN_ERRORS = (
-    CliError, StackError, EventStoreError, EmbeddedServerError, InvalidId, MalformedEvent,
-    projector_cli.ProjectorCliError, ApiCliError, GatewayError, VllmInstallError,
-)  # fmt: skip
+    CliError,
+    StackError,
+    EventStoreError,
+    EmbeddedServerError,
+    InvalidId,
+    MalformedEvent,
+    projector_cli.ProjectorCliError,
+    ApiCliError,
+    GatewayError,
+    VllmInstallError,
+)
 
 
 def main() -> None:

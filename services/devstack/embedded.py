@@ -35,7 +35,6 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-
 def _running(pid: int) -> bool:
     """Whether `pid` is a live process: a zombie (killed, not yet reaped by an init that never reaps) is not."""
     try:
@@ -49,6 +48,7 @@ def _running(pid: int) -> bool:
     except OSError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
 
 class EmbeddedServerError(RuntimeError):
     """An embedded server could not be started; the message says why."""
@@ -97,9 +97,14 @@ class NatsServer:
     """A nats-server with JetStream, listening on 127.0.0.1:`port`, storing in `data_dir`."""
 
     def __init__(
-        self, data_dir: Path, port: int | None = None, *, max_payload: str | None = "8MB",
-        authorization: str | None = None, tied: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        *,
+        max_payload: str | None = "8MB",
+        authorization: str | None = None,
+        tied: bool = False,
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.max_payload = max_payload
@@ -189,9 +194,14 @@ class PostgresServer:
     """
 
     def __init__(
-        self, data_dir: Path, port: int | None = None, *, durable: bool = True, password: str | None = None,
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        *,
+        durable: bool = True,
+        password: str | None = None,
         tied: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.durable = durable
@@ -260,14 +270,8 @@ class PostgresServer:
 
             ensure_prefix_permissions(pgdata)
         self._require_password(run_as)
-        args = [
-            str(_postgres_bin() / "postgres"),
-            "-D", str(pgdata),
-            "-h", "127.0.0.1",
-            "-p", str(self.port),
-            "-k", str(pgdata),
-            "-c", "max_connections=200",
-        ]  # fmt: skip
+        args = [str(_postgres_bin() / "postgres"), "-D", str(pgdata), "-k", str(pgdata)]
+        args += ["-h", "127.0.0.1", "-p", str(self.port), "-c", "max_connections=200"]
         if not self.durable:
             args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
         log = self.data_dir / "postgres.log"

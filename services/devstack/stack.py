@@ -1,11 +1,13 @@
 """The local stack behind `rollwire up`: nats-server, Postgres and every Rollwire service.
 
-Everything runs as child processes of one foreground command, with no Docker:
+Everything runs as child processes of one foreground command, with no Docker (what it is asked
+for and answers, `StackConfig` and `Endpoints`: `stack_config.py`):
 
 1. take an exclusive lock on the data dir (two stacks on one data dir would corrupt it);
 2. check every port first, so a busy port fails before anything starts;
 3. start nats-server (JetStream) and Postgres from their wheels, data under the data dir;
-4. start each service (`python -m services.<name>`), wait for its health check;
+4. start each service (`python -m services.<name>`; the engine's vLLM replicas and their
+   registration with the gateway: `engine_models.py`), wait for its health check;
 5. supervise them: a child that dies is restarted with backoff (`supervise.py`); only repeated
    fast failure stops the stack;
 6. on Ctrl-C / SIGTERM stop them in reverse order.
@@ -22,133 +24,51 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import IO
 
 import httpx
-import msgspec
 
-from services.common.vllm import (
-    ReplicaError,
-    VllmServeSettings,
-    find_executable,
-    on_this_machine,
-    replica_devices,
-    serve_command,
-    tensor_parallel_size,
-    visible_gpus,
-)
 from services.devstack import credentials, endpoints_file
-from services.devstack.embedded import (
-    EmbeddedServerError,
-    NatsServer,
-    PostgresServer,
-    free_port,
-    port_in_use,
+from services.devstack.embedded import EmbeddedServerError, NatsServer, PostgresServer, free_port, port_in_use
+from services.devstack.engine_models import (
+    register_embedded,
+    register_model,
+    register_replicas,
+    tokenizer_args,
+    vllm_replicas,
+)
+from services.devstack.stack_config import (
+    DEFAULT_GATEWAY_PORT,
+    DEFAULT_MODEL_NAME,
+    DEFAULT_NATS_PORT,
+    DEFAULT_PG_PORT,
+    ChildService,
+    Endpoints,
+    StackConfig,
+    StackError,
 )
 from services.devstack.supervise import Unit
 
-DEFAULT_NATS_PORT = 14222
-DEFAULT_PG_PORT = 15432
-DEFAULT_GATEWAY_PORT = 18080
-DEFAULT_MODEL_NAME = "tiny"
-
-
-class StackError(RuntimeError):
-    """The stack cannot start; the message is the one line a user sees. `exit_code` is 2 for usage errors."""
-
-    def __init__(self, message: str, exit_code: int = 1) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def register_model(
-    gateway_url: str, admin_token: str, name: str, base_url: str, *, served_model: str | None = None,
-    run_id: str | None = None, timeout_s: float = 30.0, api_key: str | None = None,
-) -> None:  # fmt: skip
-    """Register an OpenAI-compatible endpoint with the gateway (idempotent: same call, same result).
-
-    Raises `StackError` with the gateway's answer when it refuses, or when it cannot be reached.
-    """
-    body = {"name": name, "base_url": base_url, "served_model": served_model or name}
-    if run_id:
-        body["run_id"] = run_id
-    key_body = dict(body)
-    if api_key:
-        body["api_key"] = api_key
-    key = "register-" + hashlib.sha256(json.dumps(key_body, sort_keys=True).encode()).hexdigest()[:32]
-    try:
-        response = httpx.post(
-            f"{gateway_url.rstrip('/')}/api/models",
-            json=body,
-            headers={"Authorization": f"Bearer {admin_token}", "Idempotency-Key": key},
-            timeout=timeout_s,
-        )
-    except httpx.HTTPError as exc:
-        raise StackError(f"the gateway at {gateway_url} cannot be reached: {exc}") from None
-    if response.status_code >= 300:
-        raise StackError(f"registering {name} with the gateway failed ({response.status_code}): {response.text[:200]}")
-
-
-@dataclass
-class StackConfig:
-    """Where the stack keeps its data and which ports it uses (0 = pick a free one)."""
-
-    data_dir: Path = Path(".rollwire")
-    nats_port: int = DEFAULT_NATS_PORT
-    pg_port: int = DEFAULT_PG_PORT
-    gateway_port: int = DEFAULT_GATEWAY_PORT
-    engine_port: int = 0
-    external: bool = False
-    services: tuple[str, ...] = ("engine", "gateway", "projector", "controller")
-    engine_model: Path | None = None
-    durable_postgres: bool = True
-    engine_kind: str = "vllm"  # `vllm_replicas` vLLM servers (services.common.vllm), or "embedded"
-    vllm: VllmServeSettings = field(default_factory=VllmServeSettings)
-    vllm_replicas: int = 1
-    agent_isolation: str = "auto"
-    """How the controller keeps local agents from the data dir (`ROLLWIRE_AGENT_ISOLATION` overrides)."""
-
-
-@dataclass
-class ChildService:
-    """One Rollwire service running as `python -m services.<name>`."""
-
-    name: str
-    args: list[str]
-    health_url: str | None = None
-    endpoint: str | None = None
-    proc: subprocess.Popen[bytes] | None = None
-    log: IO[bytes] | None = None
-    command: list[str] | None = None  # a program other than `python -m services.<name>` (vLLM)
-    env: dict[str, str] = field(default_factory=dict)
-    startup_s: float = 120.0
-
-
-@dataclass
-class Endpoints:
-    """What a running stack exposes; printed by `rollwire up`, used by the quickstart and tests."""
-
-    nats_url: str
-    database_url: str
-    gateway_url: str | None = None
-    engine_url: str | None = None
-    admin_token: str = ""
-    engine_urls: list[str] = field(default_factory=list)  # every vLLM replica's /v1
-    engine_api_key: str = ""  # what vLLM requires on every route
-    lines: list[str] = field(default_factory=list)
-    monitor_nats_url: str = ""
-    """The read-only NATS user's URL (for `rollwire tail`, monitors); empty with `--external`."""
+__all__ = [
+    "DEFAULT_GATEWAY_PORT",
+    "DEFAULT_MODEL_NAME",
+    "DEFAULT_NATS_PORT",
+    "DEFAULT_PG_PORT",
+    "ChildService",
+    "Endpoints",
+    "Stack",
+    "StackConfig",
+    "StackError",
+    "register_model",
+]
 
 
 class Stack:
@@ -232,6 +152,22 @@ class Stack:
             self.data_dir / "admin_token", "ROLLWIRE_ADMIN_TOKEN"
         )
         signing_key, _ = credentials.read_or_create_secret(self.data_dir / "secret", "ROLLWIRE_SECRET")
+        service_urls, endpoints = self._servers(ports, admin_token)
+        if generated:
+            endpoints.lines.append(f"admin token: {admin_token} (saved in {self.data_dir / 'admin_token'})")
+        self._env = self._child_env(ports, admin_token, signing_key)
+        for spec in self._service_specs(ports):
+            spec.env = {**service_urls.get(spec.name, {}), **spec.env}
+            self._start_child(spec, self._env)
+            if spec.endpoint:
+                endpoints.lines.append(spec.endpoint)
+        self._engine_endpoints(endpoints, ports)
+        self.endpoints = endpoints
+        return endpoints
+
+    def _servers(self, ports: dict[str, int], admin_token: str) -> tuple[dict[str, dict[str, str]], Endpoints]:
+        """NATS and Postgres, started here or (`--external`) from NATS_URL and DATABASE_URL: each
+        service's URLs, and the endpoints so far."""
         if self.config.external:
             nats_url = os.environ.get("NATS_URL", "")
             database_url = os.environ.get("DATABASE_URL", "")
@@ -255,8 +191,10 @@ class Stack:
         ]
         if not self.config.external:
             endpoints.lines.append(f"credentials: {self.data_dir / credentials.FILE}")
-        if generated:
-            endpoints.lines.append(f"admin token: {admin_token} (saved in {self.data_dir / 'admin_token'})")
+        return service_urls, endpoints
+
+    def _child_env(self, ports: dict[str, int], admin_token: str, signing_key: str) -> dict[str, str]:
+        """The environment every service starts with (its own URLs come on top; never another's)."""
         env = {
             **{k: v for k, v in os.environ.items() if k not in ("NATS_URL", "DATABASE_URL")},
             "ROLLWIRE_ADMIN_TOKEN": admin_token,
@@ -269,38 +207,39 @@ class Stack:
         }
         if "projector" in self.config.services:  # the gateway forwards reads to it
             env["ROLLWIRE_PROJECTOR_URL"] = f"http://127.0.0.1:{ports['projector']}"
-        self._env = env
-        for spec in self._service_specs(ports):
-            spec.env = {**service_urls.get(spec.name, {}), **spec.env}
-            self._start_child(spec, env)
-            if spec.endpoint:
-                endpoints.lines.append(spec.endpoint)
+        return env
+
+    def _engine_endpoints(self, endpoints: Endpoints, ports: dict[str, int]) -> None:
+        """The gateway's and the engine's URLs; the engine registered with the gateway as the default model."""
         if "gateway" in self.config.services:
             endpoints.gateway_url = f"http://127.0.0.1:{ports['gateway']}"
         if "engine" in self.config.services and self.config.engine_kind == "embedded":
             endpoints.engine_url = f"http://127.0.0.1:{ports['engine']}/v1"
             if endpoints.gateway_url:
-                self._register_engine(endpoints)
+                register_embedded(endpoints)
         if self.config.engine_kind == "vllm" and "engine" in self.config.services:
             endpoints.engine_urls = [f"http://{self.config.vllm.host}:{port}/v1" for port in self._vllm_ports]
             endpoints.engine_url, endpoints.engine_api_key = endpoints.engine_urls[0], self._engine_key
             if endpoints.gateway_url:
-                self._register_vllm(endpoints)
-        self.endpoints = endpoints
-        return endpoints
+                register_replicas(endpoints)
 
     def _start_servers(self, ports: dict[str, int]) -> tuple[dict[str, dict[str, str]], str]:
         """Start nats-server (a user per service) and Postgres (a password); each service's URLs, and Postgres'."""
         self._credentials = credentials.load_or_create(self.data_dir)
         try:
             self.nats = NatsServer(
-                self.data_dir / "nats", ports["nats"],
-                authorization=credentials.nats_authorization(self._credentials), tied=True,
-            ).start()  # fmt: skip
+                self.data_dir / "nats",
+                ports["nats"],
+                authorization=credentials.nats_authorization(self._credentials),
+                tied=True,
+            ).start()
             self.postgres = PostgresServer(
-                self.data_dir / "postgres", ports["postgres"], durable=self.config.durable_postgres,
-                password=self._credentials.postgres, tied=True,
-            ).start()  # fmt: skip
+                self.data_dir / "postgres",
+                ports["postgres"],
+                durable=self.config.durable_postgres,
+                password=self._credentials.postgres,
+                tied=True,
+            ).start()
         except EmbeddedServerError as exc:
             raise StackError(str(exc)) from None
         database_url = self._credentials.postgres_url(self.postgres.url)
@@ -317,11 +256,13 @@ class Stack:
         """The services to start, in order, for the names in the config."""
         gateway = f"http://127.0.0.1:{ports['gateway']}"
         engine = f"http://127.0.0.1:{ports['engine']}"
+        engine_args = ["--host", "127.0.0.1", "--port", str(ports["engine"]), "--served-name", DEFAULT_MODEL_NAME]
+        if self.config.engine_model:
+            engine_args += ["--model", str(self.config.engine_model)]
         known = {
             "engine": ChildService(
                 "engine",
-                ["--host", "127.0.0.1", "--port", str(ports["engine"]), "--served-name", DEFAULT_MODEL_NAME,
-                 *(["--model", str(self.config.engine_model)] if self.config.engine_model else [])],
+                engine_args,
                 health_url=f"{engine}/health",
                 endpoint=f"engine: {engine}/v1",
             ),
@@ -333,7 +274,7 @@ class Stack:
             ),
             "projector": ChildService(
                 "projector",
-                ["--port", str(ports["projector"]), *self._tokenizer_args()],
+                ["--port", str(ports["projector"]), *tokenizer_args(self.config)],
                 health_url=f"http://127.0.0.1:{ports['projector']}/healthz",
                 endpoint=f"projector: http://127.0.0.1:{ports['projector']}/metrics",
             ),
@@ -343,98 +284,20 @@ class Stack:
                 health_url=f"http://127.0.0.1:{ports['controller']}/healthz",
                 endpoint=f"controller: http://127.0.0.1:{ports['controller']}/metrics",
             ),
-        }  # fmt: skip
+        }
         # The projector before the gateway: the gateway's reads, and so its /healthz, depend on it.
         order = ("engine", "projector", "gateway", "controller")
         if self.config.engine_kind == "vllm":
             del known["engine"]
-            replicas = self._vllm_specs() if "engine" in self.config.services else []
+            replicas = self._vllm_children() if "engine" in self.config.services else []
             return replicas + [known[name] for name in order if name in self.config.services and name in known]
         return [known[name] for name in order if name in self.config.services]
 
-    # ---- the engine: vLLM replicas ------------------------------------------------------------
-
-    def _vllm_specs(self) -> list[ChildService]:
-        """One vLLM server per replica, each on its own GPUs, each requiring the stack's engine key.
-
-        vLLM is installed first when missing (`rollwire vllm install`); without a model the stack
-        serves the tiny default model; without CUDA the weights stay float32 (the trainer's dtype,
-        so recorded logprobs match its own) and the KV cache gets 1 GiB unless VLLM_CPU_KVCACHE_SPACE
-        says otherwise. Ports: consecutive from `vllm.port`, or free ones when it is 0.
-        """
-        from services.common.vllm_install import VllmInstallError, ensure_vllm
-
-        settings = self.config.vllm
-        try:
-            if not settings.executable:
-                settings = msgspec.structs.replace(settings, executable=str(ensure_vllm(self.say)))
-            executable = find_executable(settings.executable)
-        except (ReplicaError, VllmInstallError) as exc:
-            raise StackError(str(exc), 2) from None
-        self._engine_key, _ = credentials.read_or_create_secret(self.data_dir / "engine_key", "ROLLWIRE_ENGINE_KEY")
-        settings, machine_env = on_this_machine(
-            msgspec.structs.replace(settings, executable=executable, api_key=self._engine_key)
-        )
-        model = str(self.config.engine_model or self._tiny_model())
-        count = self.config.vllm_replicas
-        self._vllm_ports = (
-            [settings.port + i for i in range(count)] if settings.port else [free_port() for _ in range(count)]
-        )
-        try:
-            devices = replica_devices(count, tensor_parallel_size(settings.extra_args), visible_gpus())
-        except ReplicaError as exc:
-            raise StackError(str(exc), 2) from None
-        specs = []
-        for index, port in enumerate(self._vllm_ports):
-            argv, env = serve_command(settings, model, DEFAULT_MODEL_NAME, port)
-            env = {**machine_env, **env, "CUDA_VISIBLE_DEVICES": devices[index]}
-            specs.append(ChildService(
-                f"vllm-{index}", [], command=argv, env=env, health_url=f"http://{settings.host}:{port}/health",
-                endpoint=f"engine: http://{settings.host}:{port}/v1 (vLLM replica {index})", startup_s=900.0,
-            ))  # fmt: skip
-        return specs
-
-    def _register_vllm(self, endpoints: Endpoints) -> None:
-        """Register every vLLM replica (with its key) as a default model; a rollout sticks to one replica."""
-        assert endpoints.gateway_url is not None
-        for index, url in enumerate(endpoints.engine_urls):
-            register_model(
-                endpoints.gateway_url, endpoints.admin_token, f"{DEFAULT_MODEL_NAME}-r{index}", url,
-                served_model=DEFAULT_MODEL_NAME, api_key=self._engine_key,
-            )  # fmt: skip
-
-    @staticmethod
-    def _tiny_model() -> Path:
-        from services.engine.tiny_model import ensure_tiny_model  # torch: only when the stack builds it
-
-        return ensure_tiny_model()
-
-    # ---- end of the engine ---------------------------------------------------------------------
-
-    def _tokenizer_args(self) -> list[str]:
-        """The engine model's tokenizer, scoped to that model, so the projection (and the viewer) has call text.
-
-        Scoped by the name the engine answers with (its directory's name) and the registered name:
-        calls of any other model are not decoded with it.
-        """
-        if "engine" not in self.config.services:
-            return []
-        model = self.config.engine_model
-        if self.config.engine_kind == "vllm":
-            model = model if model is not None else self._tiny_model()
-            local = Path(model).is_dir()
-            return ["--tokenizer", f"{DEFAULT_MODEL_NAME}={model}"] if local else []
-        if model is None:
-            from services.engine.tiny_model import tiny_model_dir  # torch: only with the engine
-
-            model = tiny_model_dir()
-        names = dict.fromkeys((Path(model).resolve().name, DEFAULT_MODEL_NAME))
-        return [arg for name in names for arg in ("--tokenizer", f"{name}={model}")]
-
-    def _register_engine(self, endpoints: Endpoints) -> None:
-        """Register the embedded engine as the default model, so any run's proxy calls reach it."""
-        assert endpoints.gateway_url is not None and endpoints.engine_url is not None
-        register_model(endpoints.gateway_url, endpoints.admin_token, DEFAULT_MODEL_NAME, endpoints.engine_url)
+    def _vllm_children(self) -> list[ChildService]:
+        """The vLLM replicas' children (`engine_models`); their ports and key are kept for the endpoints."""
+        replicas = vllm_replicas(self.config, self.data_dir, self.say)
+        self._vllm_ports, self._engine_key = replicas.ports, replicas.api_key
+        return replicas.children
 
     def _start_child(self, spec: ChildService, env: dict[str, str]) -> None:
         self._spawn(spec, env)

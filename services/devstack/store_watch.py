@@ -62,10 +62,17 @@ class StoreWatch:
     """Probe the JetStream store now and then; restart nats-server when it is stuck (module docstring)."""
 
     def __init__(
-        self, server: NatsServer, url: str, say: Callable[[str], None], *, interval_s: float = 10.0,
-        failures: int = 3, min_free_bytes: int = 16 * 2**20, timeout_s: float = 3.0,
+        self,
+        server: NatsServer,
+        url: str,
+        say: Callable[[str], None],
+        *,
+        interval_s: float = 10.0,
+        failures: int = 3,
+        min_free_bytes: int = 16 * 2**20,
+        timeout_s: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.server = server
         self.url = url
         self.say = say

@@ -186,6 +186,28 @@ def create_query_app(
     """The projector's HTTP app over `reader` (see the module docstring)."""
     app = FastAPI(title="Rollwire projector", openapi_url=None, docs_url=None, redoc_url=None)
     authorize = bearer_check(admin_token) if admin_token else None
+    _add_error_handlers(app)
+    app.add_middleware(
+        MinSeqMiddleware,
+        reader=reader,
+        timeout_s=min_seq_timeout_s,
+        prefixes=("/query/", "/api/", "/ui/api/"),
+        authorize=authorize,
+    )
+    # Outermost: every request is counted and logged, min_seq waits included.
+    app.add_middleware(ObservedApp, service="projector")
+    for path, fetch, missing in _query_routes(reader):
+        app.add_api_route(path, _route(authorize, fetch, missing), methods=["GET"], include_in_schema=False)
+    if status is not None:
+        _add_status(app, status)
+    if viewer:
+        mount_viewer(app, reader, authorize=authorize)
+    _add_openapi(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal as a JSON error body: 401, 503 (the read model down or behind `min_seq`), 422, and HTTP errors."""
 
     async def unauthorized(request: Request, exc: Exception) -> Response:
         return _error(401, str(exc))
@@ -212,22 +234,11 @@ def create_query_app(
     app.add_exception_handler(ProjectionBehind, behind)
     app.add_exception_handler(InvalidId, invalid)
     app.add_exception_handler(ValueError, invalid)
-    app.add_middleware(
-        MinSeqMiddleware,
-        reader=reader,
-        timeout_s=min_seq_timeout_s,
-        prefixes=("/query/", "/api/", "/ui/api/"),
-        authorize=authorize,
-    )
-    # Outermost: every request is counted and logged, min_seq waits included.
-    app.add_middleware(ObservedApp, service="projector")
-    for path, fetch, missing in _query_routes(reader):
-        app.add_api_route(path, _route(authorize, fetch, missing), methods=["GET"], include_in_schema=False)
-    if status is not None:
-        _add_status(app, status)
-    if viewer:
-        mount_viewer(app, reader, authorize=authorize)
-    document: list[bytes] = []  # built on first request (every route is added by then)
+
+
+def _add_openapi(app: FastAPI) -> None:
+    """`GET /openapi.json`, built on its first request (every route is added by then)."""
+    document: list[bytes] = []
 
     async def openapi_json(request: Request) -> Response:
         """`GET /openapi.json`: the projector's routes (no token: the document holds no data)."""
@@ -236,7 +247,6 @@ def create_query_app(
         return Response(document[0], media_type="application/json")
 
     app.add_api_route("/openapi.json", openapi_json, methods=["GET"], include_in_schema=False)
-    return app
 
 
 def _add_status(app: FastAPI, status: Status) -> None:

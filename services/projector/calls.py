@@ -31,9 +31,17 @@ from services.projector.packing import json_column
 log = logging.getLogger("rollwire.projector.calls")
 
 STORED_COLUMNS = (
-    "seq", "base_seq", "base_tokens", "base_text", "prompt_ids", "response_ids", "prompt_text", "response_text",
-    "request", "request_ref",
-)  # fmt: skip
+    "seq",
+    "base_seq",
+    "base_tokens",
+    "base_text",
+    "prompt_ids",
+    "response_ids",
+    "prompt_text",
+    "response_text",
+    "request",
+    "request_ref",
+)
 """The columns `CallResolver` reads of each row (a query may alias them: `m.seq AS seq`)."""
 
 _ANCESTORS = f"""

@@ -67,7 +67,7 @@ class Extras(msgspec.Struct, kw_only=True):
 
 
 class StatsDelta(msgspec.Struct, kw_only=True):
-    """What a batch adds to one `attempt_stats` row."""
+    """What a batch adds to one `attempt_stats` row; its fields are the row's columns after the key, in order."""
 
     calls: int = 0
     failed_calls: int = 0
@@ -79,12 +79,9 @@ class StatsDelta(msgspec.Struct, kw_only=True):
 
 
 class RunDelta(msgspec.Struct, kw_only=True):
-    """What a batch adds to one `runs` row (merged with the stored row by the upsert)."""
+    """What a batch adds to one `runs` row (merged with the stored row by the upsert); its fields are
+    the row's columns after `run_id`, in order (`pgstore` writes them as they are)."""
 
-    events: int = 0
-    first_seq: int = 0
-    last_seq: int = 0
-    last_event_at: float = 0.0
     name: str | None = None
     config: str | None = None
     started_at: float | None = None
@@ -92,10 +89,15 @@ class RunDelta(msgspec.Struct, kw_only=True):
     phase: str | None = None
     weights_version: int | None = None
     phase_seq: int | None = None
+    events: int = 0
+    first_seq: int = 0
+    last_seq: int = 0
+    last_event_at: float = 0.0
 
 
 class ModelDelta(msgspec.Struct, kw_only=True):
-    """The batch's last registration and last removal of one model name."""
+    """The batch's last registration and last removal of one model name; its fields are the `models`
+    row's columns after the key, in order."""
 
     base_url: str | None = None
     served_model: str | None = None
@@ -215,19 +217,45 @@ def _detail_rows(plan: Plan, item: Incoming) -> None:
     event = item.event
     assert event is not None
     plan.events.append(
-        (item.seq, event.run_id, event.rollout_id, event.attempt_id, event_type(event), event.event_id,
-         event.schema_version, event.time, item.body)
-    )  # fmt: skip
+        (
+            item.seq,
+            event.run_id,
+            event.rollout_id,
+            event.attempt_id,
+            event_type(event),
+            event.event_id,
+            event.schema_version,
+            event.time,
+            item.body,
+        )
+    )
     if isinstance(event, RewardReported):
         plan.rewards.append(
-            (item.seq, event.run_id, event.rollout_id, event.attempt_id, event.time, event.value, event.name,
-             event.step, event.source)
-        )  # fmt: skip
+            (
+                item.seq,
+                event.run_id,
+                event.rollout_id,
+                event.attempt_id,
+                event.time,
+                event.value,
+                event.name,
+                event.step,
+                event.source,
+            )
+        )
     elif isinstance(event, CustomEvent):
         plan.custom_events.append(
-            (item.seq, event.run_id, event.rollout_id, event.attempt_id, event.time, event.name,
-             _json.encode(event.payload).decode(), event.source)
-        )  # fmt: skip
+            (
+                item.seq,
+                event.run_id,
+                event.rollout_id,
+                event.attempt_id,
+                event.time,
+                event.name,
+                _json.encode(event.payload).decode(),
+                event.source,
+            )
+        )
     elif isinstance(event, PhaseChanged):
         plan.phases.append((item.seq, event.run_id, event.phase, event.weights_version, event.time))
 
@@ -288,18 +316,42 @@ def _call_row(plan: Plan, item: Incoming, new_sample: bool) -> None:
     event, call = item.event, item.call
     assert isinstance(event, ModelRequestRecorded) and call is not None
     row = CallRow(
-        seq=item.seq, run_id=event.run_id, rollout_id=event.rollout_id, attempt_id=event.attempt_id, time=event.time,
-        call_id=event.call_id, choice_index=event.choice_index, mode=event.mode, status=event.status,
-        model=event.model, weights_version=event.weights_version, prompt_ids=call.prompt_ids,
-        response_ids=call.response_ids, logprobs=call.logprobs, prompt_tokens=call.prompt_tokens,
-        response_tokens=call.response_tokens, prompt_text=call.prompt_text, response_text=call.response_text,
-        response_pieces=call.response_pieces, finish_reason=event.finish_reason, request=call.request,
-        response=call.response, usage=call.usage, latency_s=event.latency_s, error=event.error,
-        new_sample=new_sample, flags=call.flags, agent=nul_escaped_text(event.agent),
-        endpoint=nul_escaped_text(event.endpoint), started_at=event.started_at, temperature=event.temperature,
-        top_p=event.top_p, top_k=event.top_k, api=event.api,
+        seq=item.seq,
+        run_id=event.run_id,
+        rollout_id=event.rollout_id,
+        attempt_id=event.attempt_id,
+        time=event.time,
+        call_id=event.call_id,
+        choice_index=event.choice_index,
+        mode=event.mode,
+        status=event.status,
+        model=event.model,
+        weights_version=event.weights_version,
+        prompt_ids=call.prompt_ids,
+        response_ids=call.response_ids,
+        logprobs=call.logprobs,
+        prompt_tokens=call.prompt_tokens,
+        response_tokens=call.response_tokens,
+        prompt_text=call.prompt_text,
+        response_text=call.response_text,
+        response_pieces=call.response_pieces,
+        finish_reason=event.finish_reason,
+        request=call.request,
+        response=call.response,
+        usage=call.usage,
+        latency_s=event.latency_s,
+        error=event.error,
+        new_sample=new_sample,
+        flags=call.flags,
+        agent=nul_escaped_text(event.agent),
+        endpoint=nul_escaped_text(event.endpoint),
+        started_at=event.started_at,
+        temperature=event.temperature,
+        top_p=event.top_p,
+        top_k=event.top_k,
+        api=event.api,
         continuity=nul_escaped_text(event.continuity) if isinstance(event.continuity, str) else None,
-    )  # fmt: skip
+    )
     if call.base_seq is not None:
         plan.full_calls[item.seq] = msgspec.structs.astuple(row)
         text = call.prompt_text

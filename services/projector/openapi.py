@@ -40,16 +40,29 @@ def _text(name: str) -> dict[str, Any]:
 
 
 QUERY: dict[str, list[dict[str, Any]]] = {
-    "/query/rollouts": [_text("run_id"), _text("status"), _text("group_id"), _text("mode"), _int("limit", 1),
-                        _int("cursor")],
+    "/query/rollouts": [
+        _text("run_id"),
+        _text("status"),
+        _text("group_id"),
+        _text("mode"),
+        _int("limit", 1),
+        _int("cursor"),
+    ],
     "/query/terminal": [_int("after"), _int("limit", 1)],
     "/query/rollouts/{rollout_id}": [_text("run_id")],
     "/query/rollouts/{rollout_id}/events": [_text("run_id")],
     "/api/runs": [_int("limit", 1)],
-    "/ui/api/runs/{run_id}/rollouts": [_text("sort"), _text("desc"), _text("status"), _text("flagged"), _text("q"),
-                                       _int("limit", 1, 1000), _int("offset")],
+    "/ui/api/runs/{run_id}/rollouts": [
+        _text("sort"),
+        _text("desc"),
+        _text("status"),
+        _text("flagged"),
+        _text("q"),
+        _int("limit", 1, 1000),
+        _int("offset"),
+    ],
     "/ui/api/runs/{run_id}/rollouts/{rollout_id}/timeline": [_int("after_seq"), _int("limit", 1, 10_000)],
-}  # fmt: skip
+}
 MIN_SEQ = _int("min_seq", 0, JSON_INT_MAX)
 
 
@@ -87,11 +100,13 @@ def _operation(path: str) -> dict[str, Any]:
         "summary": f"GET {path}",
         "responses": {
             "200": ok,
-            "4XX": {"description": "refused: no admin token (401), nothing there (404), a bad parameter (422)",
-                    "content": error},
+            "4XX": {
+                "description": "refused: no admin token (401), nothing there (404), a bad parameter (422)",
+                "content": error,
+            },
             "503": {"description": "Postgres unavailable, or `min_seq` not reached in time", "content": error},
         },
-    }  # fmt: skip
+    }
     if path == "/ui":
         operation["responses"]["307"] = {"description": "to `/ui/`"}
     parameters = _parameters(path)

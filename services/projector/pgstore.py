@@ -24,6 +24,7 @@ from typing import Any
 
 import asyncpg
 import msgspec
+from msgspec.structs import astuple
 
 from schemas.rollout import AttemptView, RewardView, RolloutView
 from services.projector.fold import CallRow, Extras, Loaded, Plan, RolloutKey, fold_batch, needs
@@ -47,10 +48,7 @@ PROMOTED_FIELDS = (
     "terminal_seq",
 )
 LIST_FIELDS = ("attempts", "rewards")
-EXTRA_COLUMNS = (
-    "ended_at", "attempts", "reward", "rewards", "calls", "failed_calls", "prompt_tokens", "response_tokens",
-    "samples", "custom_events", "flags", "last_seq", "last_event_at",
-)  # fmt: skip
+EXTRA_COLUMNS = Extras.__struct_fields__  # one definition: the Struct's fields are the extra columns
 _MUTABLE = ("state", *PROMOTED_FIELDS, *EXTRA_COLUMNS)
 ROLLOUT_COLUMNS = ("run_id", "rollout_id", *BULKY_FIELDS, *_MUTABLE)
 
@@ -72,7 +70,7 @@ _UPDATE_ROLLOUT = (
     "WHERE run_id = $1 AND rollout_id = $2"
 )
 _UPSERT_ATTEMPT = """
-INSERT INTO attempts (run_id, rollout_id, attempt_id, idx, sequence, started_at, executor, ended,
+INSERT INTO attempts (run_id, rollout_id, idx, attempt_id, sequence, started_at, executor, ended,
                       reached_running, ended_as, reason)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
 ON CONFLICT (run_id, rollout_id, attempt_id) DO UPDATE SET
@@ -174,19 +172,12 @@ def extras_from_row(row: asyncpg.Record) -> Extras:
 
 def attempt_fields(row: asyncpg.Record) -> dict[str, Any]:
     """One attempt view's fields from an `attempts` row."""
-    return {
-        "attempt_id": row["attempt_id"], "sequence": row["sequence"], "started_at": row["started_at"],
-        "executor": row["executor"], "ended": row["ended"], "reached_running": row["reached_running"],
-        "ended_as": row["ended_as"], "reason": row["reason"],
-    }  # fmt: skip
+    return {name: row[name] for name in AttemptView.__struct_fields__}
 
 
 def reward_fields(row: asyncpg.Record) -> dict[str, Any]:
     """One reward view's fields from a `rewards` row."""
-    return {
-        "value": row["value"], "attempt_id": row["attempt_id"], "name": row["name"], "source": row["source"],
-        "time": row["time"],
-    }  # fmt: skip
+    return {name: row[name] for name in RewardView.__struct_fields__}
 
 
 async def load_lists(
@@ -294,7 +285,11 @@ class Rows(msgspec.Struct):
 
 
 def materialize(plan: Plan) -> Plan:
-    """Compute every row `plan` writes, now: a later fold may change the views it folded."""
+    """Compute every row `plan` writes, now: a later fold may change the views it folded.
+
+    An attempt's, a run's, a model's and an attempt's stats row are its key and its Struct's fields,
+    which are in the order of their table's columns (see `AttemptView`, `RunDelta`, `ModelDelta`,
+    `StatsDelta`)."""
     inserts, updates = [], []
     for key in sorted(plan.touched):
         values = _rollout_values(plan.views[key], plan.extras[key])
@@ -306,27 +301,15 @@ def materialize(plan: Plan) -> Plan:
         inserts=inserts,
         updates=updates,
         attempts=[
-            (key[0], key[1], a.attempt_id, idx, a.sequence, a.started_at, a.executor, a.ended, a.reached_running,
-             a.ended_as, a.reason)
+            (*key, idx, *astuple(a))
             for key in sorted(plan.with_attempts & plan.touched)
             for idx, a in enumerate(plan.views[key].attempts)
         ],
-        stats=[
-            (*k, d.calls, d.failed_calls, d.prompt_tokens, d.response_tokens, d.samples, d.reward, d.reward_seq)
-            for k, d in sorted(plan.stats.items())
-        ],
+        stats=[(*k, *astuple(d)) for k, d in sorted(plan.stats.items())],
         chains=[(*k, v) for k, v in sorted(plan.chains.items())],
-        runs=[
-            (run, d.name, d.config, d.started_at, d.started_seq, d.phase, d.weights_version, d.phase_seq, d.events,
-             d.first_seq, d.last_seq, d.last_event_at)
-            for run, d in sorted(plan.runs.items())
-        ],
-        models=[
-            (*k, d.base_url, d.served_model, d.weights_version, d.registered_at, d.registered_seq, d.removed_at,
-             d.removed_seq)
-            for k, d in sorted(plan.models.items())
-        ],
-    )  # fmt: skip
+        runs=[(run, *astuple(d)) for run, d in sorted(plan.runs.items())],
+        models=[(*k, *astuple(d)) for k, d in sorted(plan.models.items())],
+    )
     return plan
 
 

@@ -116,15 +116,28 @@ def _summary(row: asyncpg.Record, by_status: dict[str, int]) -> RunSummary:
         return None if value is None else float(value)
 
     return RunSummary(
-        run_id=row["run_id"], name=row["name"], started=row["started_seq"] is not None,
-        started_at=row["started_at"], last_event_at=row["last_event_at"], events=row["events"],
-        phase=row["phase"], weights_version=row["weights_version"], rollouts=row["rollouts"], by_status=by_status,
-        rewarded=row["rewarded"], reward_mean=num(row["reward_mean"]), calls=int(row["calls"]),
-        failed_calls=int(row["failed_calls"]), calls_per_rollout=num(row["calls_per_rollout"]),
-        prompt_tokens=int(row["prompt_tokens"]), response_tokens=int(row["response_tokens"]),
-        tokens_per_rollout=num(row["tokens_per_rollout"]), samples=int(row["samples"]), flagged=row["flagged"],
+        run_id=row["run_id"],
+        name=row["name"],
+        started=row["started_seq"] is not None,
+        started_at=row["started_at"],
+        last_event_at=row["last_event_at"],
+        events=row["events"],
+        phase=row["phase"],
+        weights_version=row["weights_version"],
+        rollouts=row["rollouts"],
+        by_status=by_status,
+        rewarded=row["rewarded"],
+        reward_mean=num(row["reward_mean"]),
+        calls=int(row["calls"]),
+        failed_calls=int(row["failed_calls"]),
+        calls_per_rollout=num(row["calls_per_rollout"]),
+        prompt_tokens=int(row["prompt_tokens"]),
+        response_tokens=int(row["response_tokens"]),
+        tokens_per_rollout=num(row["tokens_per_rollout"]),
+        samples=int(row["samples"]),
+        flagged=row["flagged"],
         duration_mean_s=num(row["duration_mean_s"]),
-    )  # fmt: skip
+    )
 
 
 def call_event(row: asyncpg.Record, calls: CallResolver) -> ModelRequestRecorded:
@@ -135,17 +148,36 @@ def call_event(row: asyncpg.Record, calls: CallResolver) -> ModelRequestRecorded
     seq = row["seq"]
     top_k, continuity = row["top_k"], row["continuity"]
     return ModelRequestRecorded(
-        run_id=row["run_id"], rollout_id=row["rollout_id"], attempt_id=row["attempt_id"], event_id=row["event_id"],
-        schema_version=row["schema_version"], time=row["time"], call_id=row["call_id"], mode=row["mode"],
-        status=row["status"], choice_index=row["choice_index"], model=row["model"],
-        weights_version=row["weights_version"], prompt_ids=unpack_int32(calls.prompt_ids(seq)),
-        response_ids=unpack_int32(row["response_ids"]), logprobs=unpack_float64(row["logprobs"]),
-        finish_reason=row["finish_reason"], request=calls.request(seq), response=json_column(row["response"]),
-        usage=json_column(row["usage"]), latency_s=row["latency_s"], error=row["error"], agent=row["agent"],
-        endpoint=row["endpoint"], started_at=row["started_at"], temperature=row["temperature"], top_p=row["top_p"],
-        top_k=None if top_k is None else int(top_k), api=row["api"],
+        run_id=row["run_id"],
+        rollout_id=row["rollout_id"],
+        attempt_id=row["attempt_id"],
+        event_id=row["event_id"],
+        schema_version=row["schema_version"],
+        time=row["time"],
+        call_id=row["call_id"],
+        mode=row["mode"],
+        status=row["status"],
+        choice_index=row["choice_index"],
+        model=row["model"],
+        weights_version=row["weights_version"],
+        prompt_ids=unpack_int32(calls.prompt_ids(seq)),
+        response_ids=unpack_int32(row["response_ids"]),
+        logprobs=unpack_float64(row["logprobs"]),
+        finish_reason=row["finish_reason"],
+        request=calls.request(seq),
+        response=json_column(row["response"]),
+        usage=json_column(row["usage"]),
+        latency_s=row["latency_s"],
+        error=row["error"],
+        agent=row["agent"],
+        endpoint=row["endpoint"],
+        started_at=row["started_at"],
+        temperature=row["temperature"],
+        top_p=row["top_p"],
+        top_k=None if top_k is None else int(top_k),
+        api=row["api"],
         continuity=UNSET if continuity is None else continuity,
-    )  # fmt: skip
+    )
 
 
 def _event_from_row(row: asyncpg.Record, calls: CallResolver) -> StoredEvent:
@@ -160,9 +192,14 @@ def _event_from_row(row: asyncpg.Record, calls: CallResolver) -> StoredEvent:
             body.update(name=row["custom_name"], payload=json_column(row["payload"]), source=row["custom_source"])
         if row["body"] is None:
             body.update(
-                type=kind, run_id=row["run_id"], rollout_id=row["rollout_id"], attempt_id=row["attempt_id"],
-                event_id=row["event_id"], schema_version=row["schema_version"], time=row["time"],
-            )  # fmt: skip
+                type=kind,
+                run_id=row["run_id"],
+                rollout_id=row["rollout_id"],
+                attempt_id=row["attempt_id"],
+                event_id=row["event_id"],
+                schema_version=row["schema_version"],
+                time=row["time"],
+            )
         event = from_dict(body)
     return StoredEvent(seq=row["seq"], subject=event.subject, event=event)
 
@@ -345,9 +382,13 @@ class PostgresRolloutReader:
                 return None
             counts = await self._status_counts(conn, [run_id])
         return RunView(
-            run_id=run_id, name=row["name"] or "", config=json_column(row["config"]) or {},
-            started_at=row["started_at"], seq=row["started_seq"] or 0, rollouts=counts.get(run_id, {}),
-        )  # fmt: skip
+            run_id=run_id,
+            name=row["name"] or "",
+            config=json_column(row["config"]) or {},
+            started_at=row["started_at"],
+            seq=row["started_seq"] or 0,
+            rollouts=counts.get(run_id, {}),
+        )
 
     # ---- summaries --------------------------------------------------------------------------
 

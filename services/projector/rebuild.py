@@ -24,9 +24,19 @@ from services.projector.refs import RefCache
 from services.projector.tokens import Detokenizer
 
 READ_TABLES = (
-    "events", "model_calls", "rewards", "custom_events", "phases", "models", "rollouts", "attempts",
-    "attempt_stats", "sample_chains", "runs", "dead_letters",
-)  # fmt: skip
+    "events",
+    "model_calls",
+    "rewards",
+    "custom_events",
+    "phases",
+    "models",
+    "rollouts",
+    "attempts",
+    "attempt_stats",
+    "sample_chains",
+    "runs",
+    "dead_letters",
+)
 RUN_TABLES = tuple(t for t in READ_TABLES if t != "dead_letters")
 CHUNK = 1000
 

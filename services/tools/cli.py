@@ -272,9 +272,18 @@ def retrain(
         return
     from services.tools.retrain_cli import retrain_command
 
-    given = {"run": run, "schemes": scheme or None, "from_step": from_step, "steps": steps, "out": out,
-             "run_dir": run_dir, "backend": backend, "save_every": save_every, "validation": validation,
-             "validation_every": validation_every}  # fmt: skip
+    given = {
+        "run": run,
+        "schemes": scheme or None,
+        "from_step": from_step,
+        "steps": steps,
+        "out": out,
+        "run_dir": run_dir,
+        "backend": backend,
+        "save_every": save_every,
+        "validation": validation,
+        "validation_every": validation_every,
+    }
     with _one_line_errors():
         if more:
             raise UsageError(f"unexpected argument(s) {' '.join(more)}; give schemes with --scheme")

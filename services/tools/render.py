@@ -44,11 +44,19 @@ def to_csv(report: ReplayReport) -> str:
         for s in scheme.samples:
             writer.writerow(
                 [
-                    scheme.name, "" if s.step is None else s.step, s.rollout_id, s.group_id or "", s.index,
-                    s.prompt_tokens, s.response_tokens, s.calls, repr(s.reward), repr(s.advantage),
+                    scheme.name,
+                    "" if s.step is None else s.step,
+                    s.rollout_id,
+                    s.group_id or "",
+                    s.index,
+                    s.prompt_tokens,
+                    s.response_tokens,
+                    s.calls,
+                    repr(s.reward),
+                    repr(s.advantage),
                     repr(s.token_weight),
                 ]
-            )  # fmt: skip
+            )
     return out.getvalue()
 
 
@@ -126,10 +134,17 @@ def _groups(schemes: Sequence[SchemeReport]) -> list[str]:
 def _rollouts(scheme: SchemeReport) -> list[str]:
     header = ["rollout", "group", "reward", "advantage", "samples", "response tokens", "loss weight"]
     rows = [
-        [r.rollout_id, r.group_id or "-", _num(r.reward), _num(r.advantage), str(r.samples), str(r.response_tokens),
-         f"{r.loss_weight:.4g}"]
+        [
+            r.rollout_id,
+            r.group_id or "-",
+            _num(r.reward),
+            _num(r.advantage),
+            str(r.samples),
+            str(r.response_tokens),
+            f"{r.loss_weight:.4g}",
+        ]
         for r in scheme.rollouts[:TABLE_ROWS]
-    ]  # fmt: skip
+    ]
     more = len(scheme.rollouts) - TABLE_ROWS
     tail = [f"  ... {more} more rollouts (--format json or csv for all)"] if more > 0 else []
     return [f"rollouts [{scheme.name}]", *_grid(header, rows), *tail]
@@ -138,10 +153,15 @@ def _rollouts(scheme: SchemeReport) -> list[str]:
 def _shift_row(s: RolloutShift, reference: str, name: str) -> list[str]:
     relative = s.relative[name]
     return [
-        s.rollout_id, s.group_id or "-", _num(s.reward), str(s.response_tokens),
-        f"{s.loss_weight[reference]:.4g}", f"{s.loss_weight[name]:.4g}", f"{s.change[name]:+.4g}",
+        s.rollout_id,
+        s.group_id or "-",
+        _num(s.reward),
+        str(s.response_tokens),
+        f"{s.loss_weight[reference]:.4g}",
+        f"{s.loss_weight[name]:.4g}",
+        f"{s.change[name]:+.4g}",
         "-" if relative is None else f"{relative:+.1%}",
-    ]  # fmt: skip
+    ]
 
 
 def _comparison(report: ReplayReport) -> list[str]:

@@ -155,9 +155,13 @@ def split_units(units: list[Unit], shares: int) -> list[list[Unit]]:
 
 
 async def _replay_units(
-    store: EventStore, index: RunIndex, accumulators: list[SchemeAccumulator], step: int | None,
-    pool: _Pool | None, budget: int | None,
-) -> None:  # fmt: skip
+    store: EventStore,
+    index: RunIndex,
+    accumulators: list[SchemeAccumulator],
+    step: int | None,
+    pool: _Pool | None,
+    budget: int | None,
+) -> None:
     units = plan_units(index, step)
     order = {rid: entry.order for rid, entry in index.rollouts.items()}
     configs = [acc.config for acc in accumulators]
@@ -174,9 +178,12 @@ async def _replay_units(
     tasks = []
     for units_share in split_units(units, pool.size):
         share = Share(
-            run_id=index.run_id, rollouts=[index.rollouts[rid] for unit in units_share for rid in unit.rollout_ids],
-            units=units_share, configs=configs, budget=budget or CALL_BUDGET,
-        )  # fmt: skip
+            run_id=index.run_id,
+            rollouts=[index.rollouts[rid] for unit in units_share for rid in unit.rollout_ids],
+            units=units_share,
+            configs=configs,
+            budget=budget or CALL_BUDGET,
+        )
         encoded = msgspec.msgpack.encode(share)
         tasks.append(asyncio.ensure_future(pool.run(replay_share, store.url, store.stream, encoded)))
     try:

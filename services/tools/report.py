@@ -148,21 +148,30 @@ def _rows(
         sample_rows.append(rows)
         rollout_rows.append(
             RolloutRow(
-                rollout_id=m.rollout_id, group_id=m.group_id, step=step, reward=m.reward,
-                advantage=per_sample[0] if per_sample else None, samples=len(rows), calls=m.calls,
-                response_tokens=sum(r.response_tokens for r in rows), tokens=m.tokens,
+                rollout_id=m.rollout_id,
+                group_id=m.group_id,
+                step=step,
+                reward=m.reward,
+                advantage=per_sample[0] if per_sample else None,
+                samples=len(rows),
+                calls=m.calls,
+                response_tokens=sum(r.response_tokens for r in rows),
+                tokens=m.tokens,
             )
-        )  # fmt: skip
+        )
         versions.extend(v for s in m.samples for v in (s.min_weights_version, s.max_weights_version) if v is not None)
     groups = []
     for group_id, baseline in baselines.items():
         members = [m for m in merged if m.group_id == group_id]
         groups.append(
             GroupRow(
-                group_id=group_id, step=step, rollouts=len(members),
-                samples=sum(len(m.samples) for m in members), baseline=baseline,
+                group_id=group_id,
+                step=step,
+                rollouts=len(members),
+                samples=sum(len(m.samples) for m in members),
+                baseline=baseline,
             )
-        )  # fmt: skip
+        )
     return UnitRows(
         rollouts=rollout_rows,
         samples=sample_rows,
@@ -277,8 +286,14 @@ def _as_samples(rows: Iterable[SampleRow]) -> list[Sample]:
     """Token-less stand-ins for `loss_weights`, which reads only the rollout and response-token count."""
     return [
         Sample(
-            rollout_id=r.rollout_id, group_id=r.group_id, index=r.index, tokens=_EMPTY, loss_mask=_EMPTY,
-            logprobs=[], call_ids=[], response_tokens=r.response_tokens,
+            rollout_id=r.rollout_id,
+            group_id=r.group_id,
+            index=r.index,
+            tokens=_EMPTY,
+            loss_mask=_EMPTY,
+            logprobs=[],
+            call_ids=[],
+            response_tokens=r.response_tokens,
         )
         for r in rows
-    ]  # fmt: skip
+    ]

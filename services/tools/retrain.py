@@ -198,8 +198,9 @@ def _row(step: int, version: int, trained: int, batch: StepBatch) -> Row:
     }
 
 
-def _write_record(out: Path, run_id: str, files: RunFiles, scheme: RetrainScheme, steps: Sequence[int],
-                  backend: str) -> None:  # fmt: skip
+def _write_record(
+    out: Path, run_id: str, files: RunFiles, scheme: RetrainScheme, steps: Sequence[int], backend: str
+) -> None:
     record = {
         "run_id": run_id,
         "run_dir": str(files.root.resolve()),

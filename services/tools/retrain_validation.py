@@ -49,8 +49,11 @@ def stack_urls(config: TrainConfig, nats_url: str, given: dict[str, str | None] 
     }
     missing = [k for k, v in values.items() if not v]
     if missing:
-        names = {"gateway_url": "ROLLWIRE_GATEWAY_URL", "engine_url": "ROLLWIRE_ENGINE_URL",
-                 "admin_token": "ROLLWIRE_ADMIN_TOKEN"}  # fmt: skip
+        names = {
+            "gateway_url": "ROLLWIRE_GATEWAY_URL",
+            "engine_url": "ROLLWIRE_ENGINE_URL",
+            "admin_token": "ROLLWIRE_ADMIN_TOKEN",
+        }
         raise ReplayError(
             f"validation needs a running stack (`rollwire up`): set {', '.join(names.get(k, k) for k in missing)}"
         )
@@ -103,8 +106,9 @@ class RetrainValidation:
         assert self.watch is not None
         await self.engine.load(await asyncio.to_thread(weights.resolve), version)
         model = self.config.model
-        await register_replicas(self.gateway, self.engine, self.run_id, model.served_name,
-                                reasoning_parser=model.reasoning_parser)  # fmt: skip
+        await register_replicas(
+            self.gateway, self.engine, self.run_id, model.served_name, reasoning_parser=model.reasoning_parser
+        )
         await self.gateway.set_phase(self.run_id, "rollout", version, key=None)
         passed = ValidationPass(self.section, self.run_id, self.adapter)
         return await passed.run(step, self.gateway, self.watch, self.store)

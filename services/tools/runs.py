@@ -87,13 +87,25 @@ def runs_table(runs: Sequence[RunSize]) -> str:
     header = ["run", "name", "rollouts", "events", "bytes", "last event"]
     rows = [
         [
-            r.run_id, r.name or "-", str(r.rollouts), str(r.events), _size(r.bytes),
+            r.run_id,
+            r.name or "-",
+            str(r.rollouts),
+            str(r.events),
+            _size(r.bytes),
             datetime.fromtimestamp(r.last_time, tz=UTC).astimezone().strftime("%Y-%m-%d %H:%M") if r.last_time else "-",
         ]
         for r in runs
-    ]  # fmt: skip
-    rows.append(["total", "", str(sum(r.rollouts for r in runs)), str(sum(r.events for r in runs)),
-                 _size(sum(r.bytes for r in runs)), ""])  # fmt: skip
+    ]
+    rows.append(
+        [
+            "total",
+            "",
+            str(sum(r.rollouts for r in runs)),
+            str(sum(r.events for r in runs)),
+            _size(sum(r.bytes for r in runs)),
+            "",
+        ]
+    )
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = []
     for row in [header, *rows]:

@@ -43,7 +43,8 @@ from schemas.calls import decode_call
 from schemas.events import AnyEvent, CustomEvent, RewardReported, RolloutCreated, RunStarted
 from schemas.ids import MODEL_REQUEST, REWARD, ROLLOUT_ATTEMPT, RUN_ALL, check_id
 from schemas.run import InvalidRunSpec, spec_of
-from services.common.eventstore import EventStore, StoredEvent, _stream_sequence
+from services.common.eventstore import EventStore, StoredEvent
+from services.common.streamread import stream_sequence
 from trainer.core import (
     TRAIN_STEP_EVENT,
     MalformedCall,
@@ -316,6 +317,13 @@ async def index_run(
         if entry is None:  # calls without any indexed event: the adapter skips it as not created
             entry = rollouts[rollout_id] = RolloutEntry(rollout_id=rollout_id, order=1 << 62, events=[])
         entry.calls = count
+    has_steps = _mark_skips(rollouts, has_steps)
+    return RunIndex(run_id=run_id, rollouts=rollouts, recorded_adapter=recorded, has_steps=has_steps)
+
+
+def _mark_skips(rollouts: Mapping[str, RolloutEntry], has_steps: bool) -> bool:
+    """Set each rollout's `skip`: not trainable, or (in a run with steps) in no step. Whether the run
+    has steps: the trainer's step records, or else the steps its rollouts declared when created."""
     for entry in rollouts.values():
         try:
             rollout_calls(e for _, e in entry.events)
@@ -329,7 +337,7 @@ async def index_run(
         for entry in rollouts.values():
             if entry.skip is None and entry.step is None:
                 entry.skip = "not-in-a-step"
-    return RunIndex(run_id=run_id, rollouts=rollouts, recorded_adapter=recorded, has_steps=has_steps)
+    return has_steps
 
 
 def _spec_selection(event: RunStarted, recorded: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -455,7 +463,7 @@ async def stream_chunks(
                 left = remaining.get(rid)
                 if left is None:  # a rollout outside the planned units (skipped, or another step)
                     continue
-                raw[rid].append((_stream_sequence(msg.reply), msg.data))
+                raw[rid].append((stream_sequence(msg.reply), msg.data))
                 if left > 1:
                     remaining[rid] = left - 1
                     continue

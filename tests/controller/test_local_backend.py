@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from services.controller.backends.base import ExecutionKey, ExecutionState, LaunchSpec, PermanentBackendError
-from services.controller.backends.local import NOT_STARTED, LocalBackend
+from services.controller.backends.local import LocalBackend
+from services.controller.backends.local_state import NOT_STARTED
 
 PY = sys.executable
 

@@ -124,17 +124,15 @@ def test_up_refuses_a_busy_port(tmp_path: Path, flag: str) -> None:
 
 def test_the_engine_tokenizer_is_scoped_to_the_engine_model(tmp_path: Path) -> None:
     """Calls of other models are never decoded with the embedded engine's tokenizer."""
-    from services.devstack.stack import Stack, StackConfig
+    from services.devstack.engine_models import tokenizer_args
+    from services.devstack.stack_config import StackConfig
 
     model = tmp_path / "tiny-chat"
     embedded = StackConfig(data_dir=tmp_path, engine_model=model, engine_kind="embedded")
-    args = Stack(embedded, say=lambda _: None)._tokenizer_args()
-    assert args == ["--tokenizer", f"tiny-chat={model}", "--tokenizer", f"tiny={model}"]
+    assert tokenizer_args(embedded) == ["--tokenizer", f"tiny-chat={model}", "--tokenizer", f"tiny={model}"]
     model.mkdir()  # vLLM (the default) answers to the served name only
-    assert Stack(StackConfig(data_dir=tmp_path, engine_model=model), say=lambda _: None)._tokenizer_args() == [
-        "--tokenizer", f"tiny={model}",
-    ]  # fmt: skip
-    assert Stack(StackConfig(data_dir=tmp_path, services=("gateway",)), say=lambda _: None)._tokenizer_args() == []
+    assert tokenizer_args(StackConfig(data_dir=tmp_path, engine_model=model)) == ["--tokenizer", f"tiny={model}"]
+    assert tokenizer_args(StackConfig(data_dir=tmp_path, services=("gateway",))) == []
 
 
 def test_tail_and_runs_find_the_stack_in_its_data_dir(tmp_path: Path) -> None:

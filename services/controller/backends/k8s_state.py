@@ -190,35 +190,44 @@ def _failed(
             return Derived(
                 msgspec.structs.replace(base, reason=f"Evicted from {node}: {message}", cause="infrastructure")
             )
-        for container, terminated in _terminations(pod):
-            code = terminated.get("exitCode")
-            if code in (0, None):
-                continue
-            log_source = (pod["metadata"]["name"], container)
-            location = f"kubectl logs -n {namespace} {pod['metadata']['name']} -c {container}"
-            cause: FailureCause = "infrastructure" if container == EVALUATOR_CONTAINER else "agent-error"
-            if terminated.get("reason") == "OOMKilled":
-                cause = "infrastructure"
-                reason = (
-                    f"OOMKilled: container '{container}' ran out of memory and was killed (exit code {code}); "
-                    "raise its memory limit in the Job template"
-                )
-            else:
-                reason = f"exit code {code} in container '{container}'"
-                detail = (terminated.get("message") or "").strip() or last_line(log_tail)
-                if detail:
-                    reason = f"{reason}: {last_line(detail)}"
-            return Derived(
-                msgspec.structs.replace(
-                    base, reason=reason, exit_code=code, log_tail=log_tail, log_location=location, cause=cause
-                ),
-                log_source=log_source,
-            )
+        exited = _exited(base, pod, namespace, log_tail)
+        if exited is not None:
+            return exited
         stuck = _stuck(pod)
         if stuck is not None:
             return Derived(msgspec.structs.replace(base, reason=stuck, cause="infrastructure"))
     reason = f"{condition.get('reason') or 'Failed'}: {condition.get('message') or 'the Job failed'}"
     return Derived(msgspec.structs.replace(base, reason=reason), pods_lag=not failed_pods)
+
+
+def _exited(base: ExecutionState, pod: Obj, namespace: str, log_tail: str | None) -> Derived | None:
+    """The failure of the pod's first container that exited non-zero (None when none did): out of
+    memory, or its exit code with the last line it wrote."""
+    for container, terminated in _terminations(pod):
+        code = terminated.get("exitCode")
+        if code in (0, None):
+            continue
+        log_source = (pod["metadata"]["name"], container)
+        location = f"kubectl logs -n {namespace} {pod['metadata']['name']} -c {container}"
+        cause: FailureCause = "infrastructure" if container == EVALUATOR_CONTAINER else "agent-error"
+        if terminated.get("reason") == "OOMKilled":
+            cause = "infrastructure"
+            reason = (
+                f"OOMKilled: container '{container}' ran out of memory and was killed (exit code {code}); "
+                "raise its memory limit in the Job template"
+            )
+        else:
+            reason = f"exit code {code} in container '{container}'"
+            detail = (terminated.get("message") or "").strip() or last_line(log_tail)
+            if detail:
+                reason = f"{reason}: {last_line(detail)}"
+        return Derived(
+            msgspec.structs.replace(
+                base, reason=reason, exit_code=code, log_tail=log_tail, log_location=location, cause=cause
+            ),
+            log_source=log_source,
+        )
+    return None
 
 
 def _statuses(pod: Obj) -> list[Obj]:

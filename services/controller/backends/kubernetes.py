@@ -6,9 +6,10 @@
              attempt's Secret (`k8s_secret`: its tokens, owned by the Job), 409 with the same
              data and owner is success
     watch    two list-then-watch loops (`k8s_watch`): Jobs and pods labelled
-             managed-by=rollwire for this instance; every change to a Job or its pods
-             re-derives that execution's state (`k8s_state`); failures with an exit code get
-             the last lines of the container's log (pods/log) before they are reported
+             managed-by=rollwire for this instance, cached by execution (`k8s_cache`); every
+             change to a Job or its pods re-derives that execution's state (`k8s_state`);
+             failures with an exit code get the last lines of the container's log (pods/log)
+             before they are reported
     list     a fresh LIST of Jobs and pods, derived the same way
     cancel   DELETE the Job with propagationPolicy=Background (its pods and Secret go too)
     cleanup  DELETE every Job whose rollout is not kept
@@ -47,10 +48,11 @@ from services.controller.backends.base import (
     TemporaryBackendError,
 )
 from services.controller.backends.k8s_api import read, translate
+from services.controller.backends.k8s_cache import ObjectCache
 from services.controller.backends.k8s_secret import owner_uid, secret_manifest
 from services.controller.backends.k8s_settings import KubernetesSettings, load_api_client
 from services.controller.backends.k8s_state import Derived, derive
-from services.controller.backends.k8s_template import INPUT_ANNOTATION, JobTemplate, job_name, key_of, selector
+from services.controller.backends.k8s_template import JobTemplate, job_name, key_of, selector
 from services.controller.backends.k8s_watch import ListWatch, WatchStats, list_all
 from services.controller.backends.ratelimit import TokenBucket
 
@@ -104,8 +106,7 @@ class KubernetesBackend:
         self._core = k8s.CoreV1Api(self._api)
         self._executor = ThreadPoolExecutor(settings.api_threads, thread_name_prefix="rollwire-k8s")
         self._selector = selector(settings.instance)
-        self._jobs: dict[ExecutionKey, Obj] = {}
-        self._pods: dict[ExecutionKey, dict[str, Obj]] = {}
+        self._cache = ObjectCache()
         self._emitted: dict[ExecutionKey, ExecutionState] = {}
         self._logs: dict[ExecutionKey, str | None] = {}
         self._subscribers: set[asyncio.Queue[ExecutionState | None]] = set()
@@ -131,11 +132,11 @@ class KubernetesBackend:
         """
         self._check_open()
         key = spec.key
-        if key in self._jobs and key in self._secured:
+        if key in self._cache.jobs and key in self._secured:
             return
         manifest = self.template.render(spec)
         name = manifest["metadata"]["name"]
-        uid = ((self._jobs.get(key) or {}).get("metadata") or {}).get("uid")
+        uid = ((self._cache.jobs.get(key) or {}).get("metadata") or {}).get("uid")
         if uid is None:
             if self.limiter is not None:
                 await self.limiter.acquire()
@@ -345,23 +346,7 @@ class KubernetesBackend:
 
     def _on_list(self, resource: str, items: Objs) -> None:
         """A fresh LIST replaces the cache; every execution that differs is re-derived."""
-        touched: set[ExecutionKey] = set()
-        if resource == "jobs":
-            fresh = {key: _slim(o) for o in items if (key := key_of(o)) is not None}
-            touched = {k for k in self._jobs.keys() | fresh.keys() if _rv(self._jobs.get(k)) != _rv(fresh.get(k))}
-            self._jobs = fresh
-        else:
-            pods: dict[ExecutionKey, dict[str, Obj]] = {}
-            for o in items:
-                if (key := key_of(o)) is not None:
-                    pods.setdefault(key, {})[o["metadata"]["name"]] = _slim(o)
-            touched = {
-                k
-                for k in self._pods.keys() | pods.keys()
-                if {n: _rv(p) for n, p in self._pods.get(k, {}).items()}
-                != {n: _rv(p) for n, p in pods.get(k, {}).items()}
-            }
-            self._pods = pods
+        touched = self._cache.replace(resource, items)
         self._synced.add(resource)
         for key in touched:
             self._touch(key)
@@ -371,23 +356,9 @@ class KubernetesBackend:
                 self._touch(key)
 
     def _on_event(self, resource: str, kind: str, obj: Obj) -> None:
-        key = key_of(obj)
-        if key is None:
-            return
-        if resource == "jobs":
-            if kind == "DELETED":
-                self._jobs.pop(key, None)
-            else:
-                self._jobs[key] = _slim(obj)
-        else:
-            pods = self._pods.setdefault(key, {})
-            if kind == "DELETED":
-                pods.pop(obj["metadata"]["name"], None)
-                if not pods:
-                    del self._pods[key]
-            else:
-                pods[obj["metadata"]["name"]] = _slim(obj)
-        self._touch(key)
+        key = self._cache.apply(resource, kind, obj)
+        if key is not None:
+            self._touch(key)
 
     def _touch(self, key: ExecutionKey) -> None:
         """Re-derive one execution's state; changes of one execution are handled in order, one at a time."""
@@ -412,12 +383,12 @@ class KubernetesBackend:
             self._refreshing.pop(key, None)
 
     async def _refresh(self, key: ExecutionKey) -> None:
-        job = self._jobs.get(key)
+        job = self._cache.jobs.get(key)
         if job is None:
             self._forget(key)
             return
-        derived = await self._derive(key, job, list(self._pods.get(key, {}).values()))
-        if self._jobs.get(key) is None:
+        derived = await self._derive(key, job, list(self._cache.pods.get(key, {}).values()))
+        if self._cache.jobs.get(key) is None:
             return  # deleted while the log was read; the next refresh reports it
         if derived.recheck_at is not None:
             self._schedule(key, derived.recheck_at)
@@ -494,30 +465,3 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: 
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the event loop is closed: nobody is listening any more
         pass
-
-
-def _rv(obj: Obj | None) -> str | None:
-    return None if obj is None else (obj.get("metadata") or {}).get("resourceVersion")
-
-
-def _slim(obj: Obj) -> Obj:
-    """What the state derivation needs of a Job or pod: not the input annotation, not the pod spec."""
-    meta = obj.get("metadata") or {}
-    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k != INPUT_ANNOTATION}
-    spec = obj.get("spec") or {}
-    slim_spec: Obj = {k: spec[k] for k in ("activeDeadlineSeconds", "suspend", "nodeName") if k in spec}
-    for field in ("containers", "initContainers"):
-        if field in spec and "template" not in spec:
-            slim_spec[field] = [{"name": c.get("name"), "image": c.get("image")} for c in spec[field]]
-    return {
-        "metadata": {
-            "name": meta.get("name"),
-            "namespace": meta.get("namespace"),
-            "uid": meta.get("uid"),
-            "resourceVersion": meta.get("resourceVersion"),
-            "creationTimestamp": meta.get("creationTimestamp"),
-            "annotations": annotations,
-        },
-        "spec": slim_spec,
-        "status": obj.get("status") or {},
-    }

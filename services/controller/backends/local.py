@@ -7,11 +7,12 @@ Layout under the backend's root directory (by default `$ROLLWIRE_DATA_DIR/execut
     active/<digest>                   a symlink to each execution the backend still owns
 
 The execution directory is the executor's own record, so the backend keeps no state that a
-restart could lose. `list()` reads `active/`: an execution with `result.json` has ended; one
-whose `lock` file is flock-ed is alive (the supervisor inherits the lock from `launch` at fork
-time, so there is no moment when a started execution looks unstarted); one with neither never
-started or lost its supervisor. `cancel` stops an execution and drops it from `active/`, but
-keeps its directory: logs outlive executions, and the rollout's `log` event points at them.
+restart could lose. `list()` reads `active/` and each directory (`local_state`): an execution
+with `result.json` has ended; one whose `lock` file is flock-ed is alive (the supervisor inherits
+the lock from `launch` at fork time, so there is no moment when a started execution looks
+unstarted); one with neither never started or lost its supervisor. `cancel` stops an execution
+and drops it from `active/`, but keeps its directory: logs outlive executions, and the rollout's
+`log` event points at them.
 
 Why supervised and in their own session: the supervisor (`local_supervisor.py`) is the leader of
 a new session, so executions survive a controller that crashes, restarts or is upgraded; the
@@ -36,7 +37,6 @@ from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 from typing import Any
 
-from schemas import FailureCause
 from services.controller.backends import local_isolation
 from services.controller.backends.base import (
     INPUT_ENV,
@@ -49,13 +49,9 @@ from services.controller.backends.base import (
     RolloutKey,
     TemporaryBackendError,
 )
-from services.controller.view import NOT_LAUNCHED
+from services.controller.backends.local_state import ended_state, lock_held, read_result, unended_state
 
 SUPERVISOR = Path(__file__).with_name("local_supervisor.py")
-NOT_STARTED = NOT_LAUNCHED
-"""Reason prefix of an execution whose supervisor never started (the launcher stopped first):
-the controller does not count such an attempt against `max_attempts`."""
-
 INHERITED_ENV = (
     "PATH",
     "HOME",
@@ -82,37 +78,6 @@ INHERITED_ENV = (
 )
 """Variables an agent inherits from the controller's environment; nothing else (the controller's
 own environment holds the admin token, which an untrusted agent must never see)."""
-
-LOG_TAIL_LINES = 20
-LOG_TAIL_CHARS = 2000
-
-
-def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            handle.seek(max(0, size - 16 * 1024))
-            data = handle.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    text = "\n".join(data.rstrip("\n").splitlines()[-lines:])
-    return text[-LOG_TAIL_CHARS:]
-
-
-def _lock_held(path: Path) -> bool:
-    """True when some process holds the flock on `path` (probing takes and drops it at once)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing drops a lock we took
-    return False
 
 
 def _read_int(path: Path) -> int | None:
@@ -313,66 +278,12 @@ class LocalBackend:
         if ended is not None:
             return ended
         directory = self.directory(key)
-        location = str(directory)
-        result_path = directory / "result.json"
-        if result_path.exists():
-            try:
-                result = json.loads(result_path.read_text())
-            except (OSError, ValueError):
-                result = None
-            if result is not None:
-                state = self._ended_state(key, directory, result)
-                self._ended[key] = state
-                return state
-        if _lock_held(directory / "lock"):
-            started = _mtime(directory / "supervisor.pid") or _mtime(directory / "spec.json")
-            return ExecutionState(
-                key=key, phase="running", started_at=started, log_location=location, execution=location
-            )
-        if not (directory / "supervisor.pid").exists():
-            reason = f"{NOT_STARTED}the controller stopped before this execution's supervisor started"
-            return ExecutionState(
-                key=key, phase="failed", reason=reason, log_location=location, execution=location,
-                cause="infrastructure",
-            )  # fmt: skip
-        if result_path.exists():  # written between the two checks above
-            return self._state(key)
-        return ExecutionState(
-            key=key,
-            phase="failed",
-            reason="the execution's supervisor died without recording an exit status (killed by the OS or a person?)",
-            cause="infrastructure",
-            log_location=location,
-            log_tail=_tail(directory / "stderr.log") or None,
-            execution=location,
-        )
-
-    def _ended_state(self, key: ExecutionKey, directory: Path, result: dict[str, Any]) -> ExecutionState:
-        outcome = result.get("outcome")
-        phase_name = result.get("phase", "agent")
-        prefix = "" if phase_name in ("agent", "supervisor") else f"{phase_name}."
-        if outcome == "succeeded":
-            reason = None
-            tail = None
-        else:
-            if outcome == "timeout":
-                timeout = _spec_value(directory, "timeout_s")
-                reason = f"timed out after {timeout:g}s; the {phase_name}'s process group was killed"
-            else:
-                reason = str(result.get("reason") or "the execution failed")
-            tail = _tail(directory / f"{prefix}stderr.log") or _tail(directory / f"{prefix}stdout.log") or None
-        return ExecutionState(
-            key=key,
-            phase="succeeded" if outcome == "succeeded" else "failed",
-            reason=reason,
-            cause=None if outcome == "succeeded" else local_cause(phase_name, outcome, result.get("exit_code")),
-            exit_code=result.get("exit_code"),
-            started_at=result.get("started_at"),
-            finished_at=result.get("ended_at"),
-            log_location=str(directory),
-            log_tail=tail,
-            execution=str(directory),
-        )
+        result = read_result(directory)
+        if result is not None:
+            self._ended[key] = ended_state(key, directory, result)
+            return self._ended[key]
+        unended = unended_state(key, directory)
+        return self._state(key) if unended is None else unended
 
     async def list(self) -> list[ExecutionState]:
         """Every execution this backend still owns, as its directory says it is now."""
@@ -384,7 +295,7 @@ class LocalBackend:
         """Stop `key`'s execution (its whole process group) and stop owning it; its logs stay on disk."""
         directory = self.directory(key)
         was = self._state(key) if self._index(key).is_symlink() else None
-        if _lock_held(directory / "lock"):
+        if lock_held(directory / "lock"):
             await self._terminate(directory)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._index(key))
@@ -412,7 +323,7 @@ class LocalBackend:
         _signal_group(supervisor, signal.SIGTERM)
         deadline = time.monotonic() + self.kill_grace_s + 2.0
         while time.monotonic() < deadline:
-            if not _lock_held(directory / "lock"):
+            if not lock_held(directory / "lock"):
                 return
             await asyncio.sleep(0.05)
         _signal_group(_read_int(directory / "agent.pid"), signal.SIGKILL)
@@ -496,37 +407,6 @@ class LocalBackend:
             task.cancel()
         for queue in self._watchers:
             queue.put_nowait(None)
-
-
-def _mtime(path: Path) -> float | None:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return None
-
-
-def local_cause(phase: str, outcome: str | None, exit_code: int | None) -> FailureCause:
-    """A failed local execution's cause from the supervisor's structured result (never its log).
-
-    Only the agent's own end can be the policy's doing: it ran past the time limit (`timeout`) or
-    exited non-zero (`agent-error`). The evaluator's or the supervisor's failure, a cancellation, and
-    a SIGKILL the controller did not send (the kernel's OOM killer; the controller's own kills end
-    as `timeout` or `cancelled`) are `infrastructure`.
-    """
-    if phase != "agent" or outcome == "cancelled":
-        return "infrastructure"
-    if outcome == "timeout":
-        return "timeout"
-    if exit_code == -signal.SIGKILL:
-        return "infrastructure"
-    return "agent-error"
-
-
-def _spec_value(directory: Path, name: str) -> float:
-    try:
-        return float(json.loads((directory / "spec.json").read_text()).get(name, 0.0))
-    except (OSError, ValueError, TypeError):
-        return 0.0
 
 
 def _fields(state: ExecutionState) -> dict[str, Any]:

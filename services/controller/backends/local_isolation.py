@@ -98,10 +98,14 @@ def _reachable_programs(commands: list[list[str]], path: str | None) -> None:
 
 
 def prepare(
-    mode: str, key: str, workspace: Path, input_file: Path, hidden: tuple[Path, ...],
+    mode: str,
+    key: str,
+    workspace: Path,
+    input_file: Path,
+    hidden: tuple[Path, ...],
     commands: list[list[str]] = [],  # noqa: B006 - never mutated
     path: str | None = None,
-) -> dict[str, object]:  # fmt: skip
+) -> dict[str, object]:
     """Set the execution's files up for `mode` and return the supervisor's `isolation` record.
 
     `commands` are the agent's and the evaluator's, found on `path` (the agent's PATH).

@@ -85,9 +85,14 @@ def isolated(command: list[str], isolation: dict[str, Any]) -> tuple[list[str], 
 
 
 def run_phase(
-    directory: Path, phase: str, command: list[str], env: dict[str, str], deadline: float, grace_s: float,
+    directory: Path,
+    phase: str,
+    command: list[str],
+    env: dict[str, str],
+    deadline: float,
+    grace_s: float,
     isolation: dict[str, Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Run one phase (agent or evaluator) to its end, its deadline or a cancellation."""
     prefix = "" if phase == "agent" else f"{phase}."
     command, extra = isolated(command, isolation or {})

@@ -70,9 +70,10 @@ async def runs(reader: PostgresRolloutReader) -> dict[str, Any]:
     out = []
     for summary in await reader.summaries():
         item = msgspec.to_builtins(summary)
-        item["live"] = now - summary.last_event_at < LIVE_WINDOW_S and summary.by_status.keys() - {
-            "succeeded", "failed", "cancelled"
-        } != set()  # fmt: skip
+        item["live"] = (
+            now - summary.last_event_at < LIVE_WINDOW_S
+            and summary.by_status.keys() - {"succeeded", "failed", "cancelled"} != set()
+        )
         out.append(item)
     return {"runs": out, "applied_seq": await reader.applied_seq()}
 
@@ -87,13 +88,23 @@ def _rollout_item(row: Any, calls_limit: float, tokens_limit: float, now: float)
         flags.append("many-samples")
     end = row["ended_at"] if row["ended_at"] is not None else now
     return {
-        "rollout_id": row["rollout_id"], "group_id": row["group_id"], "mode": row["mode"],
-        "status": row["status"], "reward": _finite(row["reward"]), "attempts": row["attempts"],
-        "calls": row["calls"], "failed_calls": row["failed_calls"], "samples": row["samples"],
-        "prompt_tokens": row["prompt_tokens"], "response_tokens": row["response_tokens"],
-        "created_at": row["created_at"], "ended_at": row["ended_at"], "duration_s": end - row["created_at"],
-        "flags": flags, "last_seq": row["last_seq"],
-    }  # fmt: skip
+        "rollout_id": row["rollout_id"],
+        "group_id": row["group_id"],
+        "mode": row["mode"],
+        "status": row["status"],
+        "reward": _finite(row["reward"]),
+        "attempts": row["attempts"],
+        "calls": row["calls"],
+        "failed_calls": row["failed_calls"],
+        "samples": row["samples"],
+        "prompt_tokens": row["prompt_tokens"],
+        "response_tokens": row["response_tokens"],
+        "created_at": row["created_at"],
+        "ended_at": row["ended_at"],
+        "duration_s": end - row["created_at"],
+        "flags": flags,
+        "last_seq": row["last_seq"],
+    }
 
 
 async def rollouts(
@@ -160,8 +171,17 @@ async def rollout(reader: PostgresRolloutReader, run_id: str, rollout_id: str) -
         }
     data = msgspec.to_builtins(view)
     data["reward"] = view.reward
-    for name in ("calls", "failed_calls", "prompt_tokens", "response_tokens", "samples", "custom_events", "ended_at",
-                 "last_seq", "last_event_at"):  # fmt: skip
+    for name in (
+        "calls",
+        "failed_calls",
+        "prompt_tokens",
+        "response_tokens",
+        "samples",
+        "custom_events",
+        "ended_at",
+        "last_seq",
+        "last_event_at",
+    ):
         data[name] = row[name]
     data["flags"] = list(row["flags"])
     for attempt in data["attempts"]:
@@ -221,15 +241,28 @@ def _call_item(
     logprobs = [_finite(v) for v in unpack_float64(row["logprobs"])[:MAX_TOKENS_SHOWN]]
     pieces = row["response_pieces"]
     return {
-        "call_id": row["call_id"], "model": row["model"], "status": row["status"], "mode": row["mode"],
-        "weights_version": row["weights_version"], "finish_reason": row["finish_reason"],
-        "latency_s": row["latency_s"], "error": row["error"], "prompt_tokens": row["prompt_tokens"],
-        "response_tokens": row["response_tokens"], "new_sample": row["new_sample"], "flags": list(row["flags"]),
-        "new_messages": new, "messages_total": len(messages), "response_text": text or row["response_text"],
-        "tool_calls": tools, "response_ids": ids, "logprobs": logprobs,
+        "call_id": row["call_id"],
+        "model": row["model"],
+        "status": row["status"],
+        "mode": row["mode"],
+        "weights_version": row["weights_version"],
+        "finish_reason": row["finish_reason"],
+        "latency_s": row["latency_s"],
+        "error": row["error"],
+        "prompt_tokens": row["prompt_tokens"],
+        "response_tokens": row["response_tokens"],
+        "new_sample": row["new_sample"],
+        "flags": list(row["flags"]),
+        "new_messages": new,
+        "messages_total": len(messages),
+        "response_text": text or row["response_text"],
+        "tool_calls": tools,
+        "response_ids": ids,
+        "logprobs": logprobs,
         "response_pieces": list(pieces[:MAX_TOKENS_SHOWN]) if pieces is not None else None,
-        "has_prompt_text": row["has_prompt_text"], "continuity": row["continuity"],
-    }, [_shown(m) for m in messages if isinstance(m, dict)]  # fmt: skip
+        "has_prompt_text": row["has_prompt_text"],
+        "continuity": row["continuity"],
+    }, [_shown(m) for m in messages if isinstance(m, dict)]
 
 
 TIMELINE_SQL = """
@@ -273,8 +306,12 @@ async def timeline(
         )
     items: list[dict[str, Any]] = []
     for row in rows:
-        item: dict[str, Any] = {"seq": row["seq"], "type": row["type"], "time": row["time"],
-                                "attempt_id": row["attempt_id"]}  # fmt: skip
+        item: dict[str, Any] = {
+            "seq": row["seq"],
+            "type": row["type"],
+            "time": row["time"],
+            "attempt_id": row["attempt_id"],
+        }
         if row["type"] == "model_request":
             details, seen = _call_item(row, seen_messages.get(row["attempt_id"], []), calls)
             seen_messages[row["attempt_id"]] = seen
