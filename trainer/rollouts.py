@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 from collections.abc import Iterable, Sequence
 
 import msgspec
+import nats.errors
 
 from schemas import CustomEvent, Event, PhaseChanged, RolloutStatusChanged, decode
 from schemas.calls import CallRecord, decode_call
@@ -34,6 +36,11 @@ from trainer.checkpoint import InFlightGroup
 from trainer.core import MalformedCall, NotTrainable, RolloutCalls, Selection, rollout_calls
 
 AGENT_METRICS_EVENT = "metrics"
+RESUBSCRIBE_FOR_S = 300.0
+"""How long a broken status subscription is taken up again before the run stops with its error."""
+RESUBSCRIBE_WAIT_S = 1.0
+
+log = logging.getLogger("rollwire.trainer")
 
 
 class StatusWatch:
@@ -49,28 +56,45 @@ class StatusWatch:
 
     async def start(self, after_seq: int) -> None:
         """Begin following status events stored after `after_seq`."""
-        pattern = ROLLOUT_STATUS.format(run=self.run_id, rollout="*")
         ready = asyncio.Event()
+        self._task = asyncio.create_task(self._follow(after_seq, ready), name=f"status-watch-{self.run_id}")
+        await ready.wait()
 
-        async def follow() -> None:
+    async def _follow(self, after_seq: int, ready: asyncio.Event) -> None:
+        """Follow the status subjects; a subscription that breaks (NATS restarted, or too slow to answer
+        for a while) is taken up again after the last event seen, for up to `RESUBSCRIBE_FOR_S`."""
+        pattern = ROLLOUT_STATUS.format(run=self.run_id, rollout="*")
+        loop = asyncio.get_running_loop()
+        last, failing_since = after_seq, None
+        while True:
             try:
-                stream = self.store.subscribe(pattern, after_seq=after_seq)
+                stream = self.store.subscribe(pattern, after_seq=last)
                 ready.set()
                 async for stored in stream:
-                    event = stored.event
-                    if isinstance(event, RolloutStatusChanged) and event.status in TERMINAL_STATUSES:
-                        if event.rollout_id is not None:
-                            self.ended[event.rollout_id] = event.status
-                            self._changed.set()
+                    last, failing_since = stored.seq, None
+                    self._note(stored.event)
             except asyncio.CancelledError:
                 raise
+            except (nats.errors.Error, OSError, TimeoutError) as exc:
+                if failing_since is None:
+                    failing_since = loop.time()
+                    log.warning("the status subscription broke (%s: %s); taking it up again", type(exc).__name__, exc)
+                elif loop.time() - failing_since > RESUBSCRIBE_FOR_S:
+                    return self._fail(exc, ready)
+                await asyncio.sleep(RESUBSCRIBE_WAIT_S)
             except BaseException as exc:  # surfaced to the waiter instead of dying silently
-                self._error = exc
-                self._changed.set()
-                ready.set()
+                return self._fail(exc, ready)
 
-        self._task = asyncio.create_task(follow(), name=f"status-watch-{self.run_id}")
-        await ready.wait()
+    def _note(self, event: object) -> None:
+        if isinstance(event, RolloutStatusChanged) and event.status in TERMINAL_STATUSES:
+            if event.rollout_id is not None:
+                self.ended[event.rollout_id] = event.status
+                self._changed.set()
+
+    def _fail(self, exc: BaseException, ready: asyncio.Event) -> None:
+        self._error = exc
+        self._changed.set()
+        ready.set()
 
     async def adopt(self, rollout_ids: Iterable[str]) -> None:
         """Record the current status of rollouts declared before this watch started (a resumed run)."""

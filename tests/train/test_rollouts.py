@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from schemas import (
     AttemptStarted,
@@ -13,6 +14,7 @@ from schemas import (
     RolloutStatusChanged,
 )
 from services.common.eventstore import EventStore
+from services.devstack.embedded import NatsServer
 from trainer.checkpoint import InFlightGroup
 from trainer.core import CallTokens, RolloutCalls, drop_stale_calls
 from trainer.rollouts import StatusWatch, replay_group
@@ -99,3 +101,35 @@ def test_drop_stale_calls_keeps_fresh_and_unversioned_calls() -> None:
     assert dropped == 1 and [c.call_id for c in kept[0].calls] == ["c1", "c2", "c3"]
     same, none = drop_stale_calls([rollout], version=5, max_staleness=2)
     assert none == 0 and same[0] is rollout
+
+
+async def test_the_status_watch_outlives_a_nats_restart(fresh_nats: NatsServer, run_id: str) -> None:
+    """A nats-server restarted under a running watch (or too slow to answer for a while) does not stop the
+    run: the watch takes its subscription up again after the last event it saw and sees what came after."""
+    store = await EventStore.connect(fresh_nats.url)
+    watch = StatusWatch(store, run_id)
+    try:
+        await watch.start(await store.last_sequence())
+        group = InFlightGroup(
+            group_id="g0", rollout_ids=[f"{run_id}-r0", f"{run_id}-r1"], task_index=0, created_version=0
+        )
+        await store.append_many(rollout_events(run_id, group.rollout_ids[0], "g0", 1.0, "succeeded"))
+        fresh_nats.stop()
+        await asyncio.sleep(1.5)
+        fresh_nats.start()
+        for _ in range(100):  # and JetStream forgot the watch's consumer (as when it was idle past its threshold)
+            with contextlib.suppress(Exception):
+                for name in await store.js.consumers_info(store.stream):
+                    await store.js.delete_consumer(store.stream, name.name)
+                break
+            await asyncio.sleep(0.2)
+        for _ in range(100):  # the client reconnects on its own
+            with contextlib.suppress(Exception):
+                await store.append_many(rollout_events(run_id, group.rollout_ids[1], "g0", 0.0, "failed"))
+                break
+            await asyncio.sleep(0.2)
+        assert await watch.wait_groups([group], 1, timeout_s=30) == [group]
+        assert watch.ended == {group.rollout_ids[0]: "succeeded", group.rollout_ids[1]: "failed"}
+    finally:
+        await watch.stop()
+        await store.close()
