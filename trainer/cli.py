@@ -17,7 +17,7 @@ from pathlib import Path
 import typer
 
 from trainer.clients import ServiceUrls
-from trainer.config import ConfigError, StackSection, TrainConfig
+from trainer.run.sections import ConfigError, StackSection, TrainConfig
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
@@ -45,10 +45,10 @@ def train(
     from services.common.vllm_install import VllmInstallError
     from services.devstack.stack import StackError
     from trainer.checkpoint import CheckpointError
-    from trainer.config import load_config
     from trainer.dataset import DatasetError
     from trainer.display import StepDisplay
     from trainer.loop import Trainer, TrainingError
+    from trainer.run.load import load_config
 
     if check:
         _check_only(config)
@@ -88,8 +88,8 @@ def _check_only(config: Path) -> None:
 
     import msgspec
 
-    from trainer.config import config_from_mapping
     from trainer.layout import check_layout
+    from trainer.run.load import config_from_mapping
 
     try:
         document = tomllib.loads(config.read_text(encoding="utf-8"))

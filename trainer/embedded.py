@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from trainer.clients import ServiceUrls
-from trainer.config import EngineSection
+from trainer.run.sections import EngineSection
 
 
 @contextlib.contextmanager

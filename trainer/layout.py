@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 if TYPE_CHECKING:
-    from trainer.config import TrainConfig
+    from trainer.run.sections import TrainConfig
 
 GB = 1e9
 RUNTIME_GB = 2.0

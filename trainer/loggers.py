@@ -29,7 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.config import ConfigError, TrainConfig, config_to_mapping
+from trainer.run.load import config_to_mapping
+from trainer.run.sections import ConfigError, TrainConfig
 
 PHASES = ("wait", "replay", "drain", "update", "save", "reload")
 GAUGES = {

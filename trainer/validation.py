@@ -22,7 +22,7 @@ from trainer.checkpoint import InFlightGroup
 from trainer.core import AdapterConfig, failure_kind
 from trainer.dataset import load_jsonl
 from trainer.rollouts import StatusWatch
-from trainer.run_sections import ValidationSection
+from trainer.run.sections import ValidationSection
 
 VAL_REWARD = "val/reward"
 

@@ -22,10 +22,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.backends import lora
 from trainer.backends.base import UpdateMetrics, combine, contributes, copy_tokenizer_files, replace_dir
-from trainer.config import AlgorithmSection, BackendSection
 from trainer.core import Sample, plan_micro_batches
 from trainer.forward import policy_logprobs
 from trainer.loss import LossMetrics, PolicyBatch, PolicyLossConfig, collate, pack, policy_loss
+from trainer.run.sections import AlgorithmSection, BackendSection
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

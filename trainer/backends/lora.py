@@ -30,7 +30,7 @@ from trainer.backends.base import ADAPTERS_DIR
 from trainer.core import Sample
 
 if TYPE_CHECKING:
-    from trainer.config import BackendSection
+    from trainer.run.sections import BackendSection
 
 log = logging.getLogger(__name__)
 DEFAULT_ADAPTER = "default"

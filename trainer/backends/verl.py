@@ -48,9 +48,9 @@ from trainer.backends.verl_engine import (
     set_optimizer_state,
 )
 from trainer.backends.verl_platform import init_distributed, register_cpu_platform
-from trainer.config import AlgorithmSection, BackendSection
 from trainer.core import Sample, plan_micro_batches
 from trainer.loss import LossMetrics, PolicyLossConfig
+from trainer.run.sections import AlgorithmSection, BackendSection
 
 
 class VerlBackend:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.backends import lora
-from trainer.config import AlgorithmSection, BackendSection
+from trainer.run.sections import AlgorithmSection, BackendSection
 
 _PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 

@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.config import TrainConfig, config_from_mapping
 from trainer.display import StepDisplay
 from trainer.embedded import embedded_stack
 from trainer.loop import Trainer
 from trainer.metrics import MetricsLog, plot_curves
 from trainer.quickstart.forkserver import DEFAULT_MODULE, launcher_command
 from trainer.quickstart.task import make_tasks, write_tasks_jsonl
+from trainer.run.load import config_from_mapping
+from trainer.run.sections import TrainConfig
 
 DATASET_SIZE = 512
 QUICKSTART_FIELDS: tuple[tuple[str, str, str], ...] = (
