@@ -76,9 +76,15 @@ def train(
                 rows = asyncio.run(Trainer(loaded, urls, on_step=display.step).run())
         print(f"{len(rows)} steps done; metrics in {loaded.run_dir / 'metrics.csv'}")
     except (
-        StackError, GatewayError, DatasetError, TrainingError, CheckpointError, ConfigError, ReplicaError,
+        StackError,
+        GatewayError,
+        DatasetError,
+        TrainingError,
+        CheckpointError,
+        ConfigError,
+        ReplicaError,
         VllmInstallError,
-    ) as exc:  # fmt: skip
+    ) as exc:
         raise _fail(str(exc)) from None
 
 
@@ -157,9 +163,11 @@ def _external_urls(stack: StackSection) -> ServiceUrls:
             "is not set (nor its environment variable)"
         )
     return ServiceUrls(
-        gateway_url=str(values["gateway_url"]), nats_url=str(values["nats_url"]),
-        engine_url=str(values["engine_url"]), admin_token=str(values["admin_token"]),
-    )  # fmt: skip
+        gateway_url=str(values["gateway_url"]),
+        nats_url=str(values["nats_url"]),
+        engine_url=str(values["engine_url"]),
+        admin_token=str(values["admin_token"]),
+    )
 
 
 def quickstart(

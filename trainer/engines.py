@@ -210,10 +210,16 @@ async def connect_engine(config: TrainConfig, urls: ServiceUrls) -> ServingEngin
     lora = config.backend.lora_rank > 0
     attached = list(config.engine.urls) or list(urls.engine_urls)  # given, or the embedded stack's
     return await start_vllm(
-        config, config.model.path, config.model.served_name, config.run_dir / "vllm", slot=0, urls=attached,
-        adapters=adapter_names(config.backend) if lora else [], api_key=urls.engine_api_key,
+        config,
+        config.model.path,
+        config.model.served_name,
+        config.run_dir / "vllm",
+        slot=0,
+        urls=attached,
+        adapters=adapter_names(config.backend) if lora else [],
+        api_key=urls.engine_api_key,
         stack_served=not config.engine.urls and bool(urls.engine_urls),
-    )  # fmt: skip
+    )
 
 
 async def start_vllm(

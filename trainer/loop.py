@@ -400,10 +400,11 @@ class Trainer:
         """The step's samples as `rollwire replay --format json` reports them, for audit and comparison."""
         rewards = {r.rollout_id: rollout_reward(r, self.adapter) for r in rollouts}
         rows = (
-            sample_row(s, step=step, reward=rewards[s.rollout_id] or 0.0, advantage=s.advantage,
-                       token_weight=s.token_weight)
+            sample_row(
+                s, step=step, reward=rewards[s.rollout_id] or 0.0, advantage=s.advantage, token_weight=s.token_weight
+            )
             for s in batch.samples
-        )  # fmt: skip
+        )
         path = self.run_dir.samples(step)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"".join(msgspec.json.encode(row) + b"\n" for row in rows))

@@ -168,12 +168,18 @@ class OtherModels:
                 continue
             update = await policy.update(batch)
             stats = batch.stats
-            row |= {f"{policy.name}/samples": stats.samples, f"{policy.name}/merge_ratio": stats.merge_ratio,
-                    f"{policy.name}/samples_per_rollout": stats.samples_per_rollout_mean,
-                    f"{policy.name}/weights_version": policy.version}  # fmt: skip
+            row |= {
+                f"{policy.name}/samples": stats.samples,
+                f"{policy.name}/merge_ratio": stats.merge_ratio,
+                f"{policy.name}/samples_per_rollout": stats.samples_per_rollout_mean,
+                f"{policy.name}/weights_version": policy.version,
+            }
             if update is not None:
-                row |= {f"{policy.name}/loss": update.loss, f"{policy.name}/entropy": update.entropy,
-                        f"{policy.name}/grad_norm": update.grad_norm}  # fmt: skip
+                row |= {
+                    f"{policy.name}/loss": update.loss,
+                    f"{policy.name}/entropy": update.entropy,
+                    f"{policy.name}/grad_norm": update.grad_norm,
+                }
         return row
 
     async def close(self) -> None:
