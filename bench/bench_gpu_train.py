@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import transformers
 
-from trainer.config import AlgorithmSection, BackendSection
 from trainer.core import Sample
+from trainer.run.sections import AlgorithmSection, BackendSection
 
 
 def model_config(tiny: bool) -> transformers.Qwen2Config:

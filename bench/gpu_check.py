@@ -37,8 +37,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from bench_gpu_train import build_model, model_config, samples  # noqa: E402
 
-from trainer.config import AlgorithmSection, BackendSection, Dtype, LossSection  # noqa: E402
 from trainer.core import Sample  # noqa: E402
+from trainer.run.sections import AlgorithmSection, BackendSection, Dtype, LossSection  # noqa: E402
 
 RESULTS: dict[str, Any] = {}
 

@@ -56,7 +56,7 @@ PROMPT_MODE: PromptMode = "exact"
 
 class AgentSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a run's rollouts execute and what each may spend: the part of a run spec a trainer's
-    `[agent]` section sets (`trainer.config.AgentSection` is this struct, so a field added here can
+    `[agent]` section sets (`trainer.run.sections.AgentSection` is this struct, so a field added here can
     be set in `train.toml` and reaches the run with no other edit).
 
     `command` is the agent command for the local backend (argv list, run in a fresh working

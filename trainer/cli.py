@@ -17,7 +17,7 @@ from pathlib import Path
 import typer
 
 from trainer.clients import ServiceUrls
-from trainer.config import ConfigError, StackSection, TrainConfig
+from trainer.run.sections import ConfigError, StackSection, TrainConfig
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
@@ -45,10 +45,10 @@ def train(
     from services.common.vllm_install import VllmInstallError
     from services.devstack.stack import StackError
     from trainer.checkpoint import CheckpointError
-    from trainer.config import load_config
     from trainer.dataset import DatasetError
     from trainer.display import StepDisplay
     from trainer.loop import Trainer, TrainingError
+    from trainer.run.load import load_config
 
     if check:
         _check_only(config)
@@ -76,9 +76,15 @@ def train(
                 rows = asyncio.run(Trainer(loaded, urls, on_step=display.step).run())
         print(f"{len(rows)} steps done; metrics in {loaded.run_dir / 'metrics.csv'}")
     except (
-        StackError, GatewayError, DatasetError, TrainingError, CheckpointError, ConfigError, ReplicaError,
+        StackError,
+        GatewayError,
+        DatasetError,
+        TrainingError,
+        CheckpointError,
+        ConfigError,
+        ReplicaError,
         VllmInstallError,
-    ) as exc:  # fmt: skip
+    ) as exc:
         raise _fail(str(exc)) from None
 
 
@@ -88,8 +94,8 @@ def _check_only(config: Path) -> None:
 
     import msgspec
 
-    from trainer.config import config_from_mapping
     from trainer.layout import check_layout
+    from trainer.run.load import config_from_mapping
 
     try:
         document = tomllib.loads(config.read_text(encoding="utf-8"))
@@ -157,9 +163,11 @@ def _external_urls(stack: StackSection) -> ServiceUrls:
             "is not set (nor its environment variable)"
         )
     return ServiceUrls(
-        gateway_url=str(values["gateway_url"]), nats_url=str(values["nats_url"]),
-        engine_url=str(values["engine_url"]), admin_token=str(values["admin_token"]),
-    )  # fmt: skip
+        gateway_url=str(values["gateway_url"]),
+        nats_url=str(values["nats_url"]),
+        engine_url=str(values["engine_url"]),
+        admin_token=str(values["admin_token"]),
+    )
 
 
 def quickstart(

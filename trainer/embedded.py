@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from trainer.clients import ServiceUrls
-from trainer.config import EngineSection
+from trainer.run.sections import EngineSection
 
 
 @contextlib.contextmanager
@@ -51,14 +51,24 @@ def embedded_stack(
 
     engine = engine or EngineSection()
     vllm = VllmServeSettings(
-        executable=engine.executable, port=0, dtype=engine.dtype,
-        gpu_memory_utilization=engine.gpu_memory_utilization, extra_args=list(engine.extra_args),
-        max_lora_rank=lora_rank, max_loras=max_loras,
-    )  # fmt: skip
+        executable=engine.executable,
+        port=0,
+        dtype=engine.dtype,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        extra_args=list(engine.extra_args),
+        max_lora_rank=lora_rank,
+        max_loras=max_loras,
+    )
     config = StackConfig(
-        data_dir=data_dir, nats_port=0, pg_port=0, gateway_port=0, engine_model=model_dir,
-        engine_kind=engine.kind, vllm=vllm, vllm_replicas=engine.replicas,
-    )  # fmt: skip
+        data_dir=data_dir,
+        nats_port=0,
+        pg_port=0,
+        gateway_port=0,
+        engine_model=model_dir,
+        engine_kind=engine.kind,
+        vllm=vllm,
+        vllm_replicas=engine.replicas,
+    )
     with _engine_single_thread():
         # Isolation none: the trainer's agents start through a fork server of this process's user
         # (trainer/quickstart/forkserver.py), whose socket an agent of another uid could not reach.

@@ -5,7 +5,8 @@
     close()
 
 - `EmbeddedEngine`: Rollwire's CPU engine (`POST /reload {"path", "weights_version"}`); it stamps
-  each response with the version it ran on.
+  each response with the version it ran on. `EmbeddedEngineProcess` starts one in a child process
+  (`python -m services.engine` on a free port), for the run's other models.
 - `VllmEngine`: `vllm serve` replicas, attached to (`[engine] urls`) or started
   (`[engine] replicas`), reloaded through vLLM's routes (`services.common.vllm`): full weights
   by pause -> reload_weights -> reset_prefix_cache -> update_weight_version -> resume, LoRA by
@@ -23,16 +24,21 @@ import hashlib
 import os
 import secrets
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Protocol
+
+import httpx
 
 from services.common.gateway_api import GatewayClient
 from services.common.vllm import ReplicaError, VllmReplicas, VllmServeSettings, start_replicas
 from services.common.vllm_install import ensure_vllm
+from services.devstack.embedded import free_port
 from trainer.backends.base import ADAPTERS_DIR
 from trainer.backends.lora import adapter_names
 from trainer.clients import RETRIES, EngineClient, ServiceUrls
-from trainer.config import TrainConfig
+from trainer.run.sections import TrainConfig
 
 
 class ServingEngine(Protocol):
@@ -77,6 +83,42 @@ class EmbeddedEngine:
     async def close(self) -> None:
         """Close the connection pool."""
         await self.client.close()
+
+
+class EmbeddedEngineProcess:
+    """An embedded engine serving `model_dir` as `name` in a child process (its log in `log`)."""
+
+    def __init__(self, model_dir: str, name: str, log: Path) -> None:
+        self.port = free_port()
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log, "ab")  # closed in stop()
+        args = [sys.executable, "-m", "services.engine", "--model", model_dir, "--port", str(self.port)]
+        args += ["--served-name", name, "--threads", "1"]
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    async def ready(self, timeout_s: float = 180.0) -> None:
+        """Wait until it answers `/v1/models` (RuntimeError naming its log if it exits first)."""
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the engine for {self._log.name} exited with {self.proc.returncode}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{self.base}/v1/models")).status_code == 200:
+                        return
+                await asyncio.sleep(0.2)
+        raise RuntimeError(f"the engine logging to {self._log.name} did not start in {timeout_s:.0f}s")
+
+    def stop(self) -> None:
+        """Terminate the engine and wait for it."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
 
 
 class VllmEngine:
@@ -168,10 +210,16 @@ async def connect_engine(config: TrainConfig, urls: ServiceUrls) -> ServingEngin
     lora = config.backend.lora_rank > 0
     attached = list(config.engine.urls) or list(urls.engine_urls)  # given, or the embedded stack's
     return await start_vllm(
-        config, config.model.path, config.model.served_name, config.run_dir / "vllm", slot=0, urls=attached,
-        adapters=adapter_names(config.backend) if lora else [], api_key=urls.engine_api_key,
+        config,
+        config.model.path,
+        config.model.served_name,
+        config.run_dir / "vllm",
+        slot=0,
+        urls=attached,
+        adapters=adapter_names(config.backend) if lora else [],
+        api_key=urls.engine_api_key,
         stack_served=not config.engine.urls and bool(urls.engine_urls),
-    )  # fmt: skip
+    )
 
 
 async def start_vllm(

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 if TYPE_CHECKING:
-    from trainer.config import TrainConfig
+    from trainer.run.sections import TrainConfig
 
 GB = 1e9
 RUNTIME_GB = 2.0
@@ -51,8 +51,15 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # Qwen2.5 shapes by size (billions): used when the model directory is not on this machine.
-_KNOWN = {0.5: (896, 24), 1.5: (1536, 28), 3.0: (2048, 36), 7.0: (3584, 28), 14.0: (5120, 48), 32.0: (5120, 64),
-          72.0: (8192, 80)}  # fmt: skip
+_KNOWN = {
+    0.5: (896, 24),
+    1.5: (1536, 28),
+    3.0: (2048, 36),
+    7.0: (3584, 28),
+    14.0: (5120, 48),
+    32.0: (5120, 64),
+    72.0: (8192, 80),
+}
 _EXACT = {0.5: 0.494e9, 1.5: 1.544e9, 3.0: 3.086e9, 7.0: 7.616e9, 14.0: 14.77e9, 32.0: 32.76e9, 72.0: 72.7e9}
 
 

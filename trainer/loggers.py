@@ -29,7 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.config import ConfigError, TrainConfig, config_to_mapping
+from trainer.run.load import config_to_mapping
+from trainer.run.sections import ConfigError, TrainConfig
 
 PHASES = ("wait", "replay", "drain", "update", "save", "reload")
 GAUGES = {
@@ -159,14 +160,18 @@ class PrometheusSink:
             col: Gauge(name, f"The last step's {col}.", ["run"], registry=self.registry) for col, name in GAUGES.items()
         }
         self.phase = Counter(
-            "rollwire_trainer_phase_seconds", "Time spent in each phase of the training step.", ["run", "phase"],
+            "rollwire_trainer_phase_seconds",
+            "Time spent in each phase of the training step.",
+            ["run", "phase"],
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.rollouts = Counter("rollwire_trainer_rollouts", "Rollouts trained on.", ["run"], registry=self.registry)
         self.failed = Counter(
-            "rollwire_trainer_rollouts_failed", "Rollouts of a step that ended without succeeding.", ["run"],
+            "rollwire_trainer_rollouts_failed",
+            "Rollouts of a step that ended without succeeding.",
+            ["run"],
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.steps = Counter("rollwire_trainer_steps", "Training steps completed.", ["run"], registry=self.registry)
         self.server: Any = None
         if port >= 0:

@@ -67,8 +67,9 @@ class TokenSampling(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
-def row_settings(temperature: float | None, top_p: float | None, top_k: int | None, default_temperature: float
-                 ) -> tuple[float, float, int]:  # fmt: skip
+def row_settings(
+    temperature: float | None, top_p: float | None, top_k: int | None, default_temperature: float
+) -> tuple[float, float, int]:
     """A sample's (temperature, top_p, top_k) as the loss applies them: greedy counts as temperature 1
     (as the engine reports it), unrecorded as `default_temperature`; top_p/top_k off are 1.0/0."""
     t = default_temperature if temperature is None else temperature if temperature > 0.0 else 1.0
@@ -103,8 +104,15 @@ def nucleus_outside(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tens
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
-def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-           temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> Pair:  # fmt: skip
+def _chunk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+) -> Pair:
     """One chunk: [C, H] hidden -> ([C] logprob of each target, [C] entropy, no gradient)."""
     logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [C, V]
     scaled = logits / temperature.unsqueeze(-1)
@@ -136,8 +144,15 @@ def head_logprobs(
     logprobs, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         part = slice(start, start + chunk_tokens)
-        args = (hidden[part], weight, bias, targets[part], sampling.temperature[part], sampling.top_p[part],
-                sampling.top_k[part])  # fmt: skip
+        args = (
+            hidden[part],
+            weight,
+            bias,
+            targets[part],
+            sampling.temperature[part],
+            sampling.top_p[part],
+            sampling.top_k[part],
+        )
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             picked, entropy = checkpoint(_chunk, *args, use_reentrant=False)
         else:
@@ -151,9 +166,14 @@ def head_logprobs(
 
 
 def selected_logprobs(
-    hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, sampling: TokenSampling,
-    select: torch.Tensor, *, chunk_tokens: int = CHUNK_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    sampling: TokenSampling,
+    select: torch.Tensor,
+    *,
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`head_logprobs` of the selected positions only ([N] bool `select`), scattered back to [N] (0 elsewhere).
 
     At least one position is always computed, so the result depends on the model even when nothing
@@ -192,8 +212,9 @@ def returning_hidden(model: Any) -> Iterator[torch.nn.Module]:
 
 
 @contextmanager
-def computing_in_head(model: Any, targets: torch.Tensor, sampling: TokenSampling, select: torch.Tensor,
-                      chunk_tokens: int = CHUNK_TOKENS) -> Iterator[None]:  # fmt: skip
+def computing_in_head(
+    model: Any, targets: torch.Tensor, sampling: TokenSampling, select: torch.Tensor, chunk_tokens: int = CHUNK_TOKENS
+) -> Iterator[None]:
     """Inside: the model's forward on one packed row [1, N] returns `logits` [1, N, 2]: each position's
     logprob of `targets` (0 where not `select`ed) and entropy, computed within the head's own call."""
     head = output_head(model)

@@ -29,8 +29,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,10 +43,8 @@ from trainer.backends.base import TrainingBackend, UpdateMetrics
 from trainer.backends.factory import build_backend
 from trainer.checkpoint import InFlightGroup, RunDir, TrainerState
 from trainer.clients import ServiceUrls, gateway_client
-from trainer.config import TrainConfig, config_to_mapping
 from trainer.core import (
     TRAIN_STEP_EVENT,
-    AdapterConfig,
     RolloutCalls,
     StepBatch,
     build_step,
@@ -58,12 +54,16 @@ from trainer.core import (
 )
 from trainer.dataset import TaskOrder, load_jsonl
 from trainer.engines import ServingEngine, connect_engine, register_replicas
-from trainer.extra_policies import OtherModels
 from trainer.loggers import open_sinks, tensorboard_dir
 from trainer.metrics import MetricsLog, plot_curves
-from trainer.policies import failure_row, run_spec, trained_adapter, trained_models
 from trainer.relaunch import wait_relaunching
 from trainer.rollouts import ReplayedGroup, StatusWatch, replay_group, update_spans
+from trainer.run.load import config_to_mapping
+from trainer.run.models import trained_adapter, trained_models
+from trainer.run.other_models import OtherModels
+from trainer.run.sections import TrainConfig
+from trainer.run.spec import run_spec
+from trainer.step_row import step_row
 from trainer.validation import VAL_REWARD, ValidationPass
 
 Row = dict[str, Any]
@@ -75,78 +75,6 @@ class TrainingError(RuntimeError):
 
 def _digest(text: str, length: int = 12) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:length]
-
-
-def _stats(values: Sequence[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
-
-
-UPDATE_COLUMNS = (
-    "loss", "entropy", "clip_fraction", "dual_clip_fraction", "ratio_mean", "approx_kl", "kl_ref", "grad_norm",
-)  # fmt: skip
-"""The `UpdateMetrics` fields a step row carries, under the same names."""
-
-
-def _agent_row(replayed: Sequence[ReplayedGroup]) -> Row:
-    """The mean of each metric the agents reported (custom events), as `agent_<name>` columns."""
-    agent: dict[str, list[float]] = {}
-    for group in replayed:
-        for found in group.agent_metrics:
-            for key, value in found.items():
-                agent.setdefault(key, []).append(value)
-    return {f"agent_{key}": statistics.fmean(values) for key, values in sorted(agent.items())}
-
-
-def step_row(
-    step: int,
-    version: int,
-    replayed: Sequence[ReplayedGroup],
-    batch: StepBatch,
-    stale_dropped: int,
-    trained_version: int,
-    update: UpdateMetrics | None,
-    times: dict[str, float],
-    adapter: AdapterConfig | None = None,
-) -> Row:
-    """The metrics of one step, as one row of the CSV (see `trainer.metrics.COLUMNS`)."""
-    stats = batch.stats
-    rollouts = [r for g in replayed for r in g.rollouts]
-    failed = sum(len(g.skipped) for g in replayed)
-    rewards = [r.reward for r in rollouts if r.reward is not None]
-    per_rollout = {s.rollout_id: s.advantage for s in batch.samples}
-    adv_mean, adv_std = _stats(list(per_rollout.values()))
-    reward_mean, reward_std = _stats(rewards)
-    low = stats.min_weights_version
-    row: Row = {
-        "step": step,
-        "weights_version": version,
-        "rollouts": len(rollouts) + failed,
-        "rollouts_failed": failed,
-        "groups": len(replayed),
-        "reward_mean": reward_mean,
-        "reward_std": reward_std,
-        "advantage_mean": adv_mean,
-        "advantage_std": adv_std,
-        "advantage_abs_mean": statistics.fmean(abs(a) for a in per_rollout.values()) if per_rollout else None,
-        "samples": stats.samples,
-        "samples_per_rollout": stats.samples_per_rollout_mean,
-        "samples_per_rollout_max": stats.samples_per_rollout_max,
-        "rollouts_single_sample": stats.single_sample_rollouts,
-        "merge_ratio": stats.merge_ratio,
-        "calls": stats.calls,
-        "calls_stale_dropped": stale_dropped,
-        "staleness_max": trained_version - low if low is not None else None,
-        "tokens": stats.tokens,
-        "response_tokens": stats.response_tokens,
-    }
-    if update is not None:
-        row |= {name: getattr(update, name) for name in UPDATE_COLUMNS}
-    row |= _agent_row(replayed)
-    row |= failure_row(rollouts, [r for g in replayed for r in g.skipped.values()], batch, adapter or AdapterConfig())
-    row |= {f"time_{name}_s": round(seconds, 4) for name, seconds in times.items()}
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
 
 class Trainer:
@@ -204,7 +132,7 @@ class Trainer:
         return state
 
     def run_spec(self) -> dict[str, Any]:
-        """The run's executor settings, as the gateway records them (`RunSpec`, `trainer.policies.run_spec`)."""
+        """The run's executor settings, as the gateway records them (`RunSpec`, `trainer.run.spec.run_spec`)."""
         return msgspec.to_builtins(run_spec(self.config, self.run_id))
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -472,10 +400,11 @@ class Trainer:
         """The step's samples as `rollwire replay --format json` reports them, for audit and comparison."""
         rewards = {r.rollout_id: rollout_reward(r, self.adapter) for r in rollouts}
         rows = (
-            sample_row(s, step=step, reward=rewards[s.rollout_id] or 0.0, advantage=s.advantage,
-                       token_weight=s.token_weight)
+            sample_row(
+                s, step=step, reward=rewards[s.rollout_id] or 0.0, advantage=s.advantage, token_weight=s.token_weight
+            )
             for s in batch.samples
-        )  # fmt: skip
+        )
         path = self.run_dir.samples(step)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"".join(msgspec.json.encode(row) + b"\n" for row in rows))

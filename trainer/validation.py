@@ -22,7 +22,7 @@ from trainer.checkpoint import InFlightGroup
 from trainer.core import AdapterConfig, failure_kind
 from trainer.dataset import load_jsonl
 from trainer.rollouts import StatusWatch
-from trainer.run_sections import ValidationSection
+from trainer.run.sections import ValidationSection
 
 VAL_REWARD = "val/reward"
 
@@ -72,11 +72,16 @@ class ValidationPass:
         """Declare the pass, wait for it, and return `{"val/reward": mean, "val_rollouts": n}`."""
         groups = self.groups(step)
         declared = [
-            NewRollout(rollout_id=rid, group_id=g.group_id, input=self.tasks[g.task_index], mode="val",
-                       metadata={"task_index": g.task_index, "step": step, "validation": True})
+            NewRollout(
+                rollout_id=rid,
+                group_id=g.group_id,
+                input=self.tasks[g.task_index],
+                mode="val",
+                metadata={"task_index": g.task_index, "step": step, "validation": True},
+            )
             for g in groups
             for rid in g.rollout_ids
-        ]  # fmt: skip
+        ]
         for record in await gateway.create_rollouts(self.run_id, declared, key=f"{self.run_id}-val-{step}"):
             if record.get("state") in ("succeeded", "failed", "cancelled"):
                 watch.ended[str(record["rollout_id"])] = str(record["state"])

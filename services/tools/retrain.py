@@ -37,10 +37,11 @@ from services.tools.retrain_schemes import RetrainScheme, parse_scheme
 from services.tools.retrain_source import StepReader
 from services.tools.source import ReplayError, index_run
 from trainer.checkpoint import CHECKPOINTS_DIR, RunDir
-from trainer.config import TrainConfig, config_from_mapping
 from trainer.core import AdapterConfig, RolloutCalls, StepBatch, build_step
 from trainer.metrics import MetricsLog
 from trainer.retrain import ProximalBackend, retrain_update, update_row
+from trainer.run.load import config_from_mapping
+from trainer.run.sections import TrainConfig
 
 if TYPE_CHECKING:
     from services.tools.retrain_validation import RetrainValidation

@@ -23,9 +23,9 @@ from typing import Any
 import msgspec
 
 from services.tools.schemes import parse_spec, spec_help
-from trainer.config import LossSection
 from trainer.core import AdapterConfig, AdapterConfigError
 from trainer.retrain import DEFAULT_IS_CAP
+from trainer.run.sections import LossSection
 
 LOSS_KEYS: dict[str, str] = {
     "clip-low": "clip_low",

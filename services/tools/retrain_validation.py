@@ -24,11 +24,11 @@ from services.common.eventstore import EventStore
 from services.common.gateway_api import GatewayClient
 from services.tools.source import ReplayError
 from trainer.clients import ServiceUrls, gateway_client
-from trainer.config import TrainConfig
 from trainer.engines import ServingEngine, connect_engine, register_replicas
-from trainer.policies import run_spec, trained_adapter, trained_models
 from trainer.rollouts import StatusWatch
-from trainer.run_sections import ValidationSection
+from trainer.run.models import trained_adapter, trained_models
+from trainer.run.sections import TrainConfig, ValidationSection
+from trainer.run.spec import run_spec
 from trainer.validation import ValidationPass
 
 

@@ -12,8 +12,9 @@ import msgspec
 from schemas import CustomEvent, ModelRequestRecorded, RewardReported
 from services.common.eventstore import EventStore
 from trainer.clients import ServiceUrls
-from trainer.config import TrainConfig, load_config
 from trainer.loop import Trainer
+from trainer.run.load import load_config
+from trainer.run.sections import TrainConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -27,7 +27,7 @@ from services.controller.backends.base import ExecutionKey, LaunchSpec
 from services.controller.backends.k8s_template import JobTemplate, validate_manifest
 from services.tools.monitor import Monitor
 from trainer.clients import ServiceUrls
-from trainer.config import load_config
+from trainer.run.load import load_config
 
 REPO = EXAMPLES.parent
 MINI = Path(os.path.expanduser(os.environ.get("MINI_SWE_AGENT", "~/.cache/rollwire/mini-swe-agent/bin/mini")))

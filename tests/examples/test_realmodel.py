@@ -23,8 +23,8 @@ from services.common.toolcalls import parse_tool_calls
 from services.common.vllm_install import vllm_python
 from services.gateway.proxy.render import ChatRenderer
 from trainer.clients import ServiceUrls
-from trainer.config import load_config
 from trainer.embedded import embedded_stack
+from trainer.run.load import load_config
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,8 @@ An AST scan of every module (function-level imports included) fails when:
 - the shared library (`services/common`) imports a service, or the agent-side helper (`services/agentkit`)
   imports anything of the project (it is copied next to an agent on its own);
 - the contract (`schemas`) imports `services` or `trainer`;
-- the trainer's pure core (`trainer/core`) imports an I/O library (NATS, Postgres, HTTP, sockets) or `services`.
+- the trainer's pure core (`trainer/core`) imports an I/O library (NATS, Postgres, HTTP, sockets) or `services`;
+- the trainer's modules import each other in a circle (`import_circles`).
 """
 
 from __future__ import annotations
@@ -95,3 +96,59 @@ def test_the_check_catches_each_kind_of_violation(tmp_path: Path, path: str, sou
     found = violations(tmp_path)
     assert len(found) == 1 and found[0].startswith(path), found
     assert why.split()[-1] in found[0]
+
+
+def _module_names(root: Path, folder: str) -> dict[str, Path]:
+    """Dotted name -> file of every module under `folder` (a package by its own name)."""
+    names: dict[str, Path] = {}
+    for path in (root / folder).rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def import_circles(root: Path = ROOT, folder: str = "trainer") -> list[list[str]]:
+    """Every set of modules under `folder` that import each other in a circle (function-level and
+    TYPE_CHECKING imports included). An import names the most specific module it reaches, so a
+    package's `__init__` re-exporting its modules makes no circle with them."""
+    modules = _module_names(root, folder)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for _, imported in imports(path, root):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                graph[name].add(imported)
+    reaches = {name: _reachable(graph, name) for name in graph}
+    circles = {frozenset(n for n in reaches[name] if name in reaches[n]) for name in graph if name in reaches[name]}
+    return sorted(sorted(c) for c in circles)
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules `start` imports, directly or through others (itself only when in a circle)."""
+    seen: set[str] = set()
+    todo = list(graph[start])
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += graph[name]
+    return seen
+
+
+def test_the_trainer_has_no_import_circles() -> None:
+    assert import_circles() == []
+
+
+def test_the_circle_check_catches_a_circle(tmp_path: Path) -> None:
+    files = {
+        "trainer/__init__.py": "",
+        "trainer/a.py": "from trainer.b import f\n",
+        "trainer/b.py": "def f():\n    from trainer import a\n",
+        "trainer/pkg/__init__.py": "from trainer.pkg.c import g\n",
+        "trainer/pkg/c.py": "import trainer.b\n\ndef g(): ...\n",
+    }
+    for path, source in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(source)
+    assert import_circles(tmp_path) == [["trainer.a", "trainer.b"]]

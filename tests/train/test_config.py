@@ -13,8 +13,9 @@ from schemas import RunStarted
 from schemas.runs import AttemptBudget, CallLimits, RunSpec
 from services.common.eventstore import StoredEvent
 from services.gateway.state import GatewayState
-from trainer.config import ConfigError, config_from_mapping, config_to_mapping, load_config
-from trainer.policies import run_spec
+from trainer.run.load import config_from_mapping, config_to_mapping, load_config
+from trainer.run.sections import ConfigError
+from trainer.run.spec import run_spec
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart" / "train.toml"
 

@@ -22,9 +22,9 @@ from services.engine.background import BackgroundServer
 from services.gateway import GatewaySettings, create_app
 from trainer.checkpoint import InFlightGroup
 from trainer.core import AdapterConfig, NotTrainable, build_step, rollout_calls
-from trainer.loop import step_row
 from trainer.rollouts import StatusWatch, replay_group, update_spans
-from trainer.run_sections import ValidationSection
+from trainer.run.sections import ValidationSection
+from trainer.step_row import step_row
 from trainer.validation import VAL_REWARD, ValidationPass, val_reward
 
 ADMIN = "failure-rule-admin"

@@ -11,9 +11,9 @@ import torch
 import transformers
 
 from trainer.backends.cpu import CpuBackend
-from trainer.config import AlgorithmSection, BackendSection, LossSection
 from trainer.core import AdapterConfig, CallTokens, RolloutCalls, Sample, build_step
 from trainer.forward import forward_logits, shared_prefix_length
+from trainer.run.sections import AlgorithmSection, BackendSection, LossSection
 
 VOCAB = 256
 ONE_THREAD = BackendSection(threads=1)

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from trainer.config import ConfigError, config_from_mapping
 from trainer.layout import check_layout, model_shape
+from trainer.run.load import config_from_mapping
+from trainer.run.sections import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ["calc", "coding", "search", "sql"]

@@ -17,9 +17,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from trainer.config import ConfigError, TrainConfig, config_from_mapping
 from trainer.loggers import open_sinks, tensorboard_dir
 from trainer.metrics import MetricsLog
+from trainer.run.load import config_from_mapping
+from trainer.run.sections import ConfigError, TrainConfig
 
 ROWS = [
     {"step": s, "reward_mean": 0.25 * s, "loss": 1.0 / s, "rollouts": 8, "rollouts_failed": s - 1,

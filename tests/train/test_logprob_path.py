@@ -22,8 +22,8 @@ from test_forward_backend import small_model
 
 from services.engine.sampling import SamplingParams, sample_token, sampled_logprobs
 from trainer.backends.cpu import CpuBackend
-from trainer.config import AlgorithmSection, BackendSection, LossSection
 from trainer.core import AdapterConfig, CallTokens, RolloutCalls, Sample, build_step
+from trainer.run.sections import AlgorithmSection, BackendSection, LossSection
 
 REAL_VOCAB = 151_936  # Qwen2's
 

@@ -20,9 +20,9 @@ from schemas import ModelRequestRecorded
 from services.common.eventstore import EventStore
 from services.devstack.embedded import NatsServer
 from services.engine.tiny_model import ensure_tiny_model
-from trainer.config import config_from_mapping, load_config
 from trainer.embedded import embedded_stack
 from trainer.loop import Trainer
+from trainer.run.load import config_from_mapping, load_config
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

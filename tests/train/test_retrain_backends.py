@@ -17,8 +17,8 @@ import torch
 from test_forward_backend import multi_turn_samples, small_model
 
 from trainer.backends.cpu import CpuBackend
-from trainer.config import AlgorithmSection, BackendSection, LossSection
 from trainer.retrain import decoupled_samples, retrain_update
+from trainer.run.sections import AlgorithmSection, BackendSection, LossSection
 
 ALGORITHM = AlgorithmSection(lr=1e-2, micro_batch_tokens=64, loss=LossSection(clip_low=0.2, clip_high=0.2))
 SETTINGS = BackendSection(threads=1)

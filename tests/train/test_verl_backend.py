@@ -20,9 +20,9 @@ from test_forward_backend import VOCAB, multi_turn_samples, small_model
 
 from trainer.backends import lora
 from trainer.backends.cpu import CpuBackend
-from trainer.config import AlgorithmSection, BackendSection, LossSection
 from trainer.core import AdapterConfig, CallTokens, RolloutCalls, Sample, build_step
 from trainer.core.weights import Norm
+from trainer.run.sections import AlgorithmSection, BackendSection, LossSection
 
 NORMS: list[Norm] = ["rollout-mean", "token-mean", "seq-mean-token-mean"]
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_forward_backend import multi_turn_samples
 
 from trainer.backends.verl import VerlBackend
-from trainer.config import AlgorithmSection, BackendSection, LossSection
+from trainer.run.sections import AlgorithmSection, BackendSection, LossSection
 
 
 def main() -> None:

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from services.tools.retrain_schemes import parse_scheme
-from trainer.config import LossSection
 from trainer.core import AdapterConfig, AdapterConfigError, CallTokens, RolloutCalls, Sample, build_step
 from trainer.loss import PolicyLossConfig, collate, policy_loss
 from trainer.retrain import decoupled_samples
+from trainer.run.sections import LossSection
 
 
 def _sample(advantage: float = 1.0, token_weight: float = 0.5) -> Sample:

@@ -18,9 +18,9 @@ from vllm_rig import VLLM_PYTHON
 
 from services.common.gateway_api import GatewayClient
 from services.devstack.embedded import free_port
-from trainer.config import config_from_mapping
 from trainer.core import AdapterConfig
-from trainer.extra_policies import OtherModels
+from trainer.run.load import config_from_mapping
+from trainer.run.other_models import OtherModels
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two vLLM servers start in turn
 

@@ -22,10 +22,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer.backends import lora
 from trainer.backends.base import UpdateMetrics, combine, contributes, copy_tokenizer_files, replace_dir
-from trainer.config import AlgorithmSection, BackendSection
 from trainer.core import Sample, plan_micro_batches
 from trainer.forward import policy_logprobs
 from trainer.loss import LossMetrics, PolicyBatch, PolicyLossConfig, collate, pack, policy_loss
+from trainer.run.sections import AlgorithmSection, BackendSection
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -125,10 +125,15 @@ class CpuBackend:
         start = time.monotonic()
         groups = [(name, trained) for name, trained in self._groups(samples) if trained]
         plans = [
-            (name, trained, plan_micro_batches([len(s.tokens) for s in trained], workers=1,
-                                               max_tokens=self.algorithm.micro_batch_tokens)[0])
+            (
+                name,
+                trained,
+                plan_micro_batches(
+                    [len(s.tokens) for s in trained], workers=1, max_tokens=self.algorithm.micro_batch_tokens
+                )[0],
+            )
             for name, trained in groups
-        ]  # fmt: skip
+        ]
         parts: list[LossMetrics] = []
         grad_norm, steps = 0.0, 0
         for _ in range(self.algorithm.updates_per_step if plans else 0):
@@ -144,9 +149,13 @@ class CpuBackend:
             self.optimizer.step()
             steps += 1
         return combine(
-            parts, samples=sum(len(t) for _, t in groups), micro=len(parts), steps=steps, grad_norm=grad_norm,
+            parts,
+            samples=sum(len(t) for _, t in groups),
+            micro=len(parts),
+            steps=steps,
+            grad_norm=grad_norm,
             seconds=time.monotonic() - start,
-        )  # fmt: skip
+        )
 
     def token_logprobs(self, samples: Sequence[Sample]) -> list[np.ndarray | None]:
         """Each sample's per-token logprobs under the current weights, without a gradient (None: not trained).

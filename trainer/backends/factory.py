@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from trainer.backends.base import TrainingBackend
 
 if TYPE_CHECKING:
-    from trainer.config import TrainConfig
+    from trainer.run.sections import TrainConfig
 
 
 def build_backend(config: TrainConfig) -> TrainingBackend:

@@ -30,7 +30,7 @@ from trainer.backends.base import ADAPTERS_DIR
 from trainer.core import Sample
 
 if TYPE_CHECKING:
-    from trainer.config import BackendSection
+    from trainer.run.sections import BackendSection
 
 log = logging.getLogger(__name__)
 DEFAULT_ADAPTER = "default"
@@ -75,11 +75,19 @@ def split_by_adapter(
         if samples and not count:
             roles = sorted(r for r, a in settings.lora_adapters.items() if a == name)
             seen = dict(unmapped) or sorted({str(s.agent) for s in samples})
-            log.warning("adapter %r trains on 0 of the step's %d samples: no sample's agent is %s (agents seen: %s)",
-                        name, len(samples), roles, seen)  # fmt: skip
+            log.warning(
+                "adapter %r trains on 0 of the step's %d samples: no sample's agent is %s (agents seen: %s)",
+                name,
+                len(samples),
+                roles,
+                seen,
+            )
     if unmapped:
-        log.warning("%d samples are trained by no adapter: their agents %s are not in backend.lora_adapters",
-                    sum(unmapped.values()), dict(unmapped))  # fmt: skip
+        log.warning(
+            "%d samples are trained by no adapter: their agents %s are not in backend.lora_adapters",
+            sum(unmapped.values()),
+            dict(unmapped),
+        )
     log.info("samples per adapter: %s", counts)
     return groups
 

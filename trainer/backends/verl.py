@@ -48,9 +48,9 @@ from trainer.backends.verl_engine import (
     set_optimizer_state,
 )
 from trainer.backends.verl_platform import init_distributed, register_cpu_platform
-from trainer.config import AlgorithmSection, BackendSection
 from trainer.core import Sample, plan_micro_batches
 from trainer.loss import LossMetrics, PolicyLossConfig
+from trainer.run.sections import AlgorithmSection, BackendSection
 
 
 class VerlBackend:
@@ -200,9 +200,13 @@ class VerlBackend:
         dist.all_gather_object(gathered, parts)
         everything = [p for rank_parts in gathered for p in rank_parts if p.tokens]
         return combine(
-            everything, samples=sum(len(t) for _, t in self._groups(samples)), micro=len(everything), steps=steps,
-            grad_norm=grad_norm, seconds=time.monotonic() - start,
-        )  # fmt: skip
+            everything,
+            samples=sum(len(t) for _, t in self._groups(samples)),
+            micro=len(everything),
+            steps=steps,
+            grad_norm=grad_norm,
+            seconds=time.monotonic() - start,
+        )
 
     def _plans(self, samples: Sequence[Sample]) -> list[tuple[str | None, list[tuple[list[Sample], Any]]]]:
         """Per adapter group: this rank's micro-batches with their reference logprobs (fixed for the step)."""
@@ -212,8 +216,9 @@ class VerlBackend:
             plans.append((name, [(mb, self._reference(mb, name)) for mb in self._my_micro_batches(trained)]))
         return plans
 
-    def _accumulate(self, plans: Sequence[tuple[str | None, list[tuple[list[Sample], Any]]]],
-                    parts: list[LossMetrics]) -> None:  # fmt: skip
+    def _accumulate(
+        self, plans: Sequence[tuple[str | None, list[tuple[list[Sample], Any]]]], parts: list[LossMetrics]
+    ) -> None:
         """Forward and backward over this rank's micro-batches: the step's gradient, summed."""
         loss_fn = policy_loss_function(self.loss_config, self.engine.get_data_parallel_size(), parts)
         for name, micro_batches in plans:
@@ -296,6 +301,9 @@ class VerlBackend:
     def parameters_snapshot(self) -> dict[str, torch.Tensor]:
         """A full copy of every trained parameter under its HF name (collective; tests compare them)."""
         if self.lora:
-            return {f"{name}/{k}": v for name in lora.adapter_names(self.settings)
-                    for k, v in full_state(self.engine, adapter=name).items()}  # fmt: skip
+            return {
+                f"{name}/{k}": v
+                for name in lora.adapter_names(self.settings)
+                for k, v in full_state(self.engine, adapter=name).items()
+            }
         return full_state(self.engine)

@@ -34,9 +34,15 @@ from trainer.loss import LossMetrics, PolicyBatch, PolicyLossConfig, policy_loss
 
 # A micro-batch a rank runs only to keep FSDP's collectives in step with the others: no loss, no gradient.
 FILLER = Sample(
-    rollout_id="filler", group_id=None, index=0, tokens=[0, 0], loss_mask=[0, 0], logprobs=[0.0, 0.0],
-    call_ids=[], response_tokens=0,
-)  # fmt: skip
+    rollout_id="filler",
+    group_id=None,
+    index=0,
+    tokens=[0, 0],
+    loss_mask=[0, 0],
+    logprobs=[0.0, 0.0],
+    call_ids=[],
+    response_tokens=0,
+)
 
 
 def _jagged(rows: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -57,8 +63,13 @@ def _advantage_row(sample: Sample) -> torch.Tensor:
     return _aligned(sample.token_advantages)
 
 
-def to_tensordict(samples: Sequence[Sample], *, temperature: float, ref_log_probs: Sequence[torch.Tensor] | None = None,
-                  entropy: bool = True) -> Any:  # fmt: skip
+def to_tensordict(
+    samples: Sequence[Sample],
+    *,
+    temperature: float,
+    ref_log_probs: Sequence[torch.Tensor] | None = None,
+    entropy: bool = True,
+) -> Any:
     """One micro-batch of samples as the engine's TensorDict (fields in the module docstring)."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
@@ -72,8 +83,11 @@ def to_tensordict(samples: Sequence[Sample], *, temperature: float, ref_log_prob
         "token_weight": _jagged([torch.full((len(s.tokens),), s.token_weight) for s in samples]),
     }
     settings = [row_settings(s.temperature, s.top_p, s.top_k, temperature) for s in samples]
-    for name, column, dtype in (("sample_temperature", 0, torch.float32), ("sample_top_p", 1, torch.float32),
-                                ("sample_top_k", 2, torch.long)):  # fmt: skip
+    for name, column, dtype in (
+        ("sample_temperature", 0, torch.float32),
+        ("sample_top_p", 1, torch.float32),
+        ("sample_top_k", 2, torch.long),
+    ):
         rows = [
             torch.full((len(s.tokens),), row[column], dtype=dtype) for s, row in zip(samples, settings, strict=True)
         ]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.backends import lora
-from trainer.config import AlgorithmSection, BackendSection
+from trainer.run.sections import AlgorithmSection, BackendSection
 
 _PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 
@@ -79,9 +79,14 @@ def rollwire_forward_step(engine: Any, micro_batch: Any, loss_function: Any, for
 
 
 def build_engine(
-    model_dir: Path, algorithm: AlgorithmSection, settings: BackendSection, *, on_cpu: bool, seed: int,
+    model_dir: Path,
+    algorithm: AlgorithmSection,
+    settings: BackendSection,
+    *,
+    on_cpu: bool,
+    seed: int,
     forward_only: bool = False,
-) -> Any:  # fmt: skip
+) -> Any:
     """An initialised engine on `model_dir` (a reference policy when `forward_only`)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -116,9 +121,11 @@ def build_engine(
     )
     engine_class = _engine_class()
     engine = engine_class(
-        model_config=model_config, engine_config=engine_config, optimizer_config=optimizer_config,
+        model_config=model_config,
+        engine_config=engine_config,
+        optimizer_config=optimizer_config,
         checkpoint_config=CheckpointConfig(),
-    )  # fmt: skip
+    )
     engine.rollwire_settings = settings
     engine.rollwire_seed = seed
     engine.initialize()

@@ -118,8 +118,18 @@ class _Chain:
     """
 
     __slots__ = (
-        "call_ids", "end", "first", "key", "last", "length", "prompt", "response", "spans", "touched", "versions",
-    )  # fmt: skip
+        "call_ids",
+        "end",
+        "first",
+        "key",
+        "last",
+        "length",
+        "prompt",
+        "response",
+        "spans",
+        "touched",
+        "versions",
+    )
 
     def __init__(self, call: CallTokens, touched: int) -> None:
         self.call_ids: list[str] = []

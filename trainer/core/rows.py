@@ -29,8 +29,9 @@ class SampleRow(msgspec.Struct, kw_only=True):
     """The weight each of its response tokens gets in the step's loss."""
 
 
-def sample_row(sample: Sample, *, step: int | None, reward: float, advantage: float, token_weight: float = 0.0
-               ) -> SampleRow:  # fmt: skip
+def sample_row(
+    sample: Sample, *, step: int | None, reward: float, advantage: float, token_weight: float = 0.0
+) -> SampleRow:
     """The row of a sample (its token lists reduced to counts)."""
     return SampleRow(
         rollout_id=sample.rollout_id,

@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.config import TrainConfig, config_from_mapping
 from trainer.display import StepDisplay
 from trainer.embedded import embedded_stack
 from trainer.loop import Trainer
 from trainer.metrics import MetricsLog, plot_curves
 from trainer.quickstart.forkserver import DEFAULT_MODULE, launcher_command
 from trainer.quickstart.task import make_tasks, write_tasks_jsonl
+from trainer.run.load import config_from_mapping
+from trainer.run.sections import TrainConfig
 
 DATASET_SIZE = 512
 QUICKSTART_FIELDS: tuple[tuple[str, str, str], ...] = (
@@ -83,27 +84,41 @@ def quickstart_config(
 ) -> TrainConfig:
     """The training config of a quickstart run named `name`."""
     mapping: dict[str, Any] = {
-        "run": {"name": name, "out_dir": str(options.out), "seed": options.seed, "steps": options.steps,
-                "mode": options.mode, "resume": False},
-        "data": {"path": str(dataset), "tasks_per_step": options.tasks_per_step,
-                 "rollouts_per_task": options.rollouts_per_task},
-        "agent": {"command": agent_command, "env": {"AGENT_SEED": str(options.seed)}, "timeout_s": 300.0,
-                  "concurrency": options.tasks_per_step * options.rollouts_per_task},
+        "run": {
+            "name": name,
+            "out_dir": str(options.out),
+            "seed": options.seed,
+            "steps": options.steps,
+            "mode": options.mode,
+            "resume": False,
+        },
+        "data": {
+            "path": str(dataset),
+            "tasks_per_step": options.tasks_per_step,
+            "rollouts_per_task": options.rollouts_per_task,
+        },
+        "agent": {
+            "command": agent_command,
+            "env": {"AGENT_SEED": str(options.seed)},
+            "timeout_s": 300.0,
+            "concurrency": options.tasks_per_step * options.rollouts_per_task,
+        },
         "model": {"path": str(model_dir), "served_name": "policy"},
         "backend": {"kind": "cpu", "threads": 2},
         # token-mean: the decision token (call the tool or answer) weighs the same in a 2-token
         # direct answer as in a 25-token tool call; per-rollout means would make one lucky guess
         # outweigh a dozen successful tool calls.
         "algorithm": {"lr": options.lr, "micro_batch_tokens": 8192, "adapter": {"norm": "token-mean"}},
-    }  # fmt: skip
+    }
     for section, values in options.extra.items():
         mapping.setdefault(section, {}).update(values)
     return config_from_mapping(mapping)
 
 
 @contextlib.contextmanager
-def fork_server(module: str = DEFAULT_MODULE, pythonpath: Sequence[Path] = (), *, key: str | None = None
-                ) -> Iterator[list[str]]:  # fmt: skip
+def fork_server(
+    module: str = DEFAULT_MODULE, pythonpath: Sequence[Path] = (), *, key: str | None = None
+) -> Iterator[list[str]]:
     """Run an agent fork server for `module` for the duration; yields the agent command that uses it.
 
     `pythonpath` adds directories the module is imported from (for agents outside the package).

@@ -281,9 +281,15 @@ def supervised_finetune(
     fragments = skill_fragments(tokenizer, make_tasks(config.fragments, seed=20_000 + config.seed))
     held_fragments = skill_fragments(tokenizer, make_tasks(config.held_out, seed=30_000 + config.seed))
     skill_steps, skill_accuracy = trainer.phase(
-        fragments, held_fragments, config.skill_batch_size, 1, config.skill_max_steps, lambda _: 1.0, progress,
+        fragments,
+        held_fragments,
+        config.skill_batch_size,
+        1,
+        config.skill_max_steps,
+        lambda _: 1.0,
+        progress,
         "warm start 1/2 (skills)",
-    )  # fmt: skip
+    )
     held = [
         _mask_decision(encode_conversation(tokenizer, transcript(task, use_tool=True, guess=""), TOOLS))
         for task in make_tasks(config.held_out, seed=40_000 + config.seed)
@@ -294,9 +300,15 @@ def supervised_finetune(
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * done))
 
     steps, accuracy = trainer.phase(
-        warm_transcripts(tokenizer, config), held, config.batch_size, config.steps, config.max_steps, cosine,
-        progress, "warm start 2/2 (conversations)",
-    )  # fmt: skip
+        warm_transcripts(tokenizer, config),
+        held,
+        config.batch_size,
+        config.steps,
+        config.max_steps,
+        cosine,
+        progress,
+        "warm start 2/2 (conversations)",
+    )
     model.eval()
     return WarmStartReport(
         skill_steps=skill_steps,

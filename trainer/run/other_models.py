@@ -1,11 +1,10 @@
-"""The run's other models: each `[[policies]]` entry trained beside `[model]`, each `[[frozen]]` one served.
+"""The run's models besides `[model]`: each `[[policies]]` entry trained beside it, each `[[frozen]]` one served.
 
 A run may train several models (say two agent roles on two models). `[model]` is trained by the
 loop as always; every `[[policies]]` entry gets here its own backend (optimizer, weights), its own
 engine of the kind `[engine] kind` names (vLLM replicas in their own slot of ports and GPUs, see
-`trainer.engines.start_vllm`, or an embedded engine: a `python -m services.engine` process on a
-free port), its own weights versions
-under `<run>/policies/<name>/weights/vN`, and its own samples: the step's rollouts cut to its
+`trainer.engines.start_vllm`, or an embedded engine: `trainer.engines.EmbeddedEngineProcess`), its
+own weights versions under `<run>/policies/<name>/weights/vN`, and its own samples: the step's rollouts cut to its
 calls (`RolloutCalls.for_model`), the same rollout rewards, its own advantages and loss weights.
 It updates inside the same phase gate as `[model]`, so no call of the run runs while any model
 changes weights. `[[frozen]]` models are served (an engine of that kind on `path`, or a running
@@ -15,67 +14,31 @@ changes weights. `[[frozen]]` models are served (an engine of that kind on `path
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 
 from services.common.gateway_api import GatewayClient
-from services.devstack.embedded import free_port
 from trainer.backends.base import TrainingBackend, UpdateMetrics
 from trainer.backends.factory import build_backend
-from trainer.config import TrainConfig
 from trainer.core import AdapterConfig, RolloutCalls, StepBatch, build_step
-from trainer.engines import EmbeddedEngine, ServingEngine, VllmEngine, register_replicas, start_vllm
-from trainer.run_sections import PolicySection
+from trainer.engines import (
+    EmbeddedEngine,
+    EmbeddedEngineProcess,
+    ServingEngine,
+    VllmEngine,
+    register_replicas,
+    start_vllm,
+)
+from trainer.run.sections import PolicySection, TrainConfig
 
 Row = dict[str, Any]
 
 
-class EngineProcess:
-    """An embedded engine serving `model_dir` as `name` in a child process (its log in `log`)."""
-
-    def __init__(self, model_dir: str, name: str, log: Path) -> None:
-        self.port = free_port()
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log, "ab")  # closed in stop()
-        args = [sys.executable, "-m", "services.engine", "--model", model_dir, "--port", str(self.port),
-                "--served-name", name, "--threads", "1"]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    async def ready(self, timeout_s: float = 180.0) -> None:
-        """Wait until it answers `/v1/models` (RuntimeError naming its log if it exits first)."""
-        deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the engine for {self._log.name} exited with {self.proc.returncode}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{self.base}/v1/models")).status_code == 200:
-                        return
-                await asyncio.sleep(0.2)
-        raise RuntimeError(f"the engine logging to {self._log.name} did not start in {timeout_s:.0f}s")
-
-    def stop(self) -> None:
-        """Terminate the engine and wait for it."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self._log.close()
-
-
-class ExtraPolicy:
+class TrainedPolicy:
     """One `[[policies]]` model: backend, engine, versions (see the module docstring)."""
 
     def __init__(self, config: TrainConfig, policy: PolicySection, root: Path, slot: int = 1) -> None:
@@ -85,7 +48,7 @@ class ExtraPolicy:
         self.config = msgspec.structs.replace(config, model=model, policies=[], frozen=[])
         self.slot = slot
         self.backend: TrainingBackend | None = None
-        self.engine: EngineProcess | None = None
+        self.engine: EmbeddedEngineProcess | None = None
         self.vllm: VllmEngine | None = None
         self.version = 0
 
@@ -110,7 +73,7 @@ class ExtraPolicy:
             self.vllm = await start_vllm(self.config, str(current), self.name, self.root / "vllm", slot=self.slot)
             await register_replicas(gateway, self.vllm, run_id, self.name)
             return
-        self.engine = EngineProcess(str(current), self.name, self.root / "engine.log")
+        self.engine = EmbeddedEngineProcess(str(current), self.name, self.root / "engine.log")
         await self.engine.ready()
         engine = EmbeddedEngine(self.engine.base)
         await engine.load(current, self.version)
@@ -155,8 +118,8 @@ class OtherModels:
     def __init__(self, config: TrainConfig, root: Path, adapter: AdapterConfig) -> None:
         self.config = config
         self.adapter = adapter
-        self.policies = [ExtraPolicy(config, p, root, slot=1 + i) for i, p in enumerate(config.policies)]
-        self.frozen_engines: list[EngineProcess] = []
+        self.policies = [TrainedPolicy(config, p, root, slot=1 + i) for i, p in enumerate(config.policies)]
+        self.frozen_engines: list[EmbeddedEngineProcess] = []
         self.frozen_vllm: list[VllmEngine] = []
         self.root = root
         self.batches: dict[str, StepBatch] = {}
@@ -180,7 +143,7 @@ class OtherModels:
                 await register_replicas(gateway, engine, run_id, frozen.name)
                 continue
             else:
-                process = EngineProcess(frozen.path, frozen.name, self.root / "frozen" / f"{frozen.name}.log")
+                process = EmbeddedEngineProcess(frozen.path, frozen.name, self.root / "frozen" / f"{frozen.name}.log")
                 self.frozen_engines.append(process)
                 await process.ready()
                 base_url, served = f"{process.base}/v1", frozen.name
@@ -205,12 +168,18 @@ class OtherModels:
                 continue
             update = await policy.update(batch)
             stats = batch.stats
-            row |= {f"{policy.name}/samples": stats.samples, f"{policy.name}/merge_ratio": stats.merge_ratio,
-                    f"{policy.name}/samples_per_rollout": stats.samples_per_rollout_mean,
-                    f"{policy.name}/weights_version": policy.version}  # fmt: skip
+            row |= {
+                f"{policy.name}/samples": stats.samples,
+                f"{policy.name}/merge_ratio": stats.merge_ratio,
+                f"{policy.name}/samples_per_rollout": stats.samples_per_rollout_mean,
+                f"{policy.name}/weights_version": policy.version,
+            }
             if update is not None:
-                row |= {f"{policy.name}/loss": update.loss, f"{policy.name}/entropy": update.entropy,
-                        f"{policy.name}/grad_norm": update.grad_norm}  # fmt: skip
+                row |= {
+                    f"{policy.name}/loss": update.loss,
+                    f"{policy.name}/entropy": update.entropy,
+                    f"{policy.name}/grad_norm": update.grad_norm,
+                }
         return row
 
     async def close(self) -> None:
