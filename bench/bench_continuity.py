@@ -39,8 +39,8 @@ from continuity_rig import recorded, scripted_engine, start, tool_loop  # noqa: 
 from gw_harness import GatewayHandle, Served, gateway_settings  # noqa: E402
 from template_vllm import qwen3_style_dir  # noqa: E402
 
+from services.common.tinymodel.build import build_tiny_model  # noqa: E402
 from services.devstack.embedded import NatsServer  # noqa: E402
-from services.engine.tiny_model import build_tiny_model  # noqa: E402
 from services.gateway import create_app  # noqa: E402
 from services.gateway.continuity import plan  # noqa: E402
 from services.gateway.recording import RecordedCall  # noqa: E402

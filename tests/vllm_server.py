@@ -97,7 +97,7 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 @pytest.fixture(scope="session")
 def vllm_server() -> Iterator[VllmServer]:
     """One real vLLM server serving the tiny model for the whole session (see the module docstring)."""
-    from services.engine.tiny_model import build_tiny_model
+    from services.common.tinymodel.build import build_tiny_model
 
     if not vllm_python().exists():
         _unavailable(f"vLLM is not installed in {vllm_home()}: run `rollwire vllm install`")

@@ -24,9 +24,9 @@ from fake_vllm import FakeVLLM
 from gw_harness import GatewayHandle
 from test_gateway_proxy import _calls
 
+from services.common.tinymodel.build import build_tiny_model
 from services.engine.background import BackgroundServer
 from services.engine.server import create_app as create_engine
-from services.engine.tiny_model import build_tiny_model
 
 NPM_CACHE = Path(os.environ.get("ROLLWIRE_NPM_CACHE", Path.home() / ".cache" / "rollwire" / "npm"))
 PACKAGES = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex"}

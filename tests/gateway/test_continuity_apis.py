@@ -17,9 +17,9 @@ from template_vllm import TemplateVLLM
 
 pytest.importorskip("torch", reason="the embedded engine needs torch (pip install -e .[train])")
 
+from services.common.tinymodel.tokenizer import load_tokenizer
 from services.engine.background import BackgroundServer
 from services.engine.server import create_app
-from services.engine.tokenizer import load_tokenizer
 
 ANTHROPIC_TOOLS: Any = [{"name": "add", "description": "a + b", "input_schema": {"type": "object"}}]
 RESPONSES_TOOLS: Any = [{"type": "function", "name": "add", "description": "a + b", "parameters": {"type": "object"}}]
@@ -121,7 +121,7 @@ def test_byte_level_drift_stays_exact(
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The embedded engine over the tiny model (continuous mode fetches its tokenizer from it)."""
-    from services.engine.tiny_model import build_tiny_model
+    from services.common.tinymodel.build import build_tiny_model
 
     model = build_tiny_model(tmp_path_factory.mktemp("cont-engine"), seed=0)
     with BackgroundServer(create_app(Path(model), served_name="tiny", seed=11, max_model_len=2048)) as server:

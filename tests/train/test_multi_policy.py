@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from schemas import ModelRequestRecorded
 from services.common.eventstore import EventStore
+from services.common.tinymodel.build import ensure_tiny_model
 from services.devstack.embedded import NatsServer
-from services.engine.tiny_model import ensure_tiny_model
 from trainer.config import config_from_mapping, load_config
 from trainer.embedded import embedded_stack
 from trainer.loop import Trainer

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "gateway"))  # the gateway
 from gw_harness import GatewayHandle, Served, gateway_settings
 from vllm_rig import VLLM_PYTHON
 
+from services.common.tinymodel.build import build_dir_atomically, build_tiny_model
 from services.common.vllm import VllmServeSettings, serve_command
 from services.devstack.embedded import free_port
-from services.engine.tiny_model import build_dir_atomically, build_tiny_model
 from services.gateway import create_app
 
 SERVED = "tiny"
