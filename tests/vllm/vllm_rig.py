@@ -2,30 +2,31 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import torch
 from gw_harness import GatewayHandle
+from vllm_server import SERVED_NAME, VllmServer
 
 from schemas import ModelRequestRecorded
 from trainer.core.recorded import CallTokens, call_from_event
 from trainer.forward import forward_logits
 from trainer.loss import token_logprobs
 
-VLLM_PYTHON = Path(os.environ.get("ROLLWIRE_VLLM_PYTHON", Path.home() / ".cache/rollwire/vllm/bin/python"))
-"""vLLM's Python: `rollwire vllm install`'s environment, or `$ROLLWIRE_VLLM_PYTHON`."""
-
-SERVED = "tiny"
+SERVED = SERVED_NAME
 
 
-def start_run(gateway: GatewayHandle, run_id: str, vllm_url: str, mode: str = "exact", **model: Any) -> dict[str, Any]:
-    """A run in prompt `mode` whose model is the vLLM server; a rollout's started attempt (token, URLs)."""
+def start_run(
+    gateway: GatewayHandle, run_id: str, server: VllmServer, mode: str = "exact", **model: Any
+) -> dict[str, Any]:
+    """A run in prompt `mode` whose model is the vLLM server (the proxy sends its key); a rollout's started attempt."""
     answer = gateway.admin.post("/api/runs", json={"run_id": run_id, "prompt_mode": mode})
     assert answer.status_code in (200, 201), answer.text
-    gateway.register_model(run_id, f"{vllm_url}/v1", name=SERVED, served_model=SERVED, **model)
+    gateway.register_model(
+        run_id, f"{server.url}/v1", name=SERVED, served_model=SERVED, api_key=server.api_key, **model
+    )
     rollout = gateway.create(run_id)[0]
     return gateway.attempt(rollout["rollout_id"]) | {"rollout_id": rollout["rollout_id"]}
 
