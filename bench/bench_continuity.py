@@ -34,6 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "gateway"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from continuity_rig import recorded, scripted_engine, start, tool_loop  # noqa: E402
 from gw_harness import GatewayHandle, Served, gateway_settings  # noqa: E402

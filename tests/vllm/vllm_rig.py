@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 import torch
 from gw_harness import GatewayHandle
+from reference_sampler import SamplingParams, processed_logprobs
 from vllm_server import SERVED_NAME, VllmServer
 
 from schemas import ModelRequestRecorded
@@ -54,23 +55,13 @@ def trainer_logprobs(model: torch.nn.Module, prompt: list[int], response: list[i
 def nucleus_logprobs(
     model: torch.nn.Module, prompt: list[int], response: list[int], temperature: float, top_k: int, top_p: float
 ) -> list[float]:
-    """Each response token's logprob under the distribution vLLM samples from: logits / T, top-k, then top-p
-    (the smallest tail whose mass is at most 1 - p dropped), renormalised (`vllm/v1/sample/ops/topk_topp_sampler.py`,
-    `apply_top_k_top_p_pytorch`)."""
+    """Each response token's logprob under the distribution vLLM samples from: logits / T, top-k, then top-p,
+    renormalised (`tests/reference_sampler.py`, which follows vLLM's sampler)."""
     ids = torch.tensor([[*prompt, *response]])
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     with torch.no_grad():
-        logits = forward_logits(model, ids, torch.ones_like(ids))[0, len(prompt) - 1 : -1].float() / temperature
-    out = []
-    for row, token in zip(logits, response, strict=True):
-        ordered, index = row.sort(descending=False)
-        ordered[ordered < ordered[-top_k]] = -float("inf")
-        mass = ordered.softmax(-1).cumsum(-1)
-        drop = mass <= 1 - top_p
-        drop[-1] = False
-        ordered[drop] = -float("inf")
-        kept = torch.empty_like(row).scatter_(0, index, ordered)
-        out.append(float(kept.log_softmax(-1)[token]))
-    return out
+        logits = forward_logits(model, ids, torch.ones_like(ids))[0, len(prompt) - 1 : -1]
+    return [float(processed_logprobs(row, params)[token]) for row, token in zip(logits, response, strict=True)]
 
 
 def load_model(model_dir: Path) -> torch.nn.Module:
