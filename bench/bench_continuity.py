@@ -34,13 +34,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "gateway"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from continuity_rig import recorded, scripted_engine, start, tool_loop  # noqa: E402
 from gw_harness import GatewayHandle, Served, gateway_settings  # noqa: E402
 from template_vllm import qwen3_style_dir  # noqa: E402
 
+from services.common.tinymodel.build import build_tiny_model  # noqa: E402
 from services.devstack.embedded import NatsServer  # noqa: E402
-from services.engine.tiny_model import build_tiny_model  # noqa: E402
 from services.gateway import create_app  # noqa: E402
 from services.gateway.proxy.continuity import plan  # noqa: E402
 from services.gateway.proxy.recording import RecordedCall  # noqa: E402

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from services.common.tinymodel.build import build_tiny_model
 from services.devstack.embedded import free_port
-from services.engine.tiny_model import build_tiny_model
 
 SHORT = [{"role": "user", "content": "Say hello."}]
 LONG = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 90}]
@@ -100,10 +100,10 @@ def _raw_loop(model_dir: Path, tokens: int, threads: int) -> None:
     """Tokens/s of the batched token loop itself, in this process, without HTTP (the server's ceiling)."""
     import torch
 
+    from services.common.tinymodel.tokenizer import TokenTable, load_tokenizer
     from services.engine.generation import Batch, Generation
     from services.engine.output import ChoiceBuilder
     from services.engine.sampling import SamplingParams
-    from services.engine.tokenizer import TokenTable, load_tokenizer
     from services.engine.weights import load_weights
 
     torch.set_num_threads(threads)

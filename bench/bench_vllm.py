@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from vllm_server import start_vllm, stop, wait_healthy
 
+from services.common.tinymodel.build import build_tiny_model
 from services.common.vllm import VllmReplicas
 from services.devstack.embedded import free_port
-from services.engine.tiny_model import build_tiny_model
 
 KEY = "bench-key"
 MESSAGES = [{"role": "user", "content": "What is the value of the key river?"}]

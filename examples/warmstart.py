@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from transformers import Qwen2ForCausalLM
 
-from services.engine.tiny_model import ensure_tiny_model
-from services.engine.tokenizer import load_tokenizer
+from services.common.tinymodel.build import ensure_tiny_model
+from services.common.tinymodel.tokenizer import load_tokenizer
 from trainer.quickstart.warmstart import encode_conversation, sft_loss
 
 MAX_TOKENS = 1536  # conversations are cut to this many tokens (the tiny model trains fast on short rows)

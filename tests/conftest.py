@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from vllm_server import vllm_server  # noqa: F401  (the session's real vLLM server, see tests/vllm_server.py)
+from vllm_server import vllm_model_dir, vllm_server  # noqa: F401  (the session's real vLLM server: tests/vllm_server.py)
 
 from schemas import new_id
 from services.common.eventstore import EventStore

@@ -1,20 +1,28 @@
-"""A real vLLM server for the test session: the tiny model, served by vLLM's CPU build (or CUDA build).
+"""The test session's real vLLM server: one, started once, shared by every test that needs a model server.
 
-`vllm_server` starts one `python -m vllm.entrypoints.openai.api_server` from the environment of
-`rollwire vllm install`, the way the stack does (`services.common.vllm.serve_command`: processed
-logprobs, the development routes, an API key on every route), on a free port, and shares it
-across the session: starting vLLM takes minutes on a small CPU, a request milliseconds. A test
-that changes the served weights puts the originals back before it ends (`restore_weights`).
+`vllm_server` starts `python -m vllm.entrypoints.openai.api_server` from the environment of
+`rollwire vllm install` (or `$ROLLWIRE_VLLM_PYTHON`), the way the stack does
+(`services.common.vllm.serve_command` and `on_this_machine`: processed logprobs, the development
+routes, Rollwire's key on every route but `/health`, the Hermes tool parser; on a CPU float32,
+whole-prompt prefill and a 1 GiB KV cache), plus what the tests need of vLLM: 20 logprobs, runtime
+LoRA (two adapters of rank up to 8 at once) and request chat templates (`--trust-request-chat-template`).
+Starting vLLM takes minutes on a small CPU, a request milliseconds, so the session shares it; a test
+that changes the served weights puts the originals back before it ends.
 
-Without vLLM installed the tests that need it skip, saying how to install it; with
-ROLLWIRE_REQUIRE_VLLM=1 (CI sets it) they fail instead.
+The served model (`vllm_model_dir`) is the tiny Qwen2 model with a hidden size of 128, its
+tokenizer as vLLM loads it (`_qwen2_pretokenizer`), built once into `~/.cache/rollwire/test-models`
+(or `$ROLLWIRE_TEST_MODELS`).
+
+`ROLLWIRE_TEST_VLLM_URL` (with its key in `ROLLWIRE_TEST_VLLM_KEY`) attaches to a server already
+running with that model and these flags (`vllm_argv` builds them) instead of starting one. Without
+vLLM installed the tests that need it skip, saying how to install it; with ROLLWIRE_REQUIRE_VLLM=1
+(CI sets it) they fail instead.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,12 +31,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.common.vllm import CPU_WORKAROUND_ARGS, VllmServeSettings, serve_command
-from services.common.vllm_install import vllm_home, vllm_python
+from services.common.tinymodel.build import build_dir_atomically, build_tiny_model
+from services.common.vllm import VllmServeSettings, on_this_machine, serve_command
+from services.common.vllm_install import vllm_python
 from services.devstack.embedded import free_port
 
 SERVED_NAME = "tiny"
+API_KEY = "test-engine-key"
 STARTUP_S = 900.0
+VLLM_PYTHON = Path(os.environ.get("ROLLWIRE_VLLM_PYTHON") or vllm_python())
+"""vLLM's Python: `rollwire vllm install`'s environment, or `$ROLLWIRE_VLLM_PYTHON`."""
 
 
 @dataclass(frozen=True)
@@ -39,12 +51,16 @@ class VllmServer:
     api_key: str
     model_dir: Path
     served_name: str
-    log: Path
+    log: Path | None
 
     @property
     def headers(self) -> dict[str, str]:
         """The headers every call to this server needs."""
         return {"authorization": f"Bearer {self.api_key}"}
+
+    def post(self, path: str, body: dict[str, object], timeout: float = 120.0) -> httpx.Response:
+        """POST `body` to `path` (e.g. `/v1/chat/completions`) with the key."""
+        return httpx.post(f"{self.url}{path}", json=body, headers=self.headers, timeout=timeout)
 
 
 def _unavailable(reason: str) -> None:
@@ -53,25 +69,75 @@ def _unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-def start_vllm(model_dir: Path, log: Path, api_key: str) -> tuple[subprocess.Popen[bytes], str]:
-    """Start vLLM serving `model_dir` as the stack does on CPU (float32, 1 GiB KV cache, whole-prompt prefill)."""
-    port = free_port()
+# What transformers' `Qwen2Tokenizer` (which transformers, and so vLLM, loads for a qwen2 model)
+# puts in place of tokenizer.json's pre-tokenizer: digits one by one (transformers/models/qwen2/
+# tokenization_qwen2.py). The tiny model's tokenizer.json keeps GPT-2's split, so the gateway
+# (which reads tokenizer.json) and vLLM would tokenize " 12" differently; the test model's
+# tokenizer.json says what vLLM does.
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def _qwen2_pretokenizer(model_dir: Path) -> None:
+    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )  # fmt: skip
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+
+
+def served_model_dir() -> Path:
+    """The served model: the tiny Qwen2 model (hidden 128: 4 heads of 32), its tokenizer as vLLM loads it; cached."""
+    root = Path(os.environ.get("ROLLWIRE_TEST_MODELS", Path.home() / ".cache/rollwire/test-models"))
+
+    def build(staging: Path) -> None:
+        build_tiny_model(staging, seed=0, hidden=128, max_positions=4096)
+        _qwen2_pretokenizer(staging)
+
+    return build_dir_atomically(root / "tiny-qwen2-h128-qwen2tok-seed0", build)
+
+
+def vllm_argv(model_dir: Path, port: int, api_key: str = API_KEY) -> tuple[list[str], dict[str, str]]:
+    """The test server's command line and extra environment: the stack's (`serve_command` adapted by
+    `on_this_machine`) plus the tests' flags (see the module docstring).
+
+    The LoRA rank asked for is 4, which vLLM does not accept as `--max-lora-rank`: `serve_command` rounds it.
+    """
     settings = VllmServeSettings(
-        executable=str(vllm_python()), dtype="float32", api_key=api_key, extra_args=list(CPU_WORKAROUND_ARGS)
-    )
-    argv, extra = serve_command(settings, str(model_dir), SERVED_NAME, port)
-    env = {**os.environ, **extra, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        executable=str(VLLM_PYTHON), dtype="float32", api_key=api_key, max_logprobs=20,
+        gpu_memory_utilization=0.15, max_lora_rank=4, max_loras=2,
+        extra_args=["--max-model-len", "2048", "--trust-request-chat-template"],
+    )  # fmt: skip
+    settings, machine_env = on_this_machine(settings)
+    argv, env = serve_command(settings, str(model_dir), SERVED_NAME, port)
+    return argv, {**env, **machine_env}
+
+
+def start_vllm(model_dir: Path, log: Path, api_key: str = API_KEY) -> tuple[subprocess.Popen[bytes], str]:
+    """Start the test server's vLLM serving `model_dir` on a free port, its output in `log`; (process, root URL)."""
+    port = free_port()
+    argv, extra = vllm_argv(model_dir, port, api_key)
     with log.open("ab") as out:
-        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            argv, env={**os.environ, **extra}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     return process, f"http://127.0.0.1:{port}"
 
 
-def wait_healthy(process: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float = STARTUP_S) -> None:
+def wait_healthy(
+    process: subprocess.Popen[bytes] | None, url: str, log: Path | None, timeout_s: float = STARTUP_S
+) -> None:
     """Wait for `GET /health` to answer 200; fail with the log's tail if vLLM exits or never gets there."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:]
+        if process is not None and process.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log else ""
             raise RuntimeError(f"vLLM exited with {process.returncode}:\n{tail}")
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
@@ -95,19 +161,26 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm_server() -> Iterator[VllmServer]:
-    """One real vLLM server serving the tiny model for the whole session (see the module docstring)."""
-    from services.engine.tiny_model import build_tiny_model
+def vllm_model_dir() -> Path:
+    """The served model's directory (see `served_model_dir`)."""
+    return served_model_dir()
 
-    if not vllm_python().exists():
-        _unavailable(f"vLLM is not installed in {vllm_home()}: run `rollwire vllm install`")
-    with tempfile.TemporaryDirectory(prefix="rollwire-vllm-") as tmp:
-        model_dir = build_tiny_model(Path(tmp) / "tiny", seed=0)
-        log = Path(tmp) / "vllm.log"
-        api_key = "test-engine-key"
-        process, url = start_vllm(model_dir, log, api_key)
-        try:
-            wait_healthy(process, url, log)
-            yield VllmServer(url=url, api_key=api_key, model_dir=model_dir, served_name=SERVED_NAME, log=log)
-        finally:
-            stop(process)
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """The session's real vLLM server (see the module docstring), started by the first test that asks for it."""
+    attached = os.environ.get("ROLLWIRE_TEST_VLLM_URL", "").rstrip("/")
+    if attached:
+        wait_healthy(None, attached, None)
+        key = os.environ.get("ROLLWIRE_TEST_VLLM_KEY", API_KEY)
+        yield VllmServer(url=attached, api_key=key, model_dir=vllm_model_dir, served_name=SERVED_NAME, log=None)
+        return
+    if not VLLM_PYTHON.is_file():
+        _unavailable(f"vLLM is not installed ({VLLM_PYTHON} is missing): run `rollwire vllm install`")
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    process, url = start_vllm(vllm_model_dir, log)
+    try:
+        wait_healthy(process, url, log)
+        yield VllmServer(url=url, api_key=API_KEY, model_dir=vllm_model_dir, served_name=SERVED_NAME, log=log)
+    finally:
+        stop(process)

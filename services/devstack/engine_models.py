@@ -135,7 +135,7 @@ def register_embedded(endpoints: Endpoints) -> None:
 
 def tiny_model() -> Path:
     """The tiny default model's directory (built on first use)."""
-    from services.engine.tiny_model import ensure_tiny_model  # torch: only when the stack builds it
+    from services.common.tinymodel.build import ensure_tiny_model  # torch: only when the stack builds it
 
     return ensure_tiny_model()
 
@@ -154,7 +154,7 @@ def tokenizer_args(config: StackConfig) -> list[str]:
         local = Path(model).is_dir()
         return ["--tokenizer", f"{DEFAULT_MODEL_NAME}={model}"] if local else []
     if model is None:
-        from services.engine.tiny_model import tiny_model_dir  # torch: only with the engine
+        from services.common.tinymodel.build import tiny_model_dir  # torch: only with the engine
 
         model = tiny_model_dir()
     names = dict.fromkeys((Path(model).resolve().name, DEFAULT_MODEL_NAME))

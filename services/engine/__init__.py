@@ -14,8 +14,5 @@ Modules, from the wire inwards:
     generation   the token loop over a KV cache (n choices batched)
     sampling     temperature/top-k/top-p sampling and the logprob definition
     output       per-choice detokenization, stop handling, tool-call hold-back
-    tool_calls   Hermes `<tool_call>` parsing
-    tokenizer    faithful tokenizer loading, token bytes
-    tiny_model   the ~1M-parameter default model, built offline and reproducibly
     background   run an app with uvicorn in a thread (tests, embedded stacks)
 """

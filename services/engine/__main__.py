@@ -1,6 +1,6 @@
 """Run the embedded engine: `python -m services.engine --model DIR --port P`.
 
-Without --model it serves the tiny default model (built on first use, see services.engine.tiny_model).
+Without --model it serves the tiny default model (built on first use, see services.common.tinymodel.build).
 Every flag falls back to its environment variable (see `--help`).
 """
 
@@ -13,8 +13,8 @@ import uvicorn
 
 from services.common.accesslog import AccessLogError, access_format
 from services.common.settings import fail, run_async, run_command, typer_app
+from services.common.tinymodel.build import ensure_tiny_model
 from services.engine.server import create_app
-from services.engine.tiny_model import ensure_tiny_model
 
 app = typer_app(__doc__)
 

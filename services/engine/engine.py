@@ -18,6 +18,7 @@ from typing import Any
 import jinja2
 import torch
 
+from services.common.tinymodel.tokenizer import ModelLoadError, TokenTable, load_tokenizer
 from services.engine.generation import Generation
 from services.engine.output import ChoiceBuilder
 from services.engine.protocol import (
@@ -30,7 +31,6 @@ from services.engine.protocol import (
 )
 from services.engine.sampling import SamplingParams, choice_seed
 from services.engine.scheduler import Job, Scheduler
-from services.engine.tokenizer import ModelLoadError, TokenTable, load_tokenizer
 from services.engine.weights import Weights, load_weights
 
 SMALL_MODEL_PARAMETERS = 100_000_000

@@ -22,9 +22,9 @@ import codecs
 
 import msgspec
 
+from services.common.tinymodel.tokenizer import TokenTable
 from services.common.toolcalls import TOOL_CALL_START, ParsedOutput, ToolCall, held_back, parse_tool_calls
 from services.engine.sampling import SamplingParams
-from services.engine.tokenizer import TokenTable
 
 
 class TopLogprob(msgspec.Struct, frozen=True):

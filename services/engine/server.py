@@ -39,6 +39,7 @@ from msgspec import UNSET
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.metrics import ObservedApp
+from services.common.tinymodel.tokenizer import ModelLoadError
 from services.engine import completions, metrics
 from services.engine.engine import Engine, Started
 from services.engine.protocol import (
@@ -56,7 +57,6 @@ from services.engine.protocol import (
 )
 from services.engine.responses import chunk_choice, encode, event_stream, final_choice, generation_error, sse, usage
 from services.engine.scheduler import EngineClosedError, GenerationFailedError
-from services.engine.tokenizer import ModelLoadError
 
 WEIGHTS_VERSION_HEADER = "x-rollwire-weights-version"
 

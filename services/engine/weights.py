@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from services.engine.tokenizer import ModelLoadError
+from services.common.tinymodel.tokenizer import ModelLoadError
 
 
 def cache_argument(model: torch.nn.Module) -> str:

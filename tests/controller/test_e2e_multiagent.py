@@ -1,9 +1,10 @@
-"""The multi-agent example harness end to end: the real gateway and controller processes, the real engine.
+"""The multi-agent example harness end to end: the real gateway and controller processes, real vLLM.
 
 `examples/multiagent/agent.py` runs per rollout: a writer fans one prompt out to three concurrent
 identical calls, a frozen checker (its own registered model, named by a header) picks a draft, a
 rewriter edits it (its first request retried once), and the writer finishes. Counted by hand per
-rollout: 6 calls to the trained model, of which 1 is a retry; 1 checker call (context).
+rollout: 6 calls to the trained model, of which 1 is a retry; 1 checker call (context). Both models
+are the session's vLLM server (`tests/vllm_server.py`), registered under their own names with its key.
 """
 
 from __future__ import annotations
@@ -11,27 +12,19 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
-from controller_rig import REPO, Child, Rig, _wait_http, base_env
+import pytest
+from controller_rig import REPO, Rig
+from vllm_server import VllmServer
 
 from services.common.eventstore import EventStore
-from services.devstack.embedded import free_port
 from services.tools.replay import replay_run
 from trainer.core import AdapterConfig, build_step, collect_rollouts, events_by_rollout
 
 AGENT = [sys.executable, str(REPO / "examples" / "multiagent" / "agent.py")]
 ROLLOUTS = 4
 WRITER_CALLS, REWRITER_CALLS, RETRIES, CHECKER_CALLS = 4, 2, 1, 1
-
-
-def _engine(tmp: Path) -> tuple[Child, str]:
-    port = free_port()
-    args = [sys.executable, "-m", "services.engine", "--port", str(port), "--served-name", "tiny", "--seed", "7"]
-    child = Child("engine", args, base_env(OMP_NUM_THREADS="1"), tmp / "engine.log")
-    _wait_http(f"http://127.0.0.1:{port}/v1/models", child, timeout=120)
-    return child, f"http://127.0.0.1:{port}/v1"
 
 
 async def _events(nats_url: str, run_id: str) -> list[Any]:
@@ -50,22 +43,25 @@ async def _replay(nats_url: str, run_id: str, options: dict[str, Any]) -> Any:
         await store.close()
 
 
-def test_the_multi_agent_harness_trains_the_right_calls(rig: Rig) -> None:
-    engine, engine_url = _engine(rig.tmp)
-    try:
-        routes = {"writer": "policy", "rewriter": "policy", "checker": "checker"}
-        spec = {"run_id": rig.run_id, "command": AGENT, "timeout_s": 120, "concurrency": 2, "agent_models": routes,
-                "train_agents": ["writer", "rewriter"], "train_models": ["policy"]}  # fmt: skip
-        assert rig.admin.post("/api/runs", json=spec).status_code == 201
-        for name in ("policy", "checker"):
-            body = {"name": name, "base_url": engine_url, "run_id": rig.run_id, "served_model": "tiny"}
-            assert rig.admin.post("/api/models", json=body).status_code == 201
-        rig.start_controller()
-        ids = rig.create(*({"topic": f"topic {i % 2}"} for i in range(ROLLOUTS)), group_id="g")
-        for rid in ids:
-            assert rig.wait(rid, timeout=180)["state"] == "succeeded", rig.controllers[0].log()[-3000:]
-    finally:
-        engine.stop()
+@pytest.mark.timeout(1200)  # the first test to use the session's vLLM server waits for it to start
+def test_the_multi_agent_harness_trains_the_right_calls(rig: Rig, vllm_server: VllmServer) -> None:
+    routes = {"writer": "policy", "rewriter": "policy", "checker": "checker"}
+    spec = {"run_id": rig.run_id, "command": AGENT, "timeout_s": 120, "concurrency": 2, "agent_models": routes,
+            "train_agents": ["writer", "rewriter"], "train_models": ["policy"]}  # fmt: skip
+    assert rig.admin.post("/api/runs", json=spec).status_code == 201
+    for name in ("policy", "checker"):
+        body = {
+            "name": name,
+            "base_url": f"{vllm_server.url}/v1",
+            "run_id": rig.run_id,
+            "served_model": vllm_server.served_name,
+            "api_key": vllm_server.api_key,
+        }
+        assert rig.admin.post("/api/models", json=body).status_code == 201
+    rig.start_controller()
+    ids = rig.create(*({"topic": f"topic {i % 2}"} for i in range(ROLLOUTS)), group_id="g")
+    for rid in ids:
+        assert rig.wait(rid, timeout=180)["state"] == "succeeded", rig.controllers[0].log()[-3000:]
 
     events = asyncio.run(_events(rig.nats_url, rig.run_id))
     calls = [e for e in events if getattr(e, "call_id", None) and e.status == "ok"]

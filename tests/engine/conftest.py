@@ -9,10 +9,10 @@ import pytest
 from engine_harness import MAX_MODEL_LEN, SERVED_NAME, EngineHandle
 from transformers import PreTrainedTokenizerFast
 
+from services.common.tinymodel.build import build_tiny_model
+from services.common.tinymodel.tokenizer import load_tokenizer
 from services.engine.background import BackgroundServer
 from services.engine.server import create_app
-from services.engine.tiny_model import build_tiny_model
-from services.engine.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")

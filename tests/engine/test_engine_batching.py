@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from services.common.tinymodel.tokenizer import TokenTable
 from services.engine.generation import Batch, Generation
 from services.engine.output import ChoiceBuilder
 from services.engine.sampling import SamplingParams, choice_seed
 from services.engine.scheduler import limit_torch_threads_here
-from services.engine.tokenizer import TokenTable
 from services.engine.weights import Weights, load_weights
 
 T = TypeVar("T")

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from transformers import PreTrainedTokenizerFast
 
+from services.common.tinymodel.tokenizer import TokenTable
 from services.common.toolcalls import parse_tool_calls
 from services.engine.output import ChoiceBuilder, TokenDelta
 from services.engine.protocol import ChatCompletion as EngineCompletion
@@ -17,7 +18,6 @@ from services.engine.protocol import ChatCompletionChunk as EngineChunk
 from services.engine.protocol import ChatCompletionRequest, Usage
 from services.engine.responses import chunk_choice, encode, final_choice
 from services.engine.sampling import SamplingParams
-from services.engine.tokenizer import TokenTable
 
 EOS = 2  # <|im_end|> in the tiny tokenizer
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from engine_harness import EngineHandle
 
+from services.common.tinymodel.build import build_tiny_model
 from services.engine.server import WEIGHTS_VERSION_HEADER
-from services.engine.tiny_model import build_tiny_model
 
 HELLO: list[Any] = [{"role": "user", "content": "Say hello."}]
 

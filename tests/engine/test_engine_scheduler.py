@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from services.common.tinymodel.tokenizer import TokenTable
 from services.engine.generation import Generation
 from services.engine.output import ChoiceBuilder
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import EngineClosedError, GenerationFailedError, Job, Scheduler
-from services.engine.tokenizer import TokenTable
 from services.engine.weights import Weights, load_weights
 
 

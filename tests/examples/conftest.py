@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from services.engine.tiny_model import ensure_tiny_model
+from services.common.tinymodel.build import ensure_tiny_model
 from trainer.clients import ServiceUrls
 from trainer.embedded import embedded_stack
 

@@ -8,6 +8,7 @@ a refused or unreachable call; all three read the same `GatewayError` subclasses
 from __future__ import annotations
 
 import pytest
+from served import Served
 
 from services.common.eventstore import EventStore
 from services.common.gateway_api import (
@@ -19,7 +20,6 @@ from services.common.gateway_api import (
     NewRollout,
     SyncGatewayClient,
 )
-from services.engine.background import BackgroundServer
 from services.gateway import GatewaySettings, create_app
 
 ADMIN = "api-admin"
@@ -27,7 +27,7 @@ ADMIN = "api-admin"
 
 async def test_one_error_family_for_async_and_sync_callers(store: EventStore, nats_url: str, run_id: str) -> None:
     settings = GatewaySettings(nats_url=nats_url, admin_token=ADMIN, secret="g" * 32, port=0)
-    with BackgroundServer(create_app(settings)) as server:
+    with Served(create_app(settings)) as server:
         gateway = GatewayClient(server.url, ADMIN)
         try:
             rid = f"{run_id}-r0"

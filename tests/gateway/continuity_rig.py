@@ -12,8 +12,8 @@ from gw_harness import GatewayHandle
 from template_vllm import TemplateVLLM, qwen3_style_dir
 
 from schemas import ModelRequestRecorded
-from services.engine.tiny_model import build_tiny_model
-from services.engine.tokenizer import load_tokenizer
+from services.common.tinymodel.build import build_tiny_model
+from services.common.tinymodel.tokenizer import load_tokenizer
 from trainer.core.merge import merge_calls
 from trainer.core.recorded import call_from_event
 

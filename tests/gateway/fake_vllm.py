@@ -39,6 +39,10 @@ vLLM v0.34.0's source, and records each call in `control` (path with query, body
 
 Run as `serve`, it appends its argv and the VLLM_* environment as one JSON line to the file named
 by FAKE_VLLM_LOG, so a test can check the command line `rollwire up --engine vllm` built.
+`fake_vllm_python(dir)` writes a stand-in for vLLM's Python that runs it so (`python -m
+vllm.entrypoints.openai.api_server --model M ...` becomes `fake_vllm.py serve M ...`), for a stack or
+trainer that starts "vLLM" itself. FAKE_VLLM_VOCAB (default 32000) bounds its token ids, so a trainer
+can train a small model on what it "sampled".
 """
 
 from __future__ import annotations
@@ -46,16 +50,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import os
+import stat
+import sys
 import threading
 import time
 from array import array
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
-VOCAB = 32_000
+VOCAB = int(os.environ.get("FAKE_VLLM_VOCAB", "32000"))
 CONTROL_ROUTES = frozenset(
     {"/pause", "/resume", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version",
      "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
@@ -81,9 +89,9 @@ def prompt_ids(messages: list[Any]) -> list[int]:
     return ids
 
 
-def sample(prompt: list[int], index: int, count: int) -> tuple[list[int], list[float]]:
-    """Deterministic 'sampled' token ids and their logprobs for choice `index`."""
-    seed = hashlib.blake2b(_encode([prompt[-16:], len(prompt), index]), digest_size=8).digest()
+def sample(prompt: list[int], index: int, count: int, draw: int = 0) -> tuple[list[int], list[float]]:
+    """Deterministic 'sampled' token ids and their logprobs for choice `index` (and `draw`, see `vary`)."""
+    seed = hashlib.blake2b(_encode([prompt[-16:], len(prompt), index, draw]), digest_size=8).digest()
     state = int.from_bytes(seed, "big")
     tokens, logprobs = [], []
     for _ in range(count):
@@ -114,6 +122,8 @@ class FakeVLLM:
         self.answer_tokens: int | None = None
         self.forge_token: int | None = None
         self.forge_usage: int | None = None
+        self.vary = False  # True: every request draws anew, so identical requests get different answers
+        self.draws = 0
         self.record = True
         self.epoch = 0  # bumped by reset(): a call still in flight from before records nothing after it
         self.served: list[dict[str, Any]] = []
@@ -259,6 +269,14 @@ class FakeVLLM:
         await send({"type": "http.response.start", "status": status, "headers": self._headers(b"application/json")})
         await send({"type": "http.response.body", "body": _encode(payload)})
 
+    def _draw(self) -> int:
+        """0, or with `vary` a new number per request (mixed into what is sampled)."""
+        if not self.vary:
+            return 0
+        with self.lock:
+            self.draws += 1
+            return self.draws
+
     def _choices(self, request: dict[str, Any], epoch: int) -> tuple[list[int], list[dict[str, Any]]]:
         prompt = prompt_ids(request.get("messages") or [])
         limit = int(request.get("max_tokens") or request.get("max_completion_tokens") or 8)
@@ -269,8 +287,9 @@ class FakeVLLM:
         answered = isinstance(messages[-1], dict) and messages[-1].get("role") == "tool"
         use_tool = bool(tools) and request.get("tool_choice") != "none" and not answered
         choices = []
+        draw = self._draw()
         for index in range(int(request.get("n") or 1)):
-            tokens, logprobs = sample(prompt, index, count)
+            tokens, logprobs = sample(prompt, index, count, draw)
             if self.forge_token is not None and tokens:
                 tokens[0] = self.forge_token
             choice: dict[str, Any] = {
@@ -310,8 +329,9 @@ class FakeVLLM:
         count = int(request.get("max_tokens") or 8)
         choices: list[dict[str, Any]] = []
         completion = 0
+        draw = self._draw()
         for index in range(int(request.get("n") or 1)):
-            tokens, logprobs = sample(prompt, index, count)
+            tokens, logprobs = sample(prompt, index, count, draw)
             completion += len(tokens)
             pieces = detokenize(tokens)
             choices.append(
@@ -517,11 +537,22 @@ class FakeVLLM:
             watcher.cancel()
 
 
-def main() -> None:
-    """Serve a FakeVLLM on a port (for the benchmark)."""
-    import os
-    import sys
+def fake_vllm_python(directory: Path) -> Path:
+    """An executable `directory/python` standing in for vLLM's: `-m vllm.entrypoints.openai.api_server --model M
+    ...` runs this module as `serve M ...` (see the module docstring)."""
+    executable = directory / "python"
+    executable.write_text(
+        f"#!{sys.executable}\nimport runpy, sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "args = sys.argv[1:]\nassert args[:2] == ['-m', 'vllm.entrypoints.openai.api_server'], args\n"
+        "sys.argv = [sys.argv[0], 'serve', args[3], *args[4:]]\n"
+        "runpy.run_path(sys.path[0] + '/fake_vllm.py', run_name='__main__')\n"
+    )
+    executable.chmod(executable.stat().st_mode | stat.S_IEXEC)
+    return executable
 
+
+def main() -> None:
+    """Serve a FakeVLLM on a port (for the benchmark, or as `serve MODEL ...`: see `fake_vllm_python`)."""
     import uvicorn
 
     parser = argparse.ArgumentParser()
@@ -537,6 +568,7 @@ def main() -> None:
             log.write(_encode({"argv": argv, "env": env}).decode() + "\n")
     app = FakeVLLM(weights_version=None if serving else 7, model=args.served_model_name)
     app.record = False
+    app.vary = os.environ.get("FAKE_VLLM_VARY") == "1"
     uvicorn.run(
         app,
         host=args.host,

@@ -28,8 +28,8 @@ from typing import Any
 
 import msgspec
 
+from services.common.tinymodel.tokenizer import load_tokenizer
 from services.common.toolcalls import parse_tool_calls, split_reasoning
-from services.engine.tokenizer import load_tokenizer
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(dict[str, Any]).decode

@@ -23,10 +23,7 @@ import pytest
 from fake_vllm import FakeVLLM
 from gw_harness import GatewayHandle
 from test_gateway_proxy import _calls
-
-from services.engine.background import BackgroundServer
-from services.engine.server import create_app as create_engine
-from services.engine.tiny_model import build_tiny_model
+from vllm_server import VllmServer
 
 NPM_CACHE = Path(os.environ.get("ROLLWIRE_NPM_CACHE", Path.home() / ".cache" / "rollwire" / "npm"))
 PACKAGES = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex"}
@@ -208,31 +205,34 @@ def test_claude_code_stops_at_the_first_permanent_refusal(
         assert took < 60, f"Claude Code took {took:.0f} s to give up"
 
 
-def test_claude_code_on_the_default_engine_context_is_told_what_to_change(
-    gateway: GatewayHandle, run_id: str, tmp_path: Path
+@pytest.mark.timeout(1200)  # the first test to use the session's vLLM server waits for it to start
+def test_claude_code_on_a_short_engine_context_is_told_what_to_change(
+    gateway: GatewayHandle, vllm_server: VllmServer, run_id: str, tmp_path: Path
 ) -> None:
-    """The default stack's engine (the tiny model, 16384 positions) against Claude Code's first prompt
-    (about 37k tokens): refused before generation with a 400 in Messages' shape whose message names
-    the engine's context setting (`--max-model-len`), and Claude Code exits after that one request."""
+    """Real vLLM (the session's server: 2048 positions) against Claude Code's first prompt (about 37k
+    tokens): refused before generation with a 400 in Messages' shape whose message names the engine's
+    context setting (`--max-model-len`), and Claude Code exits after that one request."""
     claude = _installed("claude")
-    model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
-    with BackgroundServer(create_engine(model_dir, served_name="tiny", seed=0)) as engine:
-        rollout, attempt = gateway.running(run_id, engine.url, served_model="tiny")
-        home = tmp_path / "home"
-        home.mkdir()
-        env = _env(
-            home, ANTHROPIC_BASE_URL=attempt["anthropic_base_url"], ANTHROPIC_API_KEY=attempt["token"],
-            CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1", DISABLE_ERROR_REPORTING="1",
-            DISABLE_AUTOUPDATER="1",
-        )  # fmt: skip
-        began = time.monotonic()
-        done = subprocess.run(
-            [str(claude), "-p", "say done", "--output-format", "json", "--max-turns", "1"],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
-        took = time.monotonic() - began
+    gateway.register_model(
+        run_id, f"{vllm_server.url}/v1", served_model=vllm_server.served_name, api_key=vllm_server.api_key
+    )
+    rollout = gateway.create(run_id)[0]
+    attempt = gateway.attempt(rollout["rollout_id"])
+    home = tmp_path / "home"
+    home.mkdir()
+    env = _env(
+        home, ANTHROPIC_BASE_URL=attempt["anthropic_base_url"], ANTHROPIC_API_KEY=attempt["token"],
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1", DISABLE_ERROR_REPORTING="1",
+        DISABLE_AUTOUPDATER="1",
+    )  # fmt: skip
+    began = time.monotonic()
+    done = subprocess.run(
+        [str(claude), "-p", "say done", "--output-format", "json", "--max-turns", "1"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    took = time.monotonic() - began
     assert '"api_error_status":400' in done.stdout.replace(" ", ""), done.stdout[-2000:]
-    assert "maximum context length is 16384" in done.stdout and "--max-model-len" in done.stdout, done.stdout
+    assert "maximum context length is 2048" in done.stdout and "--max-model-len" in done.stdout, done.stdout
     (call,) = _calls(gateway, rollout["rollout_id"])
     assert call["status"] == "failed" and call.get("response_ids", []) == [] and call["api"] == "messages"
     assert took < 60, f"Claude Code took {took:.0f} s to give up"

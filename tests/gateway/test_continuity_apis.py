@@ -1,25 +1,20 @@
 """Continuous prompt mode across front ends and engines: Messages and Responses tool loops, byte-level
-drift kept exact, and the embedded engine (tokenizer fetched from it) over the real `openai` client."""
+drift kept exact, and the session's real vLLM server (`tests/vllm_server.py`) over the real `openai` client."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import anthropic
-import httpx
 import openai
 import pytest
 from continuity_rig import TURNS, recorded, sample_count, start
 from gw_harness import GatewayHandle, Served
 from template_vllm import TemplateVLLM
+from vllm_server import VllmServer
 
-pytest.importorskip("torch", reason="the embedded engine needs torch (pip install -e .[train])")
-
-from services.engine.background import BackgroundServer
-from services.engine.server import create_app
-from services.engine.tokenizer import load_tokenizer
+from services.common.tinymodel.tokenizer import load_tokenizer
 
 ANTHROPIC_TOOLS: Any = [{"name": "add", "description": "a + b", "input_schema": {"type": "object"}}]
 RESPONSES_TOOLS: Any = [{"type": "function", "name": "add", "description": "a + b", "parameters": {"type": "object"}}]
@@ -118,23 +113,15 @@ def test_byte_level_drift_stays_exact(
     assert counts == {"exact": 2, "continuous": 1}
 
 
-@pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The embedded engine over the tiny model (continuous mode fetches its tokenizer from it)."""
-    from services.engine.tiny_model import build_tiny_model
-
-    model = build_tiny_model(tmp_path_factory.mktemp("cont-engine"), seed=0)
-    with BackgroundServer(create_app(Path(model), served_name="tiny", seed=11, max_model_len=2048)) as server:
-        yield server.url
-
-
-def test_the_embedded_engine_serves_a_continuous_rollout_as_one_sample(
-    gateway: GatewayHandle, tiny_engine: str, run_id: str
+@pytest.mark.timeout(1200)  # the first test to use the session's vLLM server waits for it to start
+def test_real_vllm_serves_a_continuous_rollout_as_one_sample(
+    gateway: GatewayHandle, vllm_server: VllmServer, run_id: str
 ) -> None:
-    """Real sampling: the first prompt is the engine's own rendering; every later one extends the sampled ids."""
+    """Real sampling: the first prompt is vLLM's own rendering; every later one extends the sampled ids."""
     r = gateway.admin.post("/api/runs", json={"run_id": run_id, "prompt_mode": "continuous"})
     assert r.status_code in (200, 201), r.text
-    gateway.register_model(run_id, f"{tiny_engine}/v1", name="policy", served_model="tiny")
+    served = {"served_model": vllm_server.served_name, "tokenizer": str(vllm_server.model_dir)}
+    gateway.register_model(run_id, f"{vllm_server.url}/v1", name="policy", api_key=vllm_server.api_key, **served)
     rollout = gateway.create(run_id)[0]
     attempt = gateway.attempt(rollout["rollout_id"])
     client = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0)
@@ -146,8 +133,8 @@ def test_the_embedded_engine_serves_a_continuous_rollout_as_one_sample(
             {"role": "user", "content": f"more {turn}"},
         ]
     calls = recorded(gateway, rollout["rollout_id"])
-    direct = httpx.post(f"{tiny_engine}/v1/chat/completions", json={"messages": messages[:2], "max_tokens": 1,
-                        "return_token_ids": True}).json()  # fmt: skip
+    body = {"model": vllm_server.served_name, "messages": messages[:2], "max_tokens": 1, "return_token_ids": True}
+    direct = vllm_server.post("/v1/chat/completions", body).json()
     assert calls[0].prompt_ids == direct["prompt_token_ids"]
     assert [c.continuity for c in calls][1:] == ["extended"] * 3
     assert all(len(c.logprobs) == len(c.response_ids) > 0 for c in calls)

@@ -11,8 +11,8 @@ from template_vllm import qwen3_style_dir
 
 pytest.importorskip("transformers", reason="the comparison needs transformers (pip install -e .[train])")
 
-from services.engine.tiny_model import build_tiny_model
-from services.engine.tokenizer import load_tokenizer
+from services.common.tinymodel.build import build_tiny_model
+from services.common.tinymodel.tokenizer import load_tokenizer
 from services.gateway.proxy.render import ChatRenderer, RenderError, template_messages
 from services.gateway.proxy.tokenin import OutputParser, completion_body
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import openai
 import pytest
-from fake_vllm import FakeVLLM
+from fake_vllm import FakeVLLM, fake_vllm_python
 from gw_harness import ADMIN, GatewayHandle, Served
 
 from services.common.gateway_api import GatewayClient
@@ -169,19 +169,12 @@ def test_rollwire_up_starts_and_registers_vllm_replicas(tmp_path: Path) -> None:
     """`rollwire up --engine vllm --replicas 2`: two `vllm serve` processes with the capture's flags, registered."""
     import json
     import os
-    import stat
     import subprocess
     import sys
 
     from services.devstack.embedded import free_port
 
-    # vLLM's Python, faked: `python -m vllm.entrypoints.openai.api_server --model M ...` runs fake_vllm as `serve M ...`
-    executable = tmp_path / "python"
-    executable.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-                          "args = sys.argv[1:]\nassert args[:2] == ['-m', 'vllm.entrypoints.openai.api_server'], args\n"
-                          "sys.argv = [sys.argv[0], 'serve', args[3], *args[4:]]\n"
-                          "runpy.run_path(sys.path[0] + '/fake_vllm.py', run_name='__main__')\n")  # fmt: skip
-    executable.chmod(executable.stat().st_mode | stat.S_IEXEC)
+    executable = fake_vllm_python(tmp_path)  # vLLM's Python, faked
     log, port = tmp_path / "argv.jsonl", free_port()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROLLWIRE_")}, "FAKE_VLLM_LOG": str(log)}
     command = [sys.executable, "-m", "services.devstack.cli", "up", "--data-dir", str(tmp_path / "stack"),

@@ -11,8 +11,8 @@ pytest.importorskip("transformers")
 
 from transformers import PreTrainedTokenizerFast
 
-from services.engine.tiny_model import ensure_tiny_model
-from services.engine.tokenizer import load_tokenizer
+from services.common.tinymodel.build import ensure_tiny_model
+from services.common.tinymodel.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from served import Served
 from test_rollouts import rollout_events
 
 from schemas import AttemptStarted, Event, PhaseChanged, RolloutCreated, RolloutStatusChanged
 from services.common.eventstore import EventStore
 from services.common.gateway_api import GatewayClient
-from services.engine.background import BackgroundServer
 from services.gateway import GatewaySettings, create_app
 from trainer.checkpoint import InFlightGroup
 from trainer.core import AdapterConfig, NotTrainable, build_step, rollout_calls
@@ -106,7 +106,7 @@ async def test_the_validation_pass_declares_val_rollouts_and_reports_their_rewar
     validation = ValidationPass(section, run_id, AdapterConfig())
     assert not validation.due(1) and validation.due(2)
     settings = GatewaySettings(nats_url=nats_url, admin_token=ADMIN, secret="v" * 32, port=0)
-    with BackgroundServer(create_app(settings)) as server:
+    with Served(create_app(settings)) as server:
         gateway = GatewayClient(server.url, ADMIN)
         watch = StatusWatch(store, run_id)
         await watch.start(await store.last_sequence())

@@ -1,8 +1,8 @@
 """The log-prob path of every backend: chunked (no per-token loop, no whole-sequence logits), and on
 policy at every sampling setting (each sample's own temperature, top_p and top_k: ratio 1, nothing clipped).
 
-On-policy samples are drawn here from the model's own processed distribution with the engine's
-sampling code (`services.engine.sampling`), recorded as calls and built into samples by the adapter,
+On-policy samples are drawn here from the model's own processed distribution with a reference of
+vLLM's sampler (`tests/reference_sampler.py`), recorded as calls and built into samples by the adapter,
 so they carry the call records' temperature, top_p and top_k the way the trainer's do.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from reference_sampler import SamplingParams, processed_logprobs, sample_token
 from test_forward_backend import small_model
 
-from services.engine.sampling import SamplingParams, sample_token, sampled_logprobs
 from trainer.backends.cpu import CpuBackend
 from trainer.core import AdapterConfig, CallTokens, RolloutCalls, Sample, build_step
 from trainer.run.sections import AlgorithmSection, BackendSection, LossSection
@@ -40,7 +40,7 @@ BACKENDS: dict[str, Callable[[], Any]] = {"cpu": lambda: CpuBackend, "verl": _ve
 
 def on_policy_samples(model_dir: Path, params: SamplingParams, *, agent: str | None = None, rollouts: int = 4,
                       seed: int = 0) -> list[Sample]:  # fmt: skip
-    """Rollouts of one call each, sampled from the model at `params` (logprobs as the engine reports them)."""
+    """Rollouts of one call each, sampled from the model at `params` (logprobs as vLLM reports them)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
     rng = random.Random(seed)
@@ -53,7 +53,7 @@ def on_policy_samples(model_dir: Path, params: SamplingParams, *, agent: str | N
             for _ in range(12):
                 row = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
                 token = sample_token(row, params, generator)
-                logprobs.append(float(sampled_logprobs(row, params)[token]))
+                logprobs.append(float(processed_logprobs(row, params)[token]))
                 ids.append(token)
         call = CallTokens(call_id=f"r{r}", prompt_ids=prompt, response_ids=ids[len(prompt):], logprobs=logprobs,
                     weights_version=0, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
@@ -64,10 +64,10 @@ def on_policy_samples(model_dir: Path, params: SamplingParams, *, agent: str | N
 
 
 SETTINGS = {
-    "T=0.5": SamplingParams(max_tokens=12, temperature=0.5),
-    "T=1.0": SamplingParams(max_tokens=12, temperature=1.0),
-    "T=0.7 top_p=0.8 top_k=20": SamplingParams(max_tokens=12, temperature=0.7, top_p=0.8, top_k=20),
-    "T=1.0 top_p=0.7": SamplingParams(max_tokens=12, temperature=1.0, top_p=0.7),
+    "T=0.5": SamplingParams(temperature=0.5),
+    "T=1.0": SamplingParams(temperature=1.0),
+    "T=0.7 top_p=0.8 top_k=20": SamplingParams(temperature=0.7, top_p=0.8, top_k=20),
+    "T=1.0 top_p=0.7": SamplingParams(temperature=1.0, top_p=0.7),
 }
 
 

@@ -1,9 +1,16 @@
-"""Two trained models and a frozen one in one quickstart-sized run, on the embedded stack.
+"""Two trained models and a frozen one in one quickstart-sized run, on the embedded stack with fake vLLM servers.
 
 The multi-agent harness (`examples/multiagent/agent.py`): the writer's calls train `[model]`, the
 rewriter's train the `[[policies]]` model, the checker is a `[[frozen]]` model. Each trained model
 gets its own samples, optimizer step and weights versions; the step metrics are per model; the
 frozen model is never trained; a validation pass runs in `val` mode and logs `val/reward`.
+
+The three models are served by fake vLLM servers (`tests/gateway/fake_vllm.py`, started by the stack
+and the trainer as they start vLLM, through `fake_vllm_python`): the test is about the run's three
+models (samples, steps, versions, routing), not what they generate, and three real vLLM servers take
+minutes each to start on a small CPU. The same run on real vLLM is
+`tests/vllm/test_other_models_engine.py`. The fake's token ids stay within the tiny model's vocabulary,
+and its identical requests answer differently, so the rewards (and advantages) of a group differ.
 """
 
 from __future__ import annotations
@@ -16,10 +23,13 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
+from fake_vllm import fake_vllm_python
+
 from schemas import ModelRequestRecorded
 from services.common.eventstore import EventStore
-from services.devstack.embedded import NatsServer
-from services.engine.tiny_model import ensure_tiny_model
+from services.common.tinymodel.build import ensure_tiny_model
+from services.devstack.embedded import NatsServer, free_port
 from trainer.embedded import embedded_stack
 from trainer.loop import Trainer
 from trainer.run.load import config_from_mapping, load_config
@@ -40,7 +50,11 @@ async def _calls(nats_dir: Path, run_id: str) -> list[ModelRequestRecorded]:
         server.stop()
 
 
-def test_two_trained_models_and_a_frozen_one_in_one_run(tmp_path: Path, model_cache: Path) -> None:
+def test_two_trained_models_and_a_frozen_one_in_one_run(
+    tmp_path: Path, model_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_VLLM_VOCAB", "2048")  # the tiny model's vocabulary
+    monkeypatch.setenv("FAKE_VLLM_VARY", "1")  # a group's rollouts answer differently: their rewards differ
     example = load_config(REPO / "examples" / "multiagent" / "train.toml")
     assert example.policies[0].name == "rewriter-policy" and example.frozen[0].name == "checker"
     # the agent runs in a fresh workspace, so its script path is made absolute
@@ -56,9 +70,7 @@ def test_two_trained_models_and_a_frozen_one_in_one_run(tmp_path: Path, model_ca
         "policies": [{"name": "rewriter-policy", "path": str(rewriter), "agents": ["rewriter"]}],
         "frozen": [{"name": "checker", "path": str(writer), "agents": ["checker"]}],
         "backend": {"threads": 1},
-        # Rollwire's own CPU engine: this test is about the run's three models; the same run on vLLM, whose
-        # servers take minutes each to start here, is tests/vllm/test_other_models_engine.py.
-        "engine": {"kind": "embedded"},
+        "engine": {"kind": "vllm", "executable": str(fake_vllm_python(tmp_path)), "port": free_port()},
         "algorithm": {"lr": 1e-3, "adapter": {"agents": ["writer", "rewriter"]}},
         "validation": {"path": str(REPO / "examples" / "multiagent" / "tasks.jsonl"), "every": 2, "max_tasks": 2},
     }  # fmt: skip

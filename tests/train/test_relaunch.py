@@ -11,10 +11,10 @@ import asyncio
 from typing import Any
 
 import httpx
+from served import Served
 
 from services.common.eventstore import EventStore
 from services.common.gateway_api import GatewayClient, NewRollout
-from services.engine.background import BackgroundServer
 from services.gateway import GatewaySettings, create_app
 from trainer.checkpoint import InFlightGroup
 from trainer.relaunch import wait_relaunching
@@ -54,7 +54,7 @@ async def test_a_resumed_step_relaunches_the_rollouts_a_crash_lost(
     settings = GatewaySettings(nats_url=nats_url, admin_token=ADMIN, secret="r" * 32, port=0)
     group = InFlightGroup(group_id=f"{run_id}-g0", rollout_ids=[f"{run_id}-g0-r{j}" for j in range(3)],
                           task_index=0, created_version=0)  # fmt: skip
-    with BackgroundServer(create_app(settings)) as server:
+    with Served(create_app(settings)) as server:
         gateway = GatewayClient(server.url, ADMIN)
         admin = httpx.AsyncClient(base_url=server.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)
         try:

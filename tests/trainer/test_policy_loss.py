@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 import torch
 import transformers
+from reference_sampler import SamplingParams, processed_logprobs
 
 from trainer.core import AdapterConfig, CallTokens, RolloutCalls, Sample, build_step, plain
 from trainer.loss import PolicyBatch, PolicyLossConfig, collate, policy_loss, token_entropy, token_logprobs
@@ -172,20 +173,18 @@ def test_collate_aligns_targets_and_pads() -> None:
 
 
 def test_the_loss_recomputes_logprobs_at_each_samples_own_temperature() -> None:
-    """Behaviour logprobs recorded at T=0.7 and T=1.3 (as the engine reports them) give ratio 1 on policy."""
-    from services.engine.sampling import SamplingParams, sampled_logprobs
-
+    """Behaviour logprobs recorded at T=0.7 and T=1.3 (as vLLM reports them) give ratio 1 on policy."""
     model = tiny_model().eval()
     samples = []
     for temperature, seed in ((0.7, 1), (1.3, 2), (None, 3)):
         gen = torch.Generator().manual_seed(seed)
         prompt = [5, 17, 33, 2]
         tokens, logprobs = list(prompt), [0.0] * len(prompt)
-        params = SamplingParams(max_tokens=6, temperature=temperature or 1.0)
+        params = SamplingParams(temperature=temperature or 1.0)
         with torch.no_grad():
             for _ in range(6):
                 row = model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
-                scores = sampled_logprobs(row, params)
+                scores = processed_logprobs(row, params)
                 token = int(torch.multinomial(scores.exp(), 1, generator=gen))
                 tokens.append(token)
                 logprobs.append(float(scores[token]))

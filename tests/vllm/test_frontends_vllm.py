@@ -23,6 +23,7 @@ import httpx
 import pytest
 from gw_harness import GatewayHandle
 from vllm_rig import SERVED, recorded, start_run
+from vllm_server import VllmServer
 
 from schemas import ModelRequestRecorded
 
@@ -86,28 +87,28 @@ def _call(attempt: dict[str, Any], api: str, turn: list[Any], stream: bool) -> N
         assert "data:" in text, "a stream of server-sent events"
 
 
-def _direct(vllm_url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    answer = httpx.post(f"{vllm_url}/v1{path}", json=body, timeout=120)
+def _direct(server: VllmServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    answer = server.post(f"/v1{path}", body)
     assert answer.status_code == 200, answer.text
     return answer.json()
 
 
-def _check_exact(vllm_url: str, event: ModelRequestRecorded) -> None:
+def _check_exact(server: VllmServer, event: ModelRequestRecorded) -> None:
     request = {k: v for k, v in event.request.items() if k not in ("stream", "stream_options")}
     body = request | {"model": SERVED, "return_token_ids": True, "logprobs": True, "stream": False}
-    direct = _direct(vllm_url, "/chat/completions", body)
+    direct = _direct(server, "/chat/completions", body)
     choice = direct["choices"][0]
     assert direct["prompt_token_ids"] == event.prompt_ids
     assert choice["token_ids"] == event.response_ids
     assert event.logprobs == pytest.approx([c["logprob"] for c in choice["logprobs"]["content"]], abs=1e-4)
 
 
-def _check_continuous(vllm_url: str, event: ModelRequestRecorded, earlier: ModelRequestRecorded | None) -> None:
+def _check_continuous(server: VllmServer, event: ModelRequestRecorded, earlier: ModelRequestRecorded | None) -> None:
     if earlier is None:  # rendered by the gateway: vLLM's own rendering of the request
         assert event.continuity == "fresh: first call of the attempt"
         request = {k: v for k, v in event.request.items() if k not in ("stream", "stream_options")}
         rendered = _direct(
-            vllm_url,
+            server,
             "/chat/completions",
             request | {"model": SERVED, "max_tokens": 1, "return_token_ids": True, "stream": False},
         )
@@ -119,7 +120,7 @@ def _check_continuous(vllm_url: str, event: ModelRequestRecorded, earlier: Model
         )
     body = {"model": SERVED, "prompt": event.prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0.0,
             "logprobs": 0, "return_token_ids": True}  # fmt: skip
-    choice = _direct(vllm_url, "/completions", body)["choices"][0]
+    choice = _direct(server, "/completions", body)["choices"][0]
     assert choice["token_ids"] == event.response_ids
     assert event.logprobs == pytest.approx(choice["logprobs"]["token_logprobs"], abs=1e-4)
 
@@ -128,10 +129,10 @@ def _check_continuous(vllm_url: str, event: ModelRequestRecorded, earlier: Model
 @pytest.mark.parametrize("mode", ["exact", "continuous"])
 @pytest.mark.parametrize("api", ["chat", "responses", "messages"])
 def test_recorded_ids_and_logprobs_are_vllms(
-    gateway: GatewayHandle, vllm_url: str, vllm_model_dir: Any, run_id: str, api: str, mode: str, stream: bool
+    gateway: GatewayHandle, vllm_server: VllmServer, run_id: str, api: str, mode: str, stream: bool
 ) -> None:
-    extra = {"tokenizer": str(vllm_model_dir)} if mode == "continuous" else {}
-    attempt = start_run(gateway, run_id, vllm_url, mode=mode, **extra)
+    extra = {"tokenizer": str(vllm_server.model_dir)} if mode == "continuous" else {}
+    attempt = start_run(gateway, run_id, vllm_server, mode=mode, **extra)
     _call(attempt, api, [], stream)
     (first,) = recorded(gateway, attempt["rollout_id"])
     assert first.status == "ok" and first.api == api and len(first.response_ids) == len(first.logprobs) > 0
@@ -140,6 +141,6 @@ def test_recorded_ids_and_logprobs_are_vllms(
     first, second = recorded(gateway, attempt["rollout_id"])
     for event, earlier in ((first, None), (second, first)):
         if mode == "exact":
-            _check_exact(vllm_url, event)
+            _check_exact(vllm_server, event)
         else:
-            _check_continuous(vllm_url, event, earlier)
+            _check_continuous(vllm_server, event, earlier)

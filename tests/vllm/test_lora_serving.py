@@ -19,6 +19,7 @@ import pytest
 import torch
 from gw_harness import ADMIN, GatewayHandle
 from vllm_rig import SERVED, start_run
+from vllm_server import VllmServer
 
 from services.common.gateway_api import GatewayClient
 from trainer.backends.lora import save_adapter
@@ -56,9 +57,11 @@ def weights(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> l
 
 
 @pytest.fixture
-def engine(vllm_url: str) -> Iterator[VllmEngine]:
-    """The trainer's engine over the session's vLLM server, one adapter per role."""
-    yield VllmEngine([vllm_url], SERVED, adapters=sorted(ROLES.values()), roles=ROLES)
+def engine(vllm_server: VllmServer) -> Iterator[VllmEngine]:
+    """The trainer's engine over the session's vLLM server (with its key), one adapter per role."""
+    yield VllmEngine(
+        [vllm_server.url], SERVED, adapters=sorted(ROLES.values()), roles=ROLES, api_key=vllm_server.api_key
+    )
 
 
 def _greedy(url: str, model: str, content: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
@@ -71,14 +74,17 @@ def _greedy(url: str, model: str, content: str, headers: dict[str, str] | None =
 
 
 async def test_each_agent_is_served_by_its_roles_adapter(
-    gateway: GatewayHandle, vllm_url: str, run_id: str, engine: VllmEngine, weights: list[Path]
+    gateway: GatewayHandle, vllm_server: VllmServer, run_id: str, engine: VllmEngine, weights: list[Path]
 ) -> None:
     client = GatewayClient(gateway.url, ADMIN)
     try:
         await engine.load(weights[0], 1)
-        attempt = start_run(gateway, run_id, vllm_url)  # registers the plain model too; replaced below
+        attempt = start_run(gateway, run_id, vllm_server)  # registers the plain model too; replaced below
         await register_replicas(client, engine, run_id, SERVED)
-        direct = {name: _greedy(f"{vllm_url}/v1", name, "Say hi.") for name in (SERVED, "planner", "coder")}
+        direct = {
+            name: _greedy(f"{vllm_server.url}/v1", name, "Say hi.", vllm_server.headers)
+            for name in (SERVED, "planner", "coder")
+        }
         assert direct["planner"]["ids"] != direct[SERVED]["ids"] != direct["coder"]["ids"]
         token = {"authorization": f"Bearer {attempt['token']}"}
         for _ in range(50):  # the gateway applies the registration from the stream
@@ -92,12 +98,17 @@ async def test_each_agent_is_served_by_its_roles_adapter(
     finally:
         await engine.close()  # unloads the adapters it loaded on a server it attached to
         await client.close()
-    listed = {m["id"] for m in (await asyncio.to_thread(httpx.get, f"{vllm_url}/v1/models")).json()["data"]}
+    listed = {
+        m["id"]
+        for m in (
+            await asyncio.to_thread(httpx.get, f"{vllm_server.url}/v1/models", headers=vllm_server.headers)
+        ).json()["data"]
+    }
     assert listed == {SERVED}, "the adapters are unloaded when the engine closes"
 
 
 async def test_an_adapter_reloaded_in_place_serves_its_new_weights(
-    vllm_url: str, engine: VllmEngine, weights: list[Path], tmp_path: Path
+    vllm_server: VllmServer, engine: VllmEngine, weights: list[Path], tmp_path: Path
 ) -> None:
     """After an in-place reload, a prompt cached under the old weights is answered by the new ones.
 
@@ -109,16 +120,17 @@ async def test_an_adapter_reloaded_in_place_serves_its_new_weights(
     try:
         shutil.copytree(weights[0], current)
         await engine.load(current, 1)
-        before = _greedy(f"{vllm_url}/v1", "planner", LONG_PROMPT)
-        assert _greedy(f"{vllm_url}/v1", "planner", LONG_PROMPT) == before  # now in the prefix cache
+        base, key = f"{vllm_server.url}/v1", vllm_server.headers
+        before = _greedy(base, "planner", LONG_PROMPT, key)
+        assert _greedy(base, "planner", LONG_PROMPT, key) == before  # now in the prefix cache
         shutil.rmtree(current)
         shutil.copytree(weights[1], current)
         await engine.load(current, 2)
-        after = _greedy(f"{vllm_url}/v1", "planner", LONG_PROMPT)
+        after = _greedy(base, "planner", LONG_PROMPT, key)
         # the reference: the same new weights under a name never served, so nothing of it is cached
         await engine.replicas.load_adapters({"planner-fresh": weights[1] / "adapters" / "planner"})
         engine.loaded.add("planner-fresh")
-        fresh = _greedy(f"{vllm_url}/v1", "planner-fresh", LONG_PROMPT)
+        fresh = _greedy(base, "planner-fresh", LONG_PROMPT, key)
         assert fresh["ids"] != before["ids"], "the new weights answer differently"
         diff = max(abs(a - b) for a, b in zip(after["logprobs"], fresh["logprobs"], strict=True))
         print(f"in-place reload: max |logprob - fresh adapter's| = {diff:.2e}")

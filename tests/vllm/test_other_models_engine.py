@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from gw_harness import ADMIN, GatewayHandle
-from vllm_rig import VLLM_PYTHON
+from vllm_server import VLLM_PYTHON
 
 from services.common.gateway_api import GatewayClient
 from services.devstack.embedded import free_port
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two vLLM servers st
 
 
 async def test_policies_and_frozen_models_are_served_by_vllm(
-    gateway: GatewayHandle, vllm_url: str, vllm_model_dir: Path, run_id: str, tmp_path: Path
+    gateway: GatewayHandle, vllm_model_dir: Path, run_id: str, tmp_path: Path
 ) -> None:
     port = free_port()
     config = config_from_mapping({

@@ -18,6 +18,7 @@ import pytest
 import torch
 from gw_harness import GatewayHandle
 from vllm_rig import SERVED, load_model, nucleus_logprobs, recorded, recorded_calls, start_run, trainer_logprobs
+from vllm_server import VllmServer
 
 TOLERANCE = 1e-3
 MESSAGES: Any = [{"role": "system", "content": "You add."}, {"role": "user", "content": "What is 2 + 3?"}]
@@ -35,10 +36,10 @@ def _max_diff(left: list[float], right: list[float]) -> float:
 
 
 def test_recorded_logprobs_at_t07_equal_the_trainers(
-    gateway: GatewayHandle, vllm_url: str, run_id: str, model: torch.nn.Module
+    gateway: GatewayHandle, vllm_server: VllmServer, run_id: str, model: torch.nn.Module
 ) -> None:
     """Temperature only: recorded logprobs = log_softmax(logits / 0.7) of the trainer's forward, within 1e-3."""
-    attempt = start_run(gateway, run_id, vllm_url)
+    attempt = start_run(gateway, run_id, vllm_server)
     agent = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0)
     reply = agent.chat.completions.create(model=SERVED, messages=MESSAGES, temperature=0.7, seed=11, max_tokens=24,
                                           logprobs=True)  # fmt: skip
@@ -57,10 +58,10 @@ def test_recorded_logprobs_at_t07_equal_the_trainers(
 
 
 def test_nucleus_logprobs_are_those_of_the_renormalised_nucleus(
-    gateway: GatewayHandle, vllm_url: str, run_id: str, model: torch.nn.Module
+    gateway: GatewayHandle, vllm_server: VllmServer, run_id: str, model: torch.nn.Module
 ) -> None:
     """T = 0.7, top_p 0.9, top_k 20: vLLM's logprobs (and the recorded ones) are the renormalised nucleus's."""
-    attempt = start_run(gateway, run_id, vllm_url)
+    attempt = start_run(gateway, run_id, vllm_server)
     body = {"model": SERVED, "messages": MESSAGES, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 5,
             "max_tokens": 24, "logprobs": True}  # fmt: skip
     headers = {"authorization": f"Bearer {attempt['token']}"}
@@ -69,7 +70,7 @@ def test_nucleus_logprobs_are_those_of_the_renormalised_nucleus(
     (call,) = recorded_calls(gateway, attempt["rollout_id"])
     (event,) = recorded(gateway, attempt["rollout_id"])
     assert (event.temperature, event.top_p, event.top_k) == (0.7, 0.9, 20), "the nucleus is recorded"
-    direct = httpx.post(f"{vllm_url}/v1/chat/completions", json=body | {"return_token_ids": True}, timeout=120).json()
+    direct = vllm_server.post("/v1/chat/completions", body | {"return_token_ids": True}).json()
     choice = direct["choices"][0]
     assert (direct["prompt_token_ids"], choice["token_ids"]) == (list(call.prompt_ids), list(call.response_ids))
     returned = [item["logprob"] for item in choice["logprobs"]["content"]]

@@ -2,30 +2,32 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import torch
 from gw_harness import GatewayHandle
+from reference_sampler import SamplingParams, processed_logprobs
+from vllm_server import SERVED_NAME, VllmServer
 
 from schemas import ModelRequestRecorded
 from trainer.core.recorded import CallTokens, call_from_event
 from trainer.forward import forward_logits
 from trainer.loss import token_logprobs
 
-VLLM_PYTHON = Path(os.environ.get("ROLLWIRE_VLLM_PYTHON", Path.home() / ".cache/rollwire/vllm/bin/python"))
-"""vLLM's Python: `rollwire vllm install`'s environment, or `$ROLLWIRE_VLLM_PYTHON`."""
-
-SERVED = "tiny"
+SERVED = SERVED_NAME
 
 
-def start_run(gateway: GatewayHandle, run_id: str, vllm_url: str, mode: str = "exact", **model: Any) -> dict[str, Any]:
-    """A run in prompt `mode` whose model is the vLLM server; a rollout's started attempt (token, URLs)."""
+def start_run(
+    gateway: GatewayHandle, run_id: str, server: VllmServer, mode: str = "exact", **model: Any
+) -> dict[str, Any]:
+    """A run in prompt `mode` whose model is the vLLM server (the proxy sends its key); a rollout's started attempt."""
     answer = gateway.admin.post("/api/runs", json={"run_id": run_id, "prompt_mode": mode})
     assert answer.status_code in (200, 201), answer.text
-    gateway.register_model(run_id, f"{vllm_url}/v1", name=SERVED, served_model=SERVED, **model)
+    gateway.register_model(
+        run_id, f"{server.url}/v1", name=SERVED, served_model=SERVED, api_key=server.api_key, **model
+    )
     rollout = gateway.create(run_id)[0]
     return gateway.attempt(rollout["rollout_id"]) | {"rollout_id": rollout["rollout_id"]}
 
@@ -53,23 +55,13 @@ def trainer_logprobs(model: torch.nn.Module, prompt: list[int], response: list[i
 def nucleus_logprobs(
     model: torch.nn.Module, prompt: list[int], response: list[int], temperature: float, top_k: int, top_p: float
 ) -> list[float]:
-    """Each response token's logprob under the distribution vLLM samples from: logits / T, top-k, then top-p
-    (the smallest tail whose mass is at most 1 - p dropped), renormalised (`vllm/v1/sample/ops/topk_topp_sampler.py`,
-    `apply_top_k_top_p_pytorch`)."""
+    """Each response token's logprob under the distribution vLLM samples from: logits / T, top-k, then top-p,
+    renormalised (`tests/reference_sampler.py`, which follows vLLM's sampler)."""
     ids = torch.tensor([[*prompt, *response]])
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     with torch.no_grad():
-        logits = forward_logits(model, ids, torch.ones_like(ids))[0, len(prompt) - 1 : -1].float() / temperature
-    out = []
-    for row, token in zip(logits, response, strict=True):
-        ordered, index = row.sort(descending=False)
-        ordered[ordered < ordered[-top_k]] = -float("inf")
-        mass = ordered.softmax(-1).cumsum(-1)
-        drop = mass <= 1 - top_p
-        drop[-1] = False
-        ordered[drop] = -float("inf")
-        kept = torch.empty_like(row).scatter_(0, index, ordered)
-        out.append(float(kept.log_softmax(-1)[token]))
-    return out
+        logits = forward_logits(model, ids, torch.ones_like(ids))[0, len(prompt) - 1 : -1]
+    return [float(processed_logprobs(row, params)[token]) for row, token in zip(logits, response, strict=True)]
 
 
 def load_model(model_dir: Path) -> torch.nn.Module:

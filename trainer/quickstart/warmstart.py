@@ -37,8 +37,8 @@ import msgspec
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from services.engine.tiny_model import build_dir_atomically, ensure_tiny_model
-from services.engine.tokenizer import load_tokenizer
+from services.common.tinymodel.build import build_dir_atomically, ensure_tiny_model
+from services.common.tinymodel.tokenizer import load_tokenizer
 from trainer.forward import forward_logits
 from trainer.quickstart.task import TOOLS, VALUES, Task, make_tasks, transcript
 

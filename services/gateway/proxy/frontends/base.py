@@ -65,8 +65,8 @@ def error_body(api: Api, status: int, message: str, kind: str | None = None, **e
 CONTEXT_ADVICE = (
     " The model endpoint's context window is smaller than this call (Claude Code's first prompt alone is"
     " about 37k tokens; the default stack's tiny model has 16384 positions). Serve a model with a longer"
-    " context: the engine's `--max-model-len` setting (`vllm serve --max-model-len`, or the embedded"
-    " engine's `python -m services.engine --max-model-len`, at most the model's max_position_embeddings),"
+    " context: the engine's `--max-model-len` setting (`vllm serve --max-model-len`, `[engine] extra_args`,"
+    " at most the model's max_position_embeddings),"
     " or send a shorter prompt or a smaller max_tokens (Claude Code: CLAUDE_CODE_MAX_OUTPUT_TOKENS)."
     " Retrying the same call cannot succeed."
 )

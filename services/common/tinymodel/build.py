@@ -1,12 +1,12 @@
 """The tiny default model: a ~1M-parameter Qwen2 causal LM and its byte-level BPE tokenizer, built offline.
 
 Nothing is downloaded. The tokenizer is trained with `tokenizers` on the shipped corpus
-(`services.engine.corpus`), the weights are drawn from a seeded generator, and both are saved the
+(`services.common.tinymodel.corpus`), the weights are drawn from a seeded generator, and both are saved the
 standard way (`save_pretrained`: config.json, generation_config.json, model.safetensors, tokenizer
 files, chat_template.jinja), so any transformers code can load the result. The same arguments give
 byte-identical files, which tests check by hash.
 
-    python -m services.engine.tiny_model --out DIR [--seed 0] [--vocab-size 2048] [--hidden 160] [--layers 2]
+    python -m services.common.tinymodel --out DIR [--seed 0] [--vocab-size 2048] [--hidden 160] [--layers 2]
 
 The weights are random: the model is a fast stand-in for a real LLM and a starting point for
 training (`build_tiny_model` takes the sizes a trainer may want to change).
@@ -26,8 +26,8 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from services.engine.chat_template import CHAT_TEMPLATE
-from services.engine.corpus import corpus_lines
+from services.common.tinymodel.chat_template import CHAT_TEMPLATE
+from services.common.tinymodel.corpus import corpus_lines
 
 BUILDER_VERSION = 2  # 2: head dim 32 (vLLM's CPU attention supports 32, 64, ...; v1 had 40)
 HEAD_DIM = 32

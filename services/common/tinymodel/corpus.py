@@ -311,7 +311,7 @@ _GENERATORS: list[Callable[[random.Random], str]] = [
 
 def corpus_lines(n_generated: int = 1500) -> Iterator[str]:
     """The shipped prose paragraphs, then `n_generated` templated documents, always the same ones."""
-    prose = resources.files("services.engine.data").joinpath(PROSE_FILE).read_text(encoding="utf-8")
+    prose = resources.files("services.common.tinymodel.data").joinpath(PROSE_FILE).read_text(encoding="utf-8")
     yield from (paragraph for paragraph in prose.split("\n\n") if paragraph.strip())
     rng = random.Random(CORPUS_SEED)
     for _ in range(n_generated):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from services.engine.tiny_model import (
+from services.common.tinymodel.build import (
     IM_END,
     IM_START,
     PAD_TOKEN,

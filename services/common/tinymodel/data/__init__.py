@@ -1,0 +1,1 @@
+"""Data files of the tiny model (the tokenizer corpus prose)."""

@@ -1,1 +1,0 @@
-"""Data files shipped with the engine (the tokenizer corpus prose)."""
