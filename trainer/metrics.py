@@ -22,6 +22,18 @@ if TYPE_CHECKING:
 
 Row = dict[str, float | int | str | None]
 
+UPDATE_COLUMNS = (
+    "loss",
+    "entropy",
+    "clip_fraction",
+    "dual_clip_fraction",
+    "ratio_mean",
+    "approx_kl",
+    "kl_ref",
+    "grad_norm",
+)
+"""The `UpdateMetrics` fields a step row carries, under the same names."""
+
 COLUMNS: tuple[str, ...] = (
     "step",
     "weights_version",
@@ -50,14 +62,7 @@ COLUMNS: tuple[str, ...] = (
     "staleness_max",
     "tokens",
     "response_tokens",
-    "loss",
-    "entropy",
-    "clip_fraction",
-    "dual_clip_fraction",
-    "ratio_mean",
-    "approx_kl",
-    "kl_ref",
-    "grad_norm",
+    *UPDATE_COLUMNS,
     "time_wait_s",
     "time_replay_s",
     "time_drain_s",

@@ -15,6 +15,7 @@ from typing import Any
 
 from trainer.backends.base import UpdateMetrics
 from trainer.core import AdapterConfig, RolloutCalls, StepBatch, rollout_reward
+from trainer.metrics import UPDATE_COLUMNS
 from trainer.rollouts import ReplayedGroup
 
 Row = dict[str, Any]
@@ -25,19 +26,6 @@ def _stats(values: Sequence[float]) -> tuple[float | None, float | None]:
     if not values:
         return None, None
     return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
-
-
-UPDATE_COLUMNS = (
-    "loss",
-    "entropy",
-    "clip_fraction",
-    "dual_clip_fraction",
-    "ratio_mean",
-    "approx_kl",
-    "kl_ref",
-    "grad_norm",
-)
-"""The `UpdateMetrics` fields a step row carries, under the same names."""
 
 
 def _agent_row(replayed: Sequence[ReplayedGroup]) -> Row:

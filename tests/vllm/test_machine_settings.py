@@ -14,20 +14,21 @@ import pytest
 from services.common.vllm import CPU_WORKAROUND_ARGS, VllmServeSettings, on_this_machine
 
 
-@pytest.fixture
-def gpu_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str) -> None:
     smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-00000000-0000-0000-0000-000000000000)'\n")
+    smi.write_text(f"#!/bin/sh\n{script}\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.fixture
+def gpu_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _nvidia_smi(tmp_path, monkeypatch, "echo 'GPU 0: NVIDIA H200 (UUID: GPU-00000000-0000-0000-0000-000000000000)'")
 
 
 @pytest.fixture
 def cpu_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    _nvidia_smi(tmp_path, monkeypatch, "echo 'NVIDIA-SMI has failed' >&2; exit 9")
 
 
 @pytest.mark.usefixtures("cpu_machine")
