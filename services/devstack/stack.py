@@ -362,12 +362,13 @@ class Stack:
                 child.proc.send_signal(signal.SIGTERM)
         for child in reversed(self.children):
             if child.proc is not None:
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     child.proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(child.proc.pid, signal.SIGKILL)
-                    child.proc.wait(5)
+                # Each child leads a process group of its own: what it left running there goes too (vLLM's
+                # API server can exit on SIGTERM before its engine core and workers, 2 GB each, do).
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                child.proc.wait(5)
             if child.log is not None:
                 child.log.close()
         self.children.clear()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -61,3 +63,32 @@ def test_a_second_up_on_the_same_data_dir_names_the_running_stack(tmp_path: Path
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
+
+
+def test_a_stopped_stack_leaves_nothing_in_a_childs_process_group(tmp_path: Path) -> None:
+    """A service that exits on SIGTERM while processes it started keep running in its group (as vLLM's API
+    server may leave its engine core and workers) takes them with it when the stack stops."""
+    from services.devstack.stack import Stack
+    from services.devstack.stack_config import ChildService, StackConfig
+
+    leaver = (
+        "import signal, subprocess, sys, time\n"
+        "child = subprocess.Popen(['sleep', '300'])\n"
+        "print(child.pid, flush=True)\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+        "time.sleep(300)\n"
+    )
+    stack = Stack(StackConfig(data_dir=tmp_path / "stack"))
+    stack.data_dir.mkdir(parents=True)
+    service = ChildService("leaver", [], command=[sys.executable, "-c", leaver])
+    stack._spawn(service, dict(os.environ))
+    stack.children.append(service)
+    log = stack.data_dir / "logs" / "leaver.log"
+    for _ in range(100):
+        if log.exists() and log.read_text().strip():
+            break
+        time.sleep(0.1)
+    left = int(log.read_text().split()[0])
+    assert psutil.pid_exists(left)
+    stack.stop()
+    assert _gone([left], timeout=5) == []
