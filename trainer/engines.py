@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -170,10 +171,11 @@ class VllmEngine:
         for process in self.processes:
             process.terminate()
         for process in self.processes:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)  # what vLLM's server left in its group (engine core, workers)
+            process.wait(timeout=5)
 
 
 async def register_replicas(
