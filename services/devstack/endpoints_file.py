@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
 NAME = "endpoints.json"
 _SECRET_KEYS = ("admin token",)
+_NOTE = re.compile(r" \([^()]*\)$")
 
 
 def write(data_dir: Path, lines: Iterable[str]) -> Path:
@@ -23,8 +25,8 @@ def write(data_dir: Path, lines: Iterable[str]) -> Path:
     found: dict[str, str] = {}
     for line in lines:
         name, sep, value = line.partition(": ")
-        if sep and name not in _SECRET_KEYS:
-            found[name] = value
+        if sep and name not in _SECRET_KEYS:  # the first replica's, without the printed note: "(vLLM replica 0)"
+            found.setdefault(name, _NOTE.sub("", value))
     path = data_dir / NAME
     staging = path.with_name(f".{NAME}.partial")
     staging.write_text(json.dumps(found, indent=2) + "\n")
