@@ -209,9 +209,10 @@ def test_claude_code_stops_at_the_first_permanent_refusal(
 def test_claude_code_on_a_short_engine_context_is_told_what_to_change(
     gateway: GatewayHandle, vllm_server: VllmServer, run_id: str, tmp_path: Path
 ) -> None:
-    """Real vLLM (the session's server: 2048 positions) against Claude Code's first prompt (about 37k
-    tokens): refused before generation with a 400 in Messages' shape whose message names the engine's
-    context setting (`--max-model-len`), and Claude Code exits after that one request."""
+    """Real vLLM (the session's server: 2048 positions) against Claude Code's first call (a prompt of
+    about 37k tokens, max_tokens 64000): refused before generation with a 400 in Messages' shape whose
+    message names the engine's context setting (`--max-model-len`), and Claude Code exits after that one
+    request. vLLM refuses the max_tokens first ("cannot be greater than max_model_len=2048")."""
     claude = _installed("claude")
     gateway.register_model(
         run_id, f"{vllm_server.url}/v1", served_model=vllm_server.served_name, api_key=vllm_server.api_key
@@ -232,7 +233,7 @@ def test_claude_code_on_a_short_engine_context_is_told_what_to_change(
     )  # fmt: skip
     took = time.monotonic() - began
     assert '"api_error_status":400' in done.stdout.replace(" ", ""), done.stdout[-2000:]
-    assert "maximum context length is 2048" in done.stdout and "--max-model-len" in done.stdout, done.stdout
+    assert "max_model_len=2048" in done.stdout and "--max-model-len" in done.stdout, done.stdout
     (call,) = _calls(gateway, rollout["rollout_id"])
     assert call["status"] == "failed" and call.get("response_ids", []) == [] and call["api"] == "messages"
     assert took < 60, f"Claude Code took {took:.0f} s to give up"

@@ -64,14 +64,17 @@ def error_body(api: Api, status: int, message: str, kind: str | None = None, **e
 
 CONTEXT_ADVICE = (
     " The model endpoint's context window is smaller than this call (Claude Code's first prompt alone is"
-    " about 37k tokens; the default stack's tiny model has 16384 positions). Serve a model with a longer"
+    " about 37k tokens, and it asks for up to 64000 output tokens; the default stack's tiny model has 16384"
+    " positions). Serve a model with a longer"
     " context: the engine's `--max-model-len` setting (`vllm serve --max-model-len`, `[engine] extra_args`,"
     " at most the model's max_position_embeddings),"
     " or send a shorter prompt or a smaller max_tokens (Claude Code: CLAUDE_CODE_MAX_OUTPUT_TOKENS)."
     " Retrying the same call cannot succeed."
 )
 """Added to an engine's context-length refusal, which its own words do not say how to fix."""
-_CONTEXT_MARKERS = ("context_length_exceeded", "maximum context length")
+# vLLM says "maximum context length" for a prompt too long, and "max_tokens=N cannot be greater than
+# max_model_len=M" for a max_tokens beyond it (vllm/renderers/params.py, v0.32.0); OpenAI says its code.
+_CONTEXT_MARKERS = ("context_length_exceeded", "maximum context length", "cannot be greater than max_model_len")
 
 
 def upstream_message(content: bytes, status: int) -> str:
