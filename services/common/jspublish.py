@@ -51,6 +51,8 @@ def connection_options(holder: list[NATS], name: str, buffered: bool) -> dict[st
         outage.failed(exc, "reconnecting")
 
     async def on_disconnect() -> None:
+        if holder and holder[0].is_closed:
+            return  # closed on purpose (`close()` calls this too): no outage to report
         if not buffered and holder and isinstance(getattr(holder[0], "_pending", None), list):
             # Called once the socket is closed and before the reconnect, which would send what was
             # queued but not written (nats-py keeps it in `_pending`): that is dropped here.

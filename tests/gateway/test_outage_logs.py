@@ -7,6 +7,7 @@ tracebacks a second while it was down (nats-py's default error callback, on ever
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -98,3 +99,27 @@ def test_each_service_logs_an_outage_once_and_its_end_once(fresh_nats: NatsServe
         assert len(lines) <= 6, f"{name} logged {len(lines)} lines:\n" + "\n".join(lines)
         assert any("unavailable" in line for line in lines), f"{name}:\n{text}"
         assert any("answers again" in line for line in lines), f"{name}:\n{text}"
+
+
+async def test_a_store_closed_on_purpose_reports_no_outage_and_a_dropped_one_does(
+    fresh_nats: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`close()` also runs nats-py's disconnect callback: that is not an outage (a run's last line said
+    "NATS unavailable (reconnecting)" as it finished); a server that goes away still is one."""
+    from services.common.eventstore import EventStore
+
+    caplog.set_level("WARNING", logger="rollwire.eventstore")
+    store = await EventStore.connect(fresh_nats.url)
+    await store.close()
+    assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()] == []
+
+    dropped = await EventStore.connect(fresh_nats.url)
+    try:
+        fresh_nats.stop()
+        for _ in range(50):
+            if any("unavailable" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.1)
+        assert any("unavailable" in r.getMessage() for r in caplog.records)
+    finally:
+        await dropped.close()
