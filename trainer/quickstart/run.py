@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.devstack.embedded import die_with_parent
 from trainer.display import StepDisplay
 from trainer.embedded import embedded_stack
 from trainer.loop import Trainer
@@ -142,6 +143,7 @@ def fork_server(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
+        preexec_fn=die_with_parent,  # a run killed by SIGKILL leaves no fork server behind
         env=env,
     )
     try:
