@@ -23,7 +23,6 @@ import contextlib
 import hashlib
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ import httpx
 from services.common.gateway_api import GatewayClient
 from services.common.vllm import ReplicaError, VllmReplicas, VllmServeSettings, start_replicas
 from services.common.vllm_install import ensure_vllm
-from services.devstack.embedded import free_port
+from services.devstack.embedded import free_port, reap_group
 from trainer.backends.base import ADAPTERS_DIR
 from trainer.backends.lora import adapter_names
 from trainer.clients import RETRIES, EngineClient, ServiceUrls
@@ -171,11 +170,7 @@ class VllmEngine:
         for process in self.processes:
             process.terminate()
         for process in self.processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=30)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)  # what vLLM's server left in its group (engine core, workers)
-            process.wait(timeout=5)
+            reap_group(process, 30)
 
 
 async def register_replicas(

@@ -75,7 +75,7 @@ class StatusWatch:
                     self._note(stored.event)
             except asyncio.CancelledError:
                 raise
-            except (nats.errors.Error, OSError, TimeoutError) as exc:
+            except (nats.errors.Error, OSError) as exc:  # TimeoutError is an OSError
                 if failing_since is None:
                     failing_since = loop.time()
                     log.warning("the status subscription broke (%s: %s); taking it up again", type(exc).__name__, exc)

@@ -314,14 +314,20 @@ class PostgresServer:
         self.proc = None
 
 
+def reap_group(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait up to `timeout` for a signalled child that leads its own process group (`start_new_session`),
+    then SIGKILL what is left in the group and reap the child. What it left is not always the child
+    itself: vLLM's API server can exit on SIGTERM before its engine core and workers (2 GB each) do."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(5)
+
+
 def _stop(proc: subprocess.Popen[bytes] | None, sig: int, timeout: float) -> None:
     if proc is None or proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
         proc.send_signal(sig)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
+    reap_group(proc, timeout)

@@ -37,7 +37,14 @@ from typing import IO
 import httpx
 
 from services.devstack import credentials, endpoints_file
-from services.devstack.embedded import EmbeddedServerError, NatsServer, PostgresServer, free_port, port_in_use
+from services.devstack.embedded import (
+    EmbeddedServerError,
+    NatsServer,
+    PostgresServer,
+    free_port,
+    port_in_use,
+    reap_group,
+)
 from services.devstack.engine_models import (
     register_embedded,
     register_model,
@@ -362,13 +369,7 @@ class Stack:
                 child.proc.send_signal(signal.SIGTERM)
         for child in reversed(self.children):
             if child.proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.proc.wait(15)
-                # Each child leads a process group of its own: what it left running there goes too (vLLM's
-                # API server can exit on SIGTERM before its engine core and workers, 2 GB each, do).
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.proc.pid, signal.SIGKILL)
-                child.proc.wait(5)
+                reap_group(child.proc, 15)
             if child.log is not None:
                 child.log.close()
         self.children.clear()
