@@ -134,6 +134,7 @@ def record_run(args: argparse.Namespace, tmp: Path) -> tuple[str, Path, Path]:
     from trainer.quickstart.run import QuickstartOptions, run_quickstart
 
     options = QuickstartOptions(
+        heldout_tasks=0,  # no held-out pass: this is about the steps
         steps=args.steps, data_dir=tmp / "stack", out=tmp / "runs", tasks_per_step=4, rollouts_per_task=4,
         run_name="bench", cache_dir=args.cache_dir,
         extra={"agent": {"env": {"AGENT_SEED": "0"}}, "run": {"keep_weights": 0}},

@@ -178,7 +178,7 @@ def quickstart(args: argparse.Namespace, out: Path, device: str) -> None:
     """Part 3: `rollwire quickstart` training with the verl backend (on CUDA where there is one)."""
     backend = "verl" if device == "cuda" else "cpu"
     argv = [sys.executable, "-m", "services.devstack.cli", "quickstart", "--steps", str(args.quickstart_steps),
-            "--tasks-per-step", "4", "--rollouts-per-task", "2", "--backend", backend,
+            "--tasks-per-step", "4", "--rollouts-per-task", "2", "--backend", backend, "--heldout-tasks", "0",
             "--data-dir", str(out / "qs-data"), "--out", str(out / "qs-runs")]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()

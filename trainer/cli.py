@@ -178,6 +178,10 @@ def quickstart(
     mode: str = typer.Option("sync", help="sync or async (collocated)."),
     tasks_per_step: int = typer.Option(8, help="Tasks per step."),
     rollouts_per_task: int = typer.Option(4, help="Rollouts of each task (one group)."),
+    lr: float = typer.Option(3e-4, help="Learning rate."),
+    heldout_tasks: int = typer.Option(
+        64, help="Held-out tasks run twice before step 1 and after the last (the before/after); 0: none."
+    ),
     backend: str = typer.Option("cpu", help="Training backend: cpu or verl (needs rollwire[verl])."),
     prompt_mode: str = typer.Option(
         "exact", help="exact (the engine renders prompts) or continuous (the proxy keeps the sampled ids)."
@@ -193,6 +197,8 @@ def quickstart(
         raise _fail(f"--mode {mode!r} is not allowed; choose one of: sync, async", 2)
     if prompt_mode not in ("exact", "continuous"):
         raise _fail(f"--prompt-mode {prompt_mode!r} is not allowed; choose one of: exact, continuous", 2)
+    if not lr > 0 or heldout_tasks < 0:
+        raise _fail("--lr must be above 0 and --heldout-tasks 0 or more", 2)
     _quiet_transformers()
     options = QuickstartOptions(
         steps=steps,
@@ -202,6 +208,8 @@ def quickstart(
         mode=mode,
         tasks_per_step=tasks_per_step,
         rollouts_per_task=rollouts_per_task,
+        lr=lr,
+        heldout_tasks=heldout_tasks,
         extra={"backend": {"kind": backend}, "model": {"prompt_mode": prompt_mode}},
     )
     try:

@@ -182,7 +182,8 @@ class Trainer:
         row: Row = {"step": 0, "weights_version": 0}
         row |= await self.validation.run(0, gateway, watch, store)
         self.metrics.add(row)
-        self.say(f"held-out reward before training: {row.get(VAL_REWARD)}")
+        held = row.get(VAL_REWARD)
+        self.say(f"held-out reward before training: {'none' if held is None else f'{held:.3f}'}")
 
     def _finish(self) -> None:
         """The reward curve (`reward_curve.png`: training and held-out reward per step) and held-out before/after."""

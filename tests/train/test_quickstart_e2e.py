@@ -71,6 +71,7 @@ def test_two_quickstart_steps_update_every_parameter_and_serve_the_new_version(
 ) -> None:
     model_dir = ensure_warm_model(model_cache, SMOKE_WARM_START)
     options = QuickstartOptions(
+        heldout_tasks=0,  # no held-out pass: this is about the steps
         steps=2,
         data_dir=tmp_path / "stack",
         out=tmp_path / "runs",
@@ -134,6 +135,7 @@ def test_quickstart_on_the_verl_backend_updates_every_parameter(tmp_path: Path, 
     pytest.importorskip("verl")
     model_dir = ensure_warm_model(model_cache, SMOKE_WARM_START)
     options = QuickstartOptions(
+        heldout_tasks=0,  # no held-out pass: this is about the steps
         steps=2,
         data_dir=tmp_path / "stack",
         out=tmp_path / "runs",

@@ -60,6 +60,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Rec
     model_dir = ensure_warm_model(model_cache, SMOKE_WARM_START)
     tmp = tmp_path_factory.mktemp("retrain")
     options = QuickstartOptions(
+        heldout_tasks=0,  # no held-out pass: this is about the steps
         steps=STEPS, data_dir=tmp / "stack", out=tmp / "runs", tasks_per_step=4, rollouts_per_task=4,
         model_dir=model_dir, run_name=RUN,
         extra={"agent": {"env": {"AGENT_SEED": "0", "QUICKSTART_REWARD": "tool"}}, "run": {"keep_weights": 0}},

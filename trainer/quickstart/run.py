@@ -2,12 +2,14 @@
 
 1. build the tiny model and its warm start (cached: `trainer.quickstart.warmstart`);
 2. write the task dataset (`trainer.quickstart.task`) into the run directory;
-3. start the agent fork server and the embedded stack (nats-server, Postgres, engine, gateway,
+3. start the agent fork server and the embedded stack (nats-server, Postgres, vLLM, gateway,
    projector, controller: child processes, free ports);
 4. train: every step runs `tasks_per_step` tasks `rollouts_per_task` times each through the real
    agent harness (`trainer.quickstart.agent`, launched by the controller's local backend), replays
    the recorded calls, updates the model and has the engine serve the new weights;
-5. write `reward_curve.png`, print where the metrics, logs and trajectory viewer are, and stop.
+5. write `reward_curve.png`, print the held-out reward before and after (64 held-out tasks run in
+   `val` mode on the starting weights and after the last step), where the metrics, logs and
+   trajectory viewer are, and stop.
 
 The warm-started model calls the tool on about a fifth of the tasks, so its reward starts near
 0.2; the run shows RL raising the rate of tool use, and the reward with it.
@@ -38,8 +40,11 @@ from trainer.quickstart.forkserver import DEFAULT_MODULE, launcher_command
 from trainer.quickstart.task import make_tasks, write_tasks_jsonl
 from trainer.run.load import config_from_mapping
 from trainer.run.sections import TrainConfig
+from trainer.validation import VAL_REWARD
 
 DATASET_SIZE = 512
+HELDOUT_TASKS = 64  # drawn with another seed; each runs twice, sampled as in training, before step 1 and after the last
+HELDOUT_ROLLOUTS = 2
 QUICKSTART_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("reward_mean", "reward", "{:.2f}"),
     ("agent_tool_used", "tool use", "{:.2f}"),
@@ -62,6 +67,7 @@ class QuickstartOptions:
     tasks_per_step: int = 8
     rollouts_per_task: int = 4
     lr: float = 3e-4
+    heldout_tasks: int = HELDOUT_TASKS  # 0: no held-out pass (before/after is then the training reward)
     cache_dir: Path | None = None
     model_dir: Path | None = None
     fork_server: bool = True
@@ -81,9 +87,15 @@ class QuickstartResult:
 
 
 def quickstart_config(
-    options: QuickstartOptions, name: str, model_dir: Path, dataset: Path, agent_command: list[str]
+    options: QuickstartOptions,
+    name: str,
+    model_dir: Path,
+    dataset: Path,
+    agent_command: list[str],
+    heldout: Path | None = None,
 ) -> TrainConfig:
-    """The training config of a quickstart run named `name`."""
+    """The training config of a quickstart run named `name`; with `heldout`, the held-out pass runs
+    on the starting weights and after the last step (the before and after)."""
     mapping: dict[str, Any] = {
         "run": {
             "name": name,
@@ -111,6 +123,13 @@ def quickstart_config(
         # outweigh a dozen successful tool calls.
         "algorithm": {"lr": options.lr, "micro_batch_tokens": 8192, "adapter": {"norm": "token-mean"}},
     }
+    if heldout is not None:
+        mapping["validation"] = {
+            "path": str(heldout),
+            "every": options.steps,
+            "rollouts_per_task": HELDOUT_ROLLOUTS,
+            "at_start": True,
+        }
     for section, values in options.extra.items():
         mapping.setdefault(section, {}).update(values)
     return config_from_mapping(mapping)
@@ -170,11 +189,47 @@ def fork_server(
 
 
 def summarize(rows: list[dict[str, Any]]) -> tuple[float | None, float | None]:
-    """The reward at the start (mean of the first two steps) and at the end (mean of the last three)."""
+    """The training reward at the start (mean of the first two steps) and at the end (mean of the last three)."""
     rewards = [r["reward_mean"] for r in rows if isinstance(r.get("reward_mean"), int | float)]
     if not rewards:
         return None, None
     return statistics.fmean(rewards[:2]), statistics.fmean(rewards[-3:])
+
+
+def heldout_before_after(log: MetricsLog) -> tuple[float, float] | None:
+    """The held-out reward on the starting weights and after the last step (`val/reward`), if both ran."""
+    steps, held = log.series(VAL_REWARD)
+    if len(held) < 2 or steps[0] != 0:
+        return None
+    return held[0], held[-1]
+
+
+def write_datasets(options: QuickstartOptions, run_dir: Path) -> tuple[Path, Path | None]:
+    """Write the run's training tasks and (unless `heldout_tasks` is 0) its held-out tasks."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dataset = run_dir / "tasks.jsonl"
+    dataset.write_bytes(write_tasks_jsonl(make_tasks(DATASET_SIZE, seed=options.seed)))
+    if not options.heldout_tasks:
+        return dataset, None
+    heldout = run_dir / "heldout.jsonl"
+    heldout.write_bytes(write_tasks_jsonl(make_tasks(options.heldout_tasks, seed=options.seed + 1, prefix="h")))
+    return dataset, heldout
+
+
+def say_gain(
+    rows: list[dict[str, Any]], log: MetricsLog, heldout_tasks: int, seconds: float, say: Callable[[str], None]
+) -> None:
+    """Print the training reward's start and end, and the held-out reward before and after."""
+    first, last = summarize(rows)
+    if first is not None and last is not None:
+        say(f"reward: {first:.2f} at the start -> {last:.2f} at the end ({last - first:+.2f}) in {seconds:.0f}s")
+    before_after = heldout_before_after(log)
+    if before_after is not None:
+        before, after = before_after
+        say(
+            f"held-out reward: {before:.2f} before training -> {after:.2f} after ({after - before:+.2f}), "
+            f"{heldout_tasks} tasks x {HELDOUT_ROLLOUTS}"
+        )
 
 
 def run_quickstart(options: QuickstartOptions, say: Callable[[str], None] = print) -> QuickstartResult:
@@ -189,16 +244,14 @@ def run_quickstart(options: QuickstartOptions, say: Callable[[str], None] = prin
     say(f"model: {model_dir}")
     name = options.run_name or f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = options.out / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dataset = run_dir / "tasks.jsonl"
-    dataset.write_bytes(write_tasks_jsonl(make_tasks(DATASET_SIZE, seed=options.seed)))
+    dataset, heldout = write_datasets(options, run_dir)
     with contextlib.ExitStack() as stack:
         command = (
             stack.enter_context(fork_server(key=f"{options.data_dir.resolve()}/{name}"))
             if options.fork_server
             else [sys.executable, "-m", "trainer.quickstart.agent"]
         )
-        config = quickstart_config(options, name, model_dir, dataset, command)
+        config = quickstart_config(options, name, model_dir, dataset, command, heldout)
         say("starting the embedded stack...")
         urls = stack.enter_context(embedded_stack(options.data_dir, model_dir, say, config.engine))
         say(
@@ -211,15 +264,13 @@ def run_quickstart(options: QuickstartOptions, say: Callable[[str], None] = prin
     curve = plot_curves(
         log,
         run_dir / "reward_curve.png",
-        keys=("reward_mean", "agent_tool_used"),
+        keys=("reward_mean", "agent_tool_used", VAL_REWARD),
         title=f"quickstart {config.run.name}: reward and tool use per step",
         ylim=(-0.02, 1.02),
     )
-    log.close()
     seconds = time.monotonic() - start
-    first, last = summarize(rows)
-    if first is not None and last is not None:
-        say(f"reward: {first:.2f} at the start -> {last:.2f} at the end ({last - first:+.2f}) in {seconds:.0f}s")
+    say_gain(rows, log, options.heldout_tasks, seconds, say)
+    log.close()
     data_dir = options.data_dir.resolve()
     say(f"reward curve: {curve}")
     say(f"metrics: {run_dir / 'metrics.csv'} (TensorBoard: tensorboard --logdir {run_dir / 'tb'})")
