@@ -1,15 +1,15 @@
-"""vLLM against Rollwire's own engine, side by side on the tiny model: start time, tokens/s, weight sync.
+"""vLLM, the engine, on the tiny model and a wider one: start time, tokens/s, weight sync.
 
     PYTHONPATH=. .venv/bin/python bench/bench_vllm.py [--tokens 100] [--in-flight 1,8,32] [--syncs 5]
 
-Builds the tiny model once, then for each engine (vLLM from `rollwire vllm install`'s
-environment, started as the stack starts it; `python -m services.engine`) measures the time from
-process start to `GET /health` = 200, then aggregate decode tokens/s with 1, 8 and 32 requests
-in flight (`max_tokens` tokens each, `ignore_eos`, non-streaming). For vLLM it also times the
-weight sync each training step does (pause -> reload_weights -> reset_prefix_cache ->
-update_weight_version -> resume) on the tiny model and (engine `vllm-wide`) on a ~15M-parameter one, and counts how
-many of 8 requests sent during a sync were held until it ended rather than refused. Prints one
-JSON line per measurement and a table at the end.
+Builds the tiny model once, then for each model (`vllm`: the tiny one; `vllm-wide`: a
+~15M-parameter one of the same family) starts vLLM from `rollwire vllm install`'s environment,
+as the stack starts it, and measures the time from process start to `GET /health` = 200, then
+aggregate decode tokens/s with 1, 8 and 32 requests in flight (`max_tokens` tokens each,
+`ignore_eos`, non-streaming), then the weight sync each training step does (pause ->
+reload_weights -> reset_prefix_cache -> update_weight_version -> resume), and counts how many of 8
+requests sent during a sync were held until it ended rather than refused. Prints one JSON line per
+measurement and a table at the end.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +31,6 @@ from vllm_server import start_vllm, stop, wait_healthy
 
 from services.common.tinymodel.build import build_tiny_model
 from services.common.vllm import VllmReplicas
-from services.devstack.embedded import free_port
 
 KEY = "bench-key"
 MESSAGES = [{"role": "user", "content": "What is the value of the key river?"}]
@@ -79,32 +76,20 @@ async def sync_times(url: str, model_dir: Path, syncs: int) -> dict[str, Any]:
     return out
 
 
-def start_embedded(model_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """Rollwire's own engine on a free port, one torch thread as the stack runs it."""
-    port = free_port()
-    argv = [sys.executable, "-m", "services.engine", "--model", str(model_dir), "--port", str(port),
-            "--served-name", "tiny"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with log.open("ab") as out:
-        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return process, f"http://127.0.0.1:{port}"
-
-
 def measure(kind: str, model_dir: Path, root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Start one engine, measure it (see the module docstring), stop it."""
+    """Start vLLM on one model, measure it (see the module docstring), stop it."""
     log = root / f"{kind}.log"
     if kind == "vllm-wide":  # a ~15M-parameter model of the same family: weight sync against model size
         model_dir = root / "wide" if (root / "wide").exists() else build_tiny_model(root / "wide", hidden=512, layers=4)
     started = time.perf_counter()
-    vllm = kind.startswith("vllm")
-    process, url = start_vllm(model_dir, log, KEY) if vllm else start_embedded(model_dir, log)
+    process, url = start_vllm(model_dir, log, KEY)
     try:
         wait_healthy(process, url, log)
         result: dict[str, Any] = {"engine": kind, "start_s": round(time.perf_counter() - started, 1)}
-        headers = {"authorization": f"Bearer {KEY}"} if vllm else {}
+        headers = {"authorization": f"Bearer {KEY}"}
         for n in args.in_flight:
             result[f"tok_s_{n}"] = round(asyncio.run(tokens_per_s(url, headers, n, args.tokens)), 1)
-        if vllm and args.syncs:
+        if args.syncs:
             result["sync"] = asyncio.run(sync_times(url, model_dir, args.syncs))
     finally:
         stop(process)
@@ -113,12 +98,12 @@ def measure(kind: str, model_dir: Path, root: Path, args: argparse.Namespace) ->
 
 
 def main() -> None:
-    """Parse the flags, measure both engines, print the table."""
+    """Parse the flags, measure each model, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=100)
     parser.add_argument("--in-flight", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--syncs", type=int, default=5)
-    parser.add_argument("--engines", default="vllm,embedded,vllm-wide")
+    parser.add_argument("--engines", default="vllm,vllm-wide", help="vllm (the tiny model), vllm-wide, or both")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         root = Path(tmp)

@@ -40,11 +40,11 @@ def embedded_stack(
     lora_rank: int = 0,
     max_loras: int = 1,
 ) -> Iterator[ServiceUrls]:
-    """The embedded stack (free ports, the engine `engine.kind` names serving `model_dir`) for the duration.
+    """The embedded stack (free ports, vLLM serving `model_dir`) for the duration.
 
-    With vLLM (the default) the stack starts `engine.replicas` vLLM servers (installing vLLM when
-    missing); the trainer attaches to them through `ServiceUrls.engine_urls` and their key. A LoRA
-    run's `lora_rank` starts them with LoRA enabled, so the trainer can load its adapters there.
+    The stack starts `engine.replicas` vLLM servers (installing vLLM when missing); the trainer
+    attaches to them through `ServiceUrls.engine_urls` and their key. A LoRA run's `lora_rank`
+    starts them with LoRA enabled, so the trainer can load its adapters there.
     """
     from services.common.vllm import VllmServeSettings
     from services.devstack.stack import Stack, StackConfig
@@ -65,7 +65,6 @@ def embedded_stack(
         pg_port=0,
         gateway_port=0,
         engine_model=model_dir,
-        engine_kind=engine.kind,
         vllm=vllm,
         vllm_replicas=engine.replicas,
     )

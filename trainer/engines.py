@@ -4,14 +4,11 @@
     load(dir, v)       serve the weights saved in `dir` as version v on every replica
     close()
 
-- `EmbeddedEngine`: Rollwire's CPU engine (`POST /reload {"path", "weights_version"}`); it stamps
-  each response with the version it ran on. `EmbeddedEngineProcess` starts one in a child process
-  (`python -m services.engine` on a free port), for the run's other models.
-- `VllmEngine`: `vllm serve` replicas, attached to (`[engine] urls`) or started
-  (`[engine] replicas`), reloaded through vLLM's routes (`services.common.vllm`): full weights
-  by pause -> reload_weights -> reset_prefix_cache -> update_weight_version -> resume, LoRA by
-  loading each adapter in place. vLLM stamps no version on its responses; the gateway's proxy
-  records the version of the phase the call ran under (calls are held while weights change).
+`VllmEngine`: `vllm serve` replicas, attached to (`[engine] urls`) or started (`[engine] replicas`),
+reloaded through vLLM's routes (`services.common.vllm`): full weights by pause -> reload_weights ->
+reset_prefix_cache -> update_weight_version -> resume, LoRA by loading each adapter in place. vLLM
+stamps no version on its responses; the gateway's proxy records the version of the phase the call
+ran under (calls are held while weights change).
 
 The loop calls `load` inside the phase gate, so no call runs while any replica changes weights.
 """
@@ -24,20 +21,16 @@ import hashlib
 import os
 import secrets
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Protocol
-
-import httpx
 
 from services.common.gateway_api import GatewayClient
 from services.common.vllm import ReplicaError, VllmReplicas, VllmServeSettings, start_replicas
 from services.common.vllm_install import ensure_vllm
-from services.devstack.embedded import free_port, reap_group
+from services.devstack.embedded import reap_group
 from trainer.backends.base import ADAPTERS_DIR
 from trainer.backends.lora import adapter_names
-from trainer.clients import RETRIES, EngineClient, ServiceUrls
+from trainer.clients import ServiceUrls
 from trainer.run.sections import TrainConfig
 
 
@@ -59,66 +52,6 @@ class ServingEngine(Protocol):
     async def close(self) -> None:
         """Release connections (and servers this engine started)."""
         ...
-
-
-class EmbeddedEngine:
-    """The embedded engine of the stack (one process)."""
-
-    def __init__(self, engine_base: str) -> None:
-        self.base = engine_base
-        self.client = EngineClient(engine_base, retries=RETRIES)
-
-    async def endpoints(self) -> list[tuple[str, str | None]]:
-        """The engine's `/v1` and the model name it answers to."""
-        return [(f"{self.base}/v1", await self.client.served_model())]
-
-    def agent_adapters(self) -> dict[str, str]:
-        """None: the embedded engine serves one set of weights."""
-        return {}
-
-    async def load(self, weights_dir: Path, version: int) -> None:
-        """`POST /reload`: the engine swaps weights between requests."""
-        await self.client.reload(str(weights_dir), version)
-
-    async def close(self) -> None:
-        """Close the connection pool."""
-        await self.client.close()
-
-
-class EmbeddedEngineProcess:
-    """An embedded engine serving `model_dir` as `name` in a child process (its log in `log`)."""
-
-    def __init__(self, model_dir: str, name: str, log: Path) -> None:
-        self.port = free_port()
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log, "ab")  # closed in stop()
-        args = [sys.executable, "-m", "services.engine", "--model", model_dir, "--port", str(self.port)]
-        args += ["--served-name", name, "--threads", "1"]
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    async def ready(self, timeout_s: float = 180.0) -> None:
-        """Wait until it answers `/v1/models` (RuntimeError naming its log if it exits first)."""
-        deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the engine for {self._log.name} exited with {self.proc.returncode}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{self.base}/v1/models")).status_code == 200:
-                        return
-                await asyncio.sleep(0.2)
-        raise RuntimeError(f"the engine logging to {self._log.name} did not start in {timeout_s:.0f}s")
-
-    def stop(self) -> None:
-        """Terminate the engine and wait for it."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self._log.close()
 
 
 class VllmEngine:
@@ -191,7 +124,7 @@ async def register_replicas(
             name=served_name if len(endpoints) == 1 else f"{served_name}-r{index}",
             base_url=base_url,
             served_model=served,
-            weights_version=None,  # the engine, or else the proxy's phase, stamps each call's version
+            weights_version=None,  # the proxy stamps each call with its phase's version (vLLM stamps none)
             adapters=adapters,
             # The engine's address is part of the key: a resumed run's engine may listen elsewhere,
             # and the same key would be taken for a repeat of the old registration.
@@ -201,9 +134,7 @@ async def register_replicas(
 
 
 async def connect_engine(config: TrainConfig, urls: ServiceUrls) -> ServingEngine:
-    """The engine `[engine] kind` names: the stack's embedded engine, or vLLM replicas (attached or started)."""
-    if config.engine.kind == "embedded":
-        return EmbeddedEngine(urls.engine_base)
+    """The policy's vLLM replicas: attached to (`[engine] urls`, else the embedded stack's) or started."""
     lora = config.backend.lora_rank > 0
     attached = list(config.engine.urls) or list(urls.engine_urls)  # given, or the embedded stack's
     return await start_vllm(

@@ -13,13 +13,14 @@ Only the positions that are asked for are computed (`select`): the sampled token
 logprobs the loss reads; prompt and observation positions get 0.
 
 What distribution. The engine reports each sampled token's logprob under the distribution it was
-drawn from (`services/engine/sampling.py`, vLLM's `processed_logprobs`): logits over the
-temperature (1 when greedy), then top-k, then top-p truncation, then `log_softmax`. The loss must
-recompute exactly that, per token (`TokenSampling`: one temperature, top_p and top_k per
-position, from each sample's recorded calls): on policy the ratio is then 1 for every token,
-whatever the sampling settings. Without the nucleus, a token's ratio is its nucleus mass (0.8 at
-top_p 0.8, at the clip edge). Tokens outside the recomputed nucleus (possible off policy) get a
-logprob of about -1e30: their ratio is 0 and the clip gives them no gradient.
+drawn from (vLLM's `processed_logprobs`, `vllm/v1/sample/sampler.py`, which
+`tests/reference_sampler.py` follows): logits over the temperature (1 when greedy), then top-k,
+then top-p truncation, then `log_softmax`. The loss must recompute exactly that, per token
+(`TokenSampling`: one temperature, top_p and top_k per position, from each sample's recorded
+calls): on policy the ratio is then 1 for every token, whatever the sampling settings. Without
+the nucleus, a token's ratio is its nucleus mass (0.8 at top_p 0.8, at the clip edge). Tokens
+outside the recomputed nucleus (possible off policy) get a logprob of about -1e30: their ratio is
+0 and the clip gives them no gradient.
 
 `returning_hidden` makes a model's forward return its last hidden states instead of logits (the
 output projection is applied here, by chunks); `computing_in_head` runs `head_logprobs` inside

@@ -201,8 +201,7 @@ class Trainer:
         """Make every engine replica serve the run's current weights and route the run's calls to them."""
         await engine.load(self.run_dir.weights(version).resolve(), version)
         model = self.config.model
-        vllm = self.config.engine.kind == "vllm"  # the embedded engine serves its tokenizer; vLLM does not
-        tokenizer = model.path if model.prompt_mode == "continuous" and vllm else None
+        tokenizer = model.path if model.prompt_mode == "continuous" else None  # vLLM serves no tokenizer
         reasoning = model.reasoning_parser
         await register_replicas(
             gateway, engine, self.run_id, model.served_name, tokenizer=tokenizer, reasoning_parser=reasoning

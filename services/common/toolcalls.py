@@ -1,7 +1,7 @@
 """Parsing generated text into an assistant message: Hermes-style tool calls and `<think>` reasoning.
 
-The embedded engine parses what its model generates with it, and the gateway parses what it gets
-back from a token-in completion (continuous prompt mode) with it, so both give the same message.
+The gateway parses what it gets back from a token-in completion (continuous prompt mode) with it,
+so the message is the one vLLM's Hermes tool parser and reasoning parser give for a chat call.
 
 A model following the chat template answers a tool call as
 

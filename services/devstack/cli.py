@@ -52,7 +52,7 @@ def up(
     pg_port: int = typer.Option(DEFAULT_PG_PORT, help="Postgres port (0 = any free port)."),
     external: bool = typer.Option(False, help="Use the servers at NATS_URL and DATABASE_URL instead."),
     services: str = typer.Option("all", help="Comma-separated services to start, 'all' or 'none'."),
-    engine: str = typer.Option("vllm", help="vllm (vLLM servers, one GPU each where GPUs are) or embedded."),
+    engine: str = typer.Option("vllm", help="The engine: vllm (vLLM servers, one GPU each where GPUs are)."),
     engine_model: str | None = typer.Option(
         None, help="The engine's model: a directory or, for vLLM, a hub id (default: the tiny model)."
     ),
@@ -66,8 +66,9 @@ def up(
     from services.common.vllm import VllmServeSettings
     from services.devstack.foreground import run_foreground
 
-    if engine not in ("embedded", "vllm"):
-        raise CliError(f"--engine {engine!r} is not allowed; choose one of: embedded, vllm", 2)
+    if engine != "vllm":
+        removed = "; Rollwire's own CPU engine was removed: vLLM serves on CPUs too" if engine == "embedded" else ""
+        raise CliError(f"--engine {engine!r} is not allowed; choose one of: vllm{removed}", 2)
     if replicas < 1:
         raise CliError("--replicas must be at least 1", 2)
     config = StackConfig(
@@ -76,7 +77,6 @@ def up(
         nats_port=nats_port,
         pg_port=pg_port,
         external=external,
-        engine_kind=engine,
         engine_model=Path(engine_model) if engine_model else None,
         vllm=VllmServeSettings(executable=vllm_executable, port=vllm_port),
         vllm_replicas=replicas,
@@ -117,7 +117,7 @@ def models_register(
         help="The key the endpoint requires (the proxy sends it; agents never see it).",
     ),
 ) -> None:
-    """Route proxy calls for NAME to an OpenAI-compatible endpoint (a vLLM server, the embedded engine)."""
+    """Route proxy calls for NAME to an OpenAI-compatible endpoint (a vLLM server, say)."""
     from services.devstack.stack import register_model
 
     register_model(gateway_url, admin_token, name, base_url, served_model=served_model, run_id=run_id, api_key=api_key)

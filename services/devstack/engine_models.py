@@ -127,12 +127,6 @@ def register_replicas(endpoints: Endpoints) -> None:
         )
 
 
-def register_embedded(endpoints: Endpoints) -> None:
-    """Register the embedded engine as the default model, so any run's proxy calls reach it."""
-    assert endpoints.gateway_url is not None and endpoints.engine_url is not None
-    register_model(endpoints.gateway_url, endpoints.admin_token, DEFAULT_MODEL_NAME, endpoints.engine_url)
-
-
 def tiny_model() -> Path:
     """The tiny default model's directory (built on first use)."""
     from services.common.tinymodel.build import ensure_tiny_model  # torch: only when the stack builds it
@@ -143,19 +137,10 @@ def tiny_model() -> Path:
 def tokenizer_args(config: StackConfig) -> list[str]:
     """The engine model's tokenizer, scoped to that model, so the projection (and the viewer) has call text.
 
-    Scoped by the name the engine answers with (its directory's name) and the registered name:
-    calls of any other model are not decoded with it.
+    Scoped by the name vLLM serves it as (the registered name): calls of any other model are not
+    decoded with it. A hub id (no local directory) gets none.
     """
     if "engine" not in config.services:
         return []
-    model = config.engine_model
-    if config.engine_kind == "vllm":
-        model = model if model is not None else tiny_model()
-        local = Path(model).is_dir()
-        return ["--tokenizer", f"{DEFAULT_MODEL_NAME}={model}"] if local else []
-    if model is None:
-        from services.common.tinymodel.build import tiny_model_dir  # torch: only with the engine
-
-        model = tiny_model_dir()
-    names = dict.fromkeys((Path(model).resolve().name, DEFAULT_MODEL_NAME))
-    return [arg for name in names for arg in ("--tokenizer", f"{name}={model}")]
+    model = config.engine_model if config.engine_model is not None else tiny_model()
+    return ["--tokenizer", f"{DEFAULT_MODEL_NAME}={model}"] if Path(model).is_dir() else []

@@ -45,13 +45,7 @@ from services.devstack.embedded import (
     port_in_use,
     reap_group,
 )
-from services.devstack.engine_models import (
-    register_embedded,
-    register_model,
-    register_replicas,
-    tokenizer_args,
-    vllm_replicas,
-)
+from services.devstack.engine_models import register_model, register_replicas, tokenizer_args, vllm_replicas
 from services.devstack.stack_config import (
     DEFAULT_GATEWAY_PORT,
     DEFAULT_MODEL_NAME,
@@ -136,7 +130,6 @@ class Stack:
         cfg = self.config
         ports = {
             "gateway": cfg.gateway_port or free_port(),
-            "engine": cfg.engine_port or free_port(),
             "projector": free_port(),
             "controller": free_port(),
         }
@@ -217,14 +210,10 @@ class Stack:
         return env
 
     def _engine_endpoints(self, endpoints: Endpoints, ports: dict[str, int]) -> None:
-        """The gateway's and the engine's URLs; the engine registered with the gateway as the default model."""
+        """The gateway's and the vLLM replicas' URLs; the replicas registered with the gateway as the default model."""
         if "gateway" in self.config.services:
             endpoints.gateway_url = f"http://127.0.0.1:{ports['gateway']}"
-        if "engine" in self.config.services and self.config.engine_kind == "embedded":
-            endpoints.engine_url = f"http://127.0.0.1:{ports['engine']}/v1"
-            if endpoints.gateway_url:
-                register_embedded(endpoints)
-        if self.config.engine_kind == "vllm" and "engine" in self.config.services:
+        if "engine" in self.config.services:
             endpoints.engine_urls = [f"http://{self.config.vllm.host}:{port}/v1" for port in self._vllm_ports]
             endpoints.engine_url, endpoints.engine_api_key = endpoints.engine_urls[0], self._engine_key
             if endpoints.gateway_url:
@@ -262,17 +251,7 @@ class Stack:
     def _service_specs(self, ports: dict[str, int]) -> list[ChildService]:
         """The services to start, in order, for the names in the config."""
         gateway = f"http://127.0.0.1:{ports['gateway']}"
-        engine = f"http://127.0.0.1:{ports['engine']}"
-        engine_args = ["--host", "127.0.0.1", "--port", str(ports["engine"]), "--served-name", DEFAULT_MODEL_NAME]
-        if self.config.engine_model:
-            engine_args += ["--model", str(self.config.engine_model)]
         known = {
-            "engine": ChildService(
-                "engine",
-                engine_args,
-                health_url=f"{engine}/health",
-                endpoint=f"engine: {engine}/v1",
-            ),
             "gateway": ChildService(
                 "gateway",
                 ["--host", "127.0.0.1", "--port", str(ports["gateway"])],
@@ -292,13 +271,11 @@ class Stack:
                 endpoint=f"controller: http://127.0.0.1:{ports['controller']}/metrics",
             ),
         }
-        # The projector before the gateway: the gateway's reads, and so its /healthz, depend on it.
-        order = ("engine", "projector", "gateway", "controller")
-        if self.config.engine_kind == "vllm":
-            del known["engine"]
-            replicas = self._vllm_children() if "engine" in self.config.services else []
-            return replicas + [known[name] for name in order if name in self.config.services and name in known]
-        return [known[name] for name in order if name in self.config.services]
+        # The engine's vLLM replicas first; the projector before the gateway: the gateway's reads, and
+        # so its /healthz, depend on it.
+        replicas = self._vllm_children() if "engine" in self.config.services else []
+        order = ("projector", "gateway", "controller")
+        return replicas + [known[name] for name in order if name in self.config.services]
 
     def _vllm_children(self) -> list[ChildService]:
         """The vLLM replicas' children (`engine_models`); their ports and key are kept for the endpoints."""

@@ -32,12 +32,10 @@ class StackConfig:
     nats_port: int = DEFAULT_NATS_PORT
     pg_port: int = DEFAULT_PG_PORT
     gateway_port: int = DEFAULT_GATEWAY_PORT
-    engine_port: int = 0
     external: bool = False
     services: tuple[str, ...] = ("engine", "gateway", "projector", "controller")
     engine_model: Path | None = None
     durable_postgres: bool = True
-    engine_kind: str = "vllm"  # `vllm_replicas` vLLM servers (services.common.vllm), or "embedded"
     vllm: VllmServeSettings = field(default_factory=VllmServeSettings)
     vllm_replicas: int = 1
     agent_isolation: str = "auto"

@@ -122,16 +122,29 @@ def test_up_refuses_a_busy_port(tmp_path: Path, flag: str) -> None:
     assert f"port {port}" in result.stderr and flag in result.stderr
 
 
+def test_up_refuses_the_removed_embedded_engine(tmp_path: Path) -> None:
+    """`--engine embedded` (Rollwire's own CPU engine, removed) is one readable line naming the choice."""
+    result = subprocess.run(
+        [*ROLLWIRE, "up", "--data-dir", str(tmp_path / "d"), "--engine", "embedded"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "--engine 'embedded' is not allowed; choose one of: vllm" in result.stderr and "removed" in result.stderr
+    assert not (tmp_path / "d").exists()  # refused before anything started
+
+
 def test_the_engine_tokenizer_is_scoped_to_the_engine_model(tmp_path: Path) -> None:
-    """Calls of other models are never decoded with the embedded engine's tokenizer."""
+    """Calls of other models are never decoded with the engine model's tokenizer: vLLM answers to the
+    served name only; a hub id (no local directory) gives the projector no tokenizer."""
     from services.devstack.engine_models import tokenizer_args
     from services.devstack.stack_config import StackConfig
 
     model = tmp_path / "tiny-chat"
-    embedded = StackConfig(data_dir=tmp_path, engine_model=model, engine_kind="embedded")
-    assert tokenizer_args(embedded) == ["--tokenizer", f"tiny-chat={model}", "--tokenizer", f"tiny={model}"]
-    model.mkdir()  # vLLM (the default) answers to the served name only
+    model.mkdir()
     assert tokenizer_args(StackConfig(data_dir=tmp_path, engine_model=model)) == ["--tokenizer", f"tiny={model}"]
+    assert tokenizer_args(StackConfig(data_dir=tmp_path, engine_model=Path("Qwen/Qwen3-0.6B"))) == []
     assert tokenizer_args(StackConfig(data_dir=tmp_path, services=("gateway",))) == []
 
 

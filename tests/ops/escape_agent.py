@@ -99,19 +99,23 @@ async def postgres() -> str:
 
 
 def engine() -> dict[str, str]:
+    """vLLM's own routes, straight, without the key: a weight reload (the route the trainer reloads
+    through, `services.common.vllm`) and a generation the gateway would not record."""
     base = task["engine_url"].removesuffix("/v1")
     out = {}
     try:
-        r = httpx.post(f"{base}/reload", json={"path": "/nonexistent", "weights_version": 99}, timeout=10)
-        # 2xx swapped the weights; a 4xx about the path means the route itself was open to us
-        open_route = r.status_code < 300 or (r.status_code in (400, 404, 422) and "path" in r.text.lower())
-        out["engine reload"] = f"ESCAPED {r.status_code}" if open_route else f"refused ({r.status_code})"
+        reload = {"method": "reload_weights", "kwargs": {"weights_path": "/nonexistent"}}
+        r = httpx.post(f"{base}/collective_rpc", json=reload, timeout=120)
+        # anything but a refusal of the caller (401/403) means the route itself was open to us
+        refused = r.status_code in (401, 403)
+        out["engine weights reload"] = f"refused ({r.status_code})" if refused else f"ESCAPED {r.status_code}"
     except httpx.HTTPError as exc:
-        out["engine reload"] = f"refused ({type(exc).__name__})"
+        out["engine weights reload"] = f"refused ({type(exc).__name__})"
     try:
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
-        out["engine unrecorded generation"] = f"ESCAPED {r.status_code}" if r.status_code < 300 else "refused"
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+        refused = r.status_code in (401, 403)
+        out["engine unrecorded generation"] = f"refused ({r.status_code})" if refused else f"ESCAPED {r.status_code}"
     except httpx.HTTPError as exc:
         out["engine unrecorded generation"] = f"refused ({type(exc).__name__})"
     return out

@@ -14,11 +14,15 @@ from typing import Any
 from ops_stack import Stack
 
 ROLLWIRE = [sys.executable, "-m", "services.devstack.cli"]
+CLI_TIMEOUT_S = 300
+"""One command's limit: a few seconds each, but a minute and more was seen on 2 cores shared with the
+stack's vLLM and other work."""
 
 
 def rollwire(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLWIRE_")}
-    return subprocess.run([*ROLLWIRE, *args], capture_output=True, text=True, timeout=60, env={**clean, **(env or {})})
+    env = {**clean, **(env or {})}
+    return subprocess.run([*ROLLWIRE, *args], capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env)
 
 
 def ok(*args: str, env: dict[str, str] | None = None) -> str:
@@ -89,7 +93,9 @@ def test_rollouts_attempts_reward_and_cancel(stack: Stack) -> None:
 def test_models_list_and_register(stack: Stack) -> None:
     d = ("--data-dir", str(stack.data_dir))
     models = as_json("models", "list", *d)["models"]
-    assert any(m["name"] == "tiny" and m["base_url"] == stack.endpoints["engine"] for m in models)
+    # The stack registers each vLLM replica as tiny-r<i>, serving the model `tiny` (the name agents ask for).
+    engine = stack.endpoints["engine"]
+    assert any(m["name"] == "tiny-r0" and m["served_model"] == "tiny" and m["base_url"] == engine for m in models)
     env = {"ROLLWIRE_GATEWAY_URL": stack.gateway, "ROLLWIRE_ADMIN_TOKEN": stack.token}
     assert "registered other" in ok(
         "models", "register", "other", "http://127.0.0.1:9/v1", "--run-id", "cli-m", env=env

@@ -4,58 +4,30 @@ The agent (`escape_agent.py`) is told the data dir and every server's address, t
 admin token, `endpoints.json` and the credentials file (by path and by walking up from its
 workspace), its environment, other processes' environments and root links under /proc, a
 forged reward of 1000 published straight onto NATS without and with guessed credentials, a
-Postgres login, and the engine's `/reload` and generation routes. Then it makes one proxy call
-and reports a reward of 0.5 through its token, as any agent does.
+Postgres login, and the engine's (vLLM's) weight-reload and generation routes. Then it makes one
+proxy call and reports a reward of 0.5 through its token, as any agent does.
 
 Measured on the tree before isolation (data dir readable, NATS and Postgres open, agents as the
-stack's user): admin token, endpoints.json, /proc (a service's environment), NATS without and
-with guessed credentials, Postgres and the engine's two routes ESCAPED: 8 of 10. Now 2: the
-engine's routes, because this stack runs Rollwire's own CPU engine (`--engine embedded`, for the
-ops tests' engine metrics), which has no key. vLLM, the default engine, requires the stack's key
-on every route but `GET /health`: `tests/vllm/test_vllm_real.py` shows those routes refused.
+stack's user, an engine without a key): admin token, endpoints.json, /proc (a service's
+environment), NATS without and with guessed credentials, Postgres and the engine's two routes
+ESCAPED: 8 of 10. Now none: the stack's vLLM requires the stack's key on every route but
+`GET /health`, and the agent never sees that key.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import pytest
-from ops_stack import Stack, running_stack
+from ops_stack import Stack
 
 AGENT = Path(__file__).with_name("escape_agent.py")
-ENGINE_ATTEMPTS = ("engine reload", "engine unrecorded generation")
-"""Closed by vLLM's key (the default engine), not by the local backend: reported, not asserted here."""
-
-
-class _OwnTemp:
-    """A `tmp_path_factory` stand-in outside pytest's base directory, which every pytest run of this
-    user resets to 0700: agents running as their own users must traverse the stack's directories."""
-
-    def __init__(self) -> None:
-        self.base = Path(tempfile.mkdtemp(prefix="rollwire-escape-"))
-
-    def mktemp(self, name: str) -> Path:
-        path = self.base / name
-        path.mkdir()
-        return path
-
-
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    """A `rollwire up` of this module's own (agent isolation `auto`, as a user gets it)."""
-    own = _OwnTemp()
-    try:
-        yield from running_stack(own)  # type: ignore[arg-type]
-    finally:
-        shutil.rmtree(own.base, ignore_errors=True)
+ATTEMPTS = 11
+"""What the agent reports: ten ways out and the legitimate path."""
 
 
 def _port(url: str) -> int:
@@ -73,7 +45,7 @@ def _report(stack: Stack, run_id: str) -> dict[str, str]:
     return json.loads(lines[-1])  # type: ignore[no-any-return]
 
 
-def _wait(stack: Stack, rid: str, timeout: float = 180) -> dict[str, Any]:
+def _wait(stack: Stack, rid: str, timeout: float = 600) -> dict[str, Any]:
     with stack.admin() as admin:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -85,6 +57,7 @@ def _wait(stack: Stack, rid: str, timeout: float = 180) -> dict[str, Any]:
 
 
 def test_a_hostile_local_agent_reaches_no_secret_and_no_server(stack: Stack) -> None:
+    """The stack the other ops tests share (agent isolation `auto`, the default engine, vLLM)."""
     run_id = "escape"
     task = {
         "data_dir": str(stack.data_dir),
@@ -93,7 +66,7 @@ def test_a_hostile_local_agent_reaches_no_secret_and_no_server(stack: Stack) -> 
         "engine_url": stack.endpoints["engine"],
     }
     with stack.admin() as admin:
-        spec = {"run_id": run_id, "command": [sys.executable, str(AGENT)], "timeout_s": 150, "max_attempts": 1}
+        spec = {"run_id": run_id, "command": [sys.executable, str(AGENT)], "timeout_s": 450, "max_attempts": 1}
         assert admin.post("/api/runs", json=spec).status_code in (200, 201)
         created = admin.post("/api/rollouts", json={"rollouts": [{"run_id": run_id, "input": task}]})
         assert created.status_code == 201, created.text
@@ -104,8 +77,10 @@ def test_a_hostile_local_agent_reaches_no_secret_and_no_server(stack: Stack) -> 
     assert rollout["state"] == "succeeded", (rollout, report)
     assert report["legit"].startswith("ok") and "reward 20" in report["legit"], report
     escaped = {name: what for name, what in report.items() if what.startswith("ESCAPED")}
-    assert set(escaped) <= set(ENGINE_ATTEMPTS), escaped
-    assert len(report) == 11, report  # every attempt ran
+    assert not escaped, escaped
+    assert len(report) == ATTEMPTS, report  # every attempt ran
+    for route in ("engine weights reload", "engine unrecorded generation"):  # vLLM's key, not a lost connection
+        assert report[route] == "refused (401)", report
     with stack.admin() as admin:
         rewards = admin.get(f"/api/rollouts/{rid}").json()
     assert "1000" not in json.dumps(rewards.get("rewards", rewards.get("reward", ""))), rewards

@@ -1,10 +1,12 @@
 """Every service's /metrics during a short `rollwire up` run: families, labels, and counters that move
 by exactly what the run did (agents that succeed and fail, proxy calls streamed and not, a call to a
-dead endpoint, a call held at the phase gate); and one JSON access line per request."""
+dead endpoint, a call held at the phase gate); and one JSON access line per request. The engine is
+vLLM: its own `vllm:*` families, scraped with the stack's engine key."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import time
@@ -37,15 +39,16 @@ FAMILIES: dict[str, dict[str, tuple[str, set[str]]]] = {
         "rollwire_gateway_idempotency_cache_bytes": ("gauge", set()),
         "process_cpu_seconds": ("counter", set()),
     },
-    "engine": {
-        "rollwire_http_requests": ("counter", {"service", "method", "route", "status"}),
-        "rollwire_engine_generated_tokens": ("counter", set()),
-        "rollwire_engine_prompt_tokens": ("counter", set()),
-        "rollwire_engine_batch_size": ("histogram", set()),
-        "rollwire_engine_step_seconds": ("histogram", set()),
-        "rollwire_engine_running_requests": ("gauge", set()),
-        "rollwire_engine_queued_requests": ("gauge", set()),
-        "rollwire_engine_weights_version": ("gauge", set()),
+    "engine": {  # vLLM's own (`vllm/v1/metrics/loggers.py`), one series per engine core and served model
+        "vllm:generation_tokens": ("counter", {"engine", "model_name"}),
+        "vllm:prompt_tokens": ("counter", {"engine", "model_name"}),
+        "vllm:request_success": ("counter", {"engine", "model_name", "finished_reason"}),
+        "vllm:num_requests_running": ("gauge", {"engine", "model_name"}),
+        "vllm:num_requests_waiting": ("gauge", {"engine", "model_name"}),
+        "vllm:iteration_tokens_total": ("histogram", {"engine", "model_name"}),
+        "vllm:e2e_request_latency_seconds": ("histogram", {"engine", "model_name"}),
+        "vllm:time_to_first_token_seconds": ("histogram", {"engine", "model_name"}),
+        "vllm:inter_token_latency_seconds": ("histogram", {"engine", "model_name"}),
     },
     "controller": {
         "rollwire_http_requests": ("counter", {"service", "method", "route", "status"}),
@@ -67,11 +70,11 @@ FAMILIES: dict[str, dict[str, tuple[str, set[str]]]] = {
 
 
 def scrape_all(stack: Stack) -> dict[str, Scrape]:
-    return {name: scrape(url) for name, url in stack.metrics_urls().items()}
+    return {name: stack.scrape(name) for name in stack.metrics_urls()}
 
 
 def wait_terminal(
-    admin: httpx.Client, rollout_ids: list[str], watch: Callable[[], None] = lambda: None, timeout: float = 90
+    admin: httpx.Client, rollout_ids: list[str], watch: Callable[[], None] = lambda: None, timeout: float = 400
 ) -> dict[str, dict[str, Any]]:
     deadline = time.monotonic() + timeout
     while True:
@@ -96,7 +99,7 @@ def manual_attempt(admin: httpx.Client, run_id: str) -> dict[str, Any]:
 def test_agents_succeeding_and_failing_move_the_controller_counters(stack: Stack) -> None:
     before = scrape_all(stack)
     with stack.admin() as admin:
-        spec = {"run_id": "ops-agents", "command": [sys.executable, str(AGENT)], "max_attempts": 2, "timeout_s": 60}
+        spec = {"run_id": "ops-agents", "command": [sys.executable, str(AGENT)], "max_attempts": 2, "timeout_s": 180}
         assert admin.post("/api/runs", json=spec).status_code in (200, 201)
         items = [{"run_id": "ops-agents", "input": {"fail": False}}, {"run_id": "ops-agents", "input": {"fail": True}}]
         created = admin.post("/api/rollouts", json={"rollouts": items})
@@ -135,6 +138,8 @@ def test_agents_succeeding_and_failing_move_the_controller_counters(stack: Stack
 
 
 def test_proxy_calls_a_failure_and_the_engine_counters(stack: Stack) -> None:
+    """Two calls through the proxy, one streamed, and one to a dead endpoint: the gateway's counters,
+    and vLLM's, which move by exactly the tokens the two calls' usage reports."""
     with stack.admin() as admin:
         attempt = manual_attempt(admin, "ops-proxy")
         broken_url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
@@ -142,7 +147,7 @@ def test_proxy_calls_a_failure_and_the_engine_counters(stack: Stack) -> None:
         assert registered.status_code == 201, registered.text
         broken = manual_attempt(admin, "ops-broken")
     before = scrape_all(stack)
-    client = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0)
+    client = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0, timeout=180)
     plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=5)
     chunks = list(
         client.chat.completions.create(
@@ -177,20 +182,32 @@ def test_proxy_calls_a_failure_and_the_engine_counters(stack: Stack) -> None:
     assert all(u is not None for u in usage)
     generated = sum(u.completion_tokens for u in usage if u is not None)
     prompt = sum(u.prompt_tokens for u in usage if u is not None)
-    assert moved(en, "rollwire_engine_generated_tokens_total") == generated
-    assert moved(en, "rollwire_engine_prompt_tokens_total") == prompt
-    assert moved(en, "rollwire_engine_batch_size_sum") == generated - 2  # the first token of each comes from prefill
-    assert after["engine"].value("rollwire_engine_running_requests") == 0
+    served = {"engine": "0", "model_name": "tiny"}
+    assert moved(en, "vllm:generation_tokens_total", **served) == generated
+    assert moved(en, "vllm:prompt_tokens_total", **served) == prompt
+    ended = sum(moved(en, "vllm:request_success_total", **served, finished_reason=r) for r in ("stop", "length"))
+    assert ended == 2
+    assert moved(en, "vllm:e2e_request_latency_seconds_count", **served) == 2
+    assert moved(en, "vllm:time_to_first_token_seconds_count", **served) == 2
+    # One engine step per generated token (the calls ran one after the other); the first token of each
+    # call comes from its prefill step, the others each after an inter-token gap.
+    assert moved(en, "vllm:iteration_tokens_total_count", **served) == generated
+    assert moved(en, "vllm:inter_token_latency_seconds_count", **served) == generated - 2
+    computed = moved(en, "vllm:request_prefill_kv_computed_tokens_sum", **served)  # the prompt, less cached blocks
+    assert 0 < computed <= prompt
+    assert moved(en, "vllm:iteration_tokens_total_sum", **served) == computed + generated
+    assert after["engine"].value("vllm:num_requests_running", **served) == 0
+    assert after["engine"].value("vllm:num_requests_waiting", **served) == 0
 
 
 def test_a_call_held_at_the_phase_gate_is_counted(stack: Stack) -> None:
     with stack.admin() as admin:
         attempt = manual_attempt(admin, "ops-phase")
-        before = scrape(stack.metrics_urls()["gateway"])
+        before = stack.scrape("gateway")
         key = {"Idempotency-Key": "ops-update"}
         closed = admin.post("/api/phase", json={"run_id": "ops-phase", "phase": "update"}, headers=key)
         assert closed.status_code == 200, closed.text
-        client = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0)
+        client = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0, timeout=180)
         answers: list[Any] = []
         call = threading.Thread(
             target=lambda: answers.append(
@@ -198,17 +215,17 @@ def test_a_call_held_at_the_phase_gate_is_counted(stack: Stack) -> None:
             )
         )
         call.start()
-        deadline = time.monotonic() + 20
-        while scrape(stack.metrics_urls()["gateway"]).value("rollwire_gateway_phase_held_calls") != 1:
+        deadline = time.monotonic() + 120
+        while stack.scrape("gateway").value("rollwire_gateway_phase_held_calls") != 1:
             assert time.monotonic() < deadline, "the held call never showed in rollwire_gateway_phase_held_calls"
             time.sleep(0.05)
         time.sleep(0.3)
         key = {"Idempotency-Key": "ops-rollout"}
         opened = admin.post("/api/phase", json={"run_id": "ops-phase", "phase": "rollout"}, headers=key)
         assert opened.status_code == 200, opened.text
-        call.join(30)
+        call.join(180)
     assert answers and answers[0].choices
-    after = scrape(stack.metrics_urls()["gateway"])
+    after = stack.scrape("gateway")
     assert after.value("rollwire_gateway_phase_held_calls") == 0
     assert after.value("rollwire_gateway_phase_holds_total") - before.value("rollwire_gateway_phase_holds_total") == 1
     hold = "rollwire_gateway_phase_hold_seconds_sum"
@@ -218,14 +235,17 @@ def test_a_call_held_at_the_phase_gate_is_counted(stack: Stack) -> None:
 
 
 def test_every_service_writes_json_access_lines(stack: Stack) -> None:
+    """Rollwire's services write JSON access lines; vLLM, the engine, its own (uvicorn's) lines."""
     with stack.admin() as admin:
         attempt = manual_attempt(admin, "ops-logs")
         assert admin.get(f"/api/rollouts/{attempt['rollout_id']}").status_code == 200
     for service in ("gateway", "engine", "projector", "controller"):
-        scrape(stack.metrics_urls()[service])  # at least one request each
+        stack.scrape(service)  # at least one request each
     time.sleep(0.3)
+    engine_log = (stack.data_dir / "logs" / "vllm-0.log").read_text(errors="replace")
+    assert re.search(r'"GET /metrics HTTP/1\.1" 200', engine_log), engine_log[-2000:]
     lines: dict[str, list[dict[str, Any]]] = {}
-    for service in ("gateway", "engine", "projector", "controller"):
+    for service in ("gateway", "projector", "controller"):
         for raw in (stack.data_dir / "logs" / f"{service}.log").read_text().splitlines():
             if raw.startswith("{") and '"latency_ms"' in raw:
                 record = json.loads(raw)
@@ -254,4 +274,4 @@ def test_every_family_is_exported_with_its_labels(stack: Stack) -> None:
             assert found == labels, (service, name, found)
     # Each service exports only its own families (the projector imports gateway modules, not its metrics).
     assert not any(n.startswith("rollwire_gateway_") for n in scrapes["projector"].types)
-    assert not any(n.startswith("rollwire_engine_") for n in scrapes["gateway"].types)
+    assert not any(n.startswith("vllm:") for n in scrapes["gateway"].types)

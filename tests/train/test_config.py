@@ -50,6 +50,7 @@ def test_defaults_and_round_trip() -> None:
         ({"run": {"mode": "fast"}}, "run.mode: Invalid enum value 'fast'; choose one of: sync, async"),
         ({"run": {"stepz": 3}}, "run.stepz: unknown key in [run]; the keys are: name, out_dir"),
         ({"backend": {"kind": "tpu"}}, "backend.kind: Invalid enum value 'tpu'; choose one of: cpu, verl"),
+        ({"engine": {"kind": "embedded"}}, "engine.kind: Invalid enum value 'embedded'; choose one of: vllm; Rollwire"),
         ({"backend": {"lora_rank": -1}}, "backend.lora_rank: must be >= 0"),
         ({"backend": {"lora_adapters": {"planner": "p"}}}, "backend.lora_adapters: needs backend.lora_rank > 0"),
         ({"backend": {"dtype": "fp8"}}, "backend.dtype: Invalid enum value 'fp8'; choose one of: float32, bfloat16"),

@@ -131,7 +131,7 @@ def test_two_quickstart_steps_update_every_parameter_and_serve_the_new_version(
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # builds the warm start when it runs alone
 def test_quickstart_on_the_verl_backend_updates_every_parameter(tmp_path: Path, model_cache: Path) -> None:
-    """`backend.kind = "verl"` on the embedded engine: two steps through verl's FSDP2 engine (CPU platform)."""
+    """`backend.kind = "verl"` on the embedded stack: two steps through verl's FSDP2 engine (CPU platform)."""
     pytest.importorskip("verl")
     model_dir = ensure_warm_model(model_cache, SMOKE_WARM_START)
     options = QuickstartOptions(

@@ -77,7 +77,7 @@ def test_verl_matches_the_cpu_backend(tmp_path: Path, norm: Norm, lora_rank: int
     verl_saved = verl.save_weights(tmp_path / "verl")
     from safetensors.torch import load_file
 
-    # LoRA: the adapter (what vLLM serves) and the merged model (what the embedded engine loads)
+    # LoRA: the adapter (what vLLM serves) and the merged model (plain weights, the adapter merged in)
     names = ["model.safetensors"] + (["adapters/default/adapter_model.safetensors"] if lora_rank else [])
     for name in names:
         expected, got = load_file(str(cpu_saved / name)), load_file(str(verl_saved / name))

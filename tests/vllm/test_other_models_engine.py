@@ -58,8 +58,7 @@ async def test_policies_and_frozen_models_are_served_by_vllm(
             assert (await asyncio.to_thread(httpx.get, url)).status_code == 401  # no key, no answer
             served = (await asyncio.to_thread(httpx.get, url, headers=auth)).json()["data"]
             assert [(m["id"], m["owned_by"]) for m in served] == [(name, "vllm")]
-        assert policy.engine is None and policy.vllm is not None, "no embedded engine was started"
-        await policy._load(policy.weights(0).resolve())  # the reload sequence through vLLM's routes
+        await policy.vllm.load(policy.weights(0).resolve(), policy.version)  # the reload sequence through vLLM's routes
     finally:
         await others.close()
         await client.close()

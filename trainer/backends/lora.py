@@ -11,8 +11,8 @@ adapter takes, and a step none of whose samples any adapter takes is an error
 
 Saved layout (what the engines serve): `<weights dir>/adapters/<name>/` holds
 `adapter_model.safetensors` and `adapter_config.json` (peft's format, which vLLM's
-`/v1/load_lora_adapter` reads). Engines that cannot apply adapters (the embedded engine) get the
-base model with the single adapter merged in, in `<weights dir>` itself.
+`/v1/load_lora_adapter` reads). Whatever loads plain weights (an engine without LoRA, an export)
+gets the base model with the single adapter merged in, in `<weights dir>` itself.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ verl's platform registry gets a `cpu` platform (`trainer.backends.verl_platform`
 gloo; the same FSDP2 code runs and matches the CPU backend to float32 rounding.
 
 Weights are exported as a Hugging Face safetensors directory (`model.safetensors`,
-`config.json`, tokenizer files) that the embedded engine and vLLM load; with LoRA, each adapter
-in peft's format (`trainer.backends.lora`), plus the merged model for engines without adapters.
+`config.json`, tokenizer files) that vLLM loads; with LoRA, each adapter in peft's format
+(`trainer.backends.lora`), plus the merged model for whatever loads plain weights.
 """
 
 from __future__ import annotations

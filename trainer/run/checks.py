@@ -51,12 +51,6 @@ def _check_backend_and_engine(config: TrainConfig) -> None:
     engine = config.engine
     need(engine.replicas >= 1, "engine.replicas", "must be at least 1")
     need(0.0 < engine.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization", "must be in (0, 1]")
-    need(engine.kind == "vllm" or not engine.urls, "engine.urls", 'attaches to vLLM servers: set engine.kind = "vllm"')
-    need(
-        engine.kind == "vllm" or len(set(backend.lora_adapters.values())) <= 1,
-        "backend.lora_adapters",
-        'several adapters are served by vLLM only: set engine.kind = "vllm"',
-    )
 
 
 def _check_run_and_agent(config: TrainConfig) -> None:

@@ -32,6 +32,12 @@ def _choices(kind: Any) -> tuple[str, ...] | None:
     return None
 
 
+REMOVED_ENGINE = (
+    'Rollwire\'s own CPU engine ("embedded") was removed: vLLM serves on CPUs too (`rollwire vllm install`); '
+    'set engine.kind = "vllm" or leave it out'
+)
+
+
 def _decode_error(exc: msgspec.ValidationError) -> ConfigError:
     """msgspec's `... - at $.algorithm.loss.clip_low` as `algorithm.loss.clip_low: ...`, naming allowed values."""
     text = str(exc)
@@ -51,6 +57,8 @@ def _decode_error(exc: msgspec.ValidationError) -> ConfigError:
         return ConfigError(f"{_join(section, missing.group(1))}: required but missing")
     allowed = _allowed_for(section)
     suffix = f"; choose one of: {', '.join(allowed)}" if allowed else ""
+    if section == "engine.kind" and "'embedded'" in message:
+        suffix += f"; {REMOVED_ENGINE}"
     return ConfigError(f"{section}: {message}{suffix}")
 
 

@@ -2,12 +2,11 @@
 
 A run may train several models (say two agent roles on two models). `[model]` is trained by the
 loop as always; every `[[policies]]` entry gets here its own backend (optimizer, weights), its own
-engine of the kind `[engine] kind` names (vLLM replicas in their own slot of ports and GPUs, see
-`trainer.engines.start_vllm`, or an embedded engine: `trainer.engines.EmbeddedEngineProcess`), its
-own weights versions under `<run>/policies/<name>/weights/vN`, and its own samples: the step's rollouts cut to its
-calls (`RolloutCalls.for_model`), the same rollout rewards, its own advantages and loss weights.
-It updates inside the same phase gate as `[model]`, so no call of the run runs while any model
-changes weights. `[[frozen]]` models are served (an engine of that kind on `path`, or a running
+vLLM replicas (in their own slot of ports and GPUs, see `trainer.engines.start_vllm`), its own
+weights versions under `<run>/policies/<name>/weights/vN`, and its own samples: the step's rollouts
+cut to its calls (`RolloutCalls.for_model`), the same rollout rewards, its own advantages and loss
+weights. It updates inside the same phase gate as `[model]`, so no call of the run runs while any
+model changes weights. `[[frozen]]` models are served (vLLM replicas on `path`, or a running
 `base_url`) and registered, never trained. The proxy routes each agent to its model through the run spec.
 """
 
@@ -25,14 +24,7 @@ from services.common.gateway_api import GatewayClient
 from trainer.backends.base import TrainingBackend, UpdateMetrics
 from trainer.backends.factory import build_backend
 from trainer.core import AdapterConfig, RolloutCalls, StepBatch, build_step
-from trainer.engines import (
-    EmbeddedEngine,
-    EmbeddedEngineProcess,
-    ServingEngine,
-    VllmEngine,
-    register_replicas,
-    start_vllm,
-)
+from trainer.engines import VllmEngine, register_replicas, start_vllm
 from trainer.run.sections import PolicySection, TrainConfig
 
 Row = dict[str, Any]
@@ -48,7 +40,6 @@ class TrainedPolicy:
         self.config = msgspec.structs.replace(config, model=model, policies=[], frozen=[])
         self.slot = slot
         self.backend: TrainingBackend | None = None
-        self.engine: EmbeddedEngineProcess | None = None
         self.vllm: VllmEngine | None = None
         self.version = 0
 
@@ -67,45 +58,26 @@ class TrainedPolicy:
             self.backend.save_weights(self.weights(0))
 
     async def serve(self, gateway: GatewayClient, run_id: str) -> None:
-        """Start its engine on its current weights and register it for the run under its name."""
+        """Start its vLLM replicas on its current weights and register them for the run under its name."""
         current = self.weights(self.version).resolve()
-        if self.config.engine.kind == "vllm":
-            self.vllm = await start_vllm(self.config, str(current), self.name, self.root / "vllm", slot=self.slot)
-            await register_replicas(gateway, self.vllm, run_id, self.name)
-            return
-        self.engine = EmbeddedEngineProcess(str(current), self.name, self.root / "engine.log")
-        await self.engine.ready()
-        engine = EmbeddedEngine(self.engine.base)
-        await engine.load(current, self.version)
-        await register_replicas(gateway, engine, run_id, self.name)
-        await engine.close()
-
-    async def _load(self, path: Path) -> None:
-        if self.vllm is not None:
-            await self.vllm.load(path, self.version)
-            return
-        assert self.engine is not None
-        engine: ServingEngine = EmbeddedEngine(self.engine.base)
-        await engine.load(path, self.version)
-        await engine.close()
+        self.vllm = await start_vllm(self.config, str(current), self.name, self.root / "vllm", slot=self.slot)
+        await register_replicas(gateway, self.vllm, run_id, self.name)
 
     async def update(self, batch: StepBatch) -> UpdateMetrics | None:
         """Train on its samples; save and serve a new version when the weights changed."""
-        assert self.backend is not None and (self.engine is not None or self.vllm is not None)
+        assert self.backend is not None and self.vllm is not None
         if not batch.samples:
             return None
         update = await asyncio.to_thread(self.backend.update, batch.samples)
         if update.optimizer_steps:
             self.version += 1
             path = await asyncio.to_thread(self.backend.save_weights, self.weights(self.version))
-            await self._load(path.resolve())
+            await self.vllm.load(path.resolve(), self.version)
             (self.root / "version.json").write_text(json.dumps({"version": self.version}))
         return update
 
     async def close(self) -> None:
-        """Stop its engine and release its backend."""
-        if self.engine is not None:
-            self.engine.stop()
+        """Stop its vLLM replicas and release its backend."""
         if self.vllm is not None:
             await self.vllm.close()
         if self.backend is not None:
@@ -119,7 +91,6 @@ class OtherModels:
         self.config = config
         self.adapter = adapter
         self.policies = [TrainedPolicy(config, p, root, slot=1 + i) for i, p in enumerate(config.policies)]
-        self.frozen_engines: list[EmbeddedEngineProcess] = []
         self.frozen_vllm: list[VllmEngine] = []
         self.root = root
         self.batches: dict[str, StepBatch] = {}
@@ -136,17 +107,12 @@ class OtherModels:
         for index, frozen in enumerate(self.config.frozen):
             if frozen.path is None:
                 base_url, served = str(frozen.base_url), frozen.served_model or frozen.name
-            elif self.config.engine.kind == "vllm":
+            else:
                 slot, log_dir = 1 + len(self.policies) + index, self.root / "frozen" / frozen.name
                 engine = await start_vllm(self.config, frozen.path, frozen.name, log_dir, slot=slot)
                 self.frozen_vllm.append(engine)
                 await register_replicas(gateway, engine, run_id, frozen.name)
                 continue
-            else:
-                process = EmbeddedEngineProcess(frozen.path, frozen.name, self.root / "frozen" / f"{frozen.name}.log")
-                self.frozen_engines.append(process)
-                await process.ready()
-                base_url, served = f"{process.base}/v1", frozen.name
             key = f"{run_id}-frozen-{frozen.name}-{hashlib.sha256(base_url.encode()).hexdigest()[:12]}"
             await gateway.register_model(
                 run_id, name=frozen.name, base_url=base_url, served_model=served, weights_version=None, key=key
@@ -186,7 +152,5 @@ class OtherModels:
         """Stop every engine this started and release the backends."""
         for policy in self.policies:
             await policy.close()
-        for process in self.frozen_engines:
-            process.stop()
         for engine in self.frozen_vllm:
             await engine.close()

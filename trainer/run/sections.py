@@ -12,7 +12,7 @@
     [backend]    kind ("cpu" | "verl"), threads, dtype, gradient_checkpointing, lora_rank, lora_alpha,
                  lora_target_modules, lora_adapters (agent role -> adapter name), pack_sequences,
                  logprob_chunk_tokens, gpus (the training ranks' GPUs), gpu_memory_gb
-    [engine]     kind ("vllm" | "embedded"); vllm: executable, urls (attach) or replicas (start), port,
+    [engine]     kind ("vllm", the only one), executable, urls (attach) or replicas (start), port,
                  dtype, gpu_memory_utilization, extra_args
     [algorithm]  lr, weight_decay, grad_clip, updates_per_step, micro_batch_tokens, loss_temperature
     [algorithm.adapter]  the adapter's switches (`trainer.core.AdapterConfig`)
@@ -93,8 +93,8 @@ class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     `prompt_mode`: `exact` (the engine renders each call's messages) or `continuous` (the proxy
     renders prompts itself and keeps the ids the model sampled, so a linear rollout is one sample).
-    In continuous mode the proxy reads the tokenizer and chat template from the embedded engine, or
-    from `path` when the engine is vLLM; `reasoning_parser` says the model opens its answers with a
+    In continuous mode the proxy reads the tokenizer and chat template from `path` (vLLM serves
+    none); `reasoning_parser` says the model opens its answers with a
     `<think>` block (vLLM's parser names: `qwen3`, `deepseek_r1`).
     """
 
@@ -138,15 +138,15 @@ class BackendSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """One GPU's memory: with `gpus`, the layout is checked against it (`trainer.layout`)."""
 
 
-EngineKind = Literal["embedded", "vllm"]
+EngineKind = Literal["vllm"]
 
 
 class EngineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`[engine]`: what serves the policy. `vllm` (the default) attaches to running vLLM servers
-    (`urls`; their key in $ROLLWIRE_ENGINE_KEY), to the embedded stack's (`stack.embedded`), or
-    starts `replicas` of them from `executable` (vLLM's Python; "" = `rollwire vllm install`'s) on
-    ports from `port`, one GPU each. `embedded` is Rollwire's own CPU engine. Every replica is
-    registered with the gateway and reloaded inside the phase gate (`services.common.vllm`).
+    """`[engine]`: what serves the policy: vLLM (`kind = "vllm"`, the only kind). It attaches to
+    running vLLM servers (`urls`; their key in $ROLLWIRE_ENGINE_KEY), to the embedded stack's
+    (`stack.embedded`), or starts `replicas` of them from `executable` (vLLM's Python; "" =
+    `rollwire vllm install`'s) on ports from `port`, one GPU each. Every replica is registered with
+    the gateway and reloaded inside the phase gate (`services.common.vllm`).
     """
 
     kind: EngineKind = "vllm"
@@ -177,8 +177,8 @@ class AlgorithmSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     `updates_per_step` optimizer steps are taken on each batch (the first is on-policy, later ones
     are clipped); `micro_batch_tokens` bounds one forward pass (gradients accumulate exactly);
-    `loss_temperature` must match how the engine reports logprobs (raw, i.e. 1.0, for the
-    embedded engine and vLLM's default).
+    `loss_temperature` must match how the engine reports logprobs (raw, i.e. 1.0, for vLLM's
+    default).
     """
 
     lr: float = 1e-3
@@ -248,7 +248,7 @@ class PolicySection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 class FrozenSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`[[frozen]]`: a model served for context only: weights at `path` (an embedded engine) or a
+    """`[[frozen]]`: a model served for context only: weights at `path` (served by vLLM) or a
     running OpenAI-compatible endpoint at `base_url` (`served_model` names its model there)."""
 
     name: str

@@ -16,8 +16,8 @@ The earlier calls come from the gateway's call cache (`CallChains`). An attempt 
 (another gateway replica served it, this one restarted), or one where the conversation shows an
 assistant turn later than any cached call answered, is read from the event stream instead, so the
 lookup does not depend on which replica served the earlier calls. The tokenizer and template
-come from the model's registration (`tokenizer`: a model directory) or, once, from the engine's
-`GET /v1/tokenizer`.
+come from the model's registration (`tokenizer`: a model directory on the gateway's host; vLLM
+serves neither).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from services.gateway.context import Gateway
     from services.gateway.state import ModelEntry
 
-_decode = msgspec.json.Decoder(dict[str, Any]).decode
 _encode = msgspec.json.Encoder().encode
 
 
@@ -129,8 +128,8 @@ class Continuity:
         self._renderers: dict[tuple[str, str | None, int], ChatRenderer] = {}
         self._lock = asyncio.Lock()
 
-    async def renderer(self, gw: Gateway, model: ModelEntry) -> ChatRenderer:
-        """The model's renderer: from its registered directory, or fetched once from the engine."""
+    async def renderer(self, model: ModelEntry) -> ChatRenderer:
+        """The model's renderer, from its registered tokenizer directory (loaded once)."""
         key = (model.base_url, model.tokenizer, model.seq)
         found = self._renderers.get(key)
         if found is not None:
@@ -138,23 +137,19 @@ class Continuity:
         async with self._lock:
             found = self._renderers.get(key)
             if found is None:
-                found = self._renderers[key] = await self._load(gw, model)
+                found = self._renderers[key] = await self._load(model)
             return found
 
-    async def _load(self, gw: Gateway, model: ModelEntry) -> ChatRenderer:
+    async def _load(self, model: ModelEntry) -> ChatRenderer:
         try:
-            if model.tokenizer:
-                return await asyncio.to_thread(ChatRenderer.from_dir, model.tokenizer)
-            response = await gw.upstream.request("GET", f"{model.base_url}/tokenizer", b"", {})
-            content = await response.read()
-            if response.status != 200:
-                raise RenderError(f"GET {model.base_url}/tokenizer answered {response.status}")
-            return await asyncio.to_thread(ChatRenderer.from_files, _decode(content))
-        except Exception as exc:  # a missing file, bad JSON, a template Jinja cannot compile, a refused GET
+            if not model.tokenizer:
+                raise RenderError("it was registered without `tokenizer`")
+            return await asyncio.to_thread(ChatRenderer.from_dir, model.tokenizer)
+        except Exception as exc:  # no directory, a missing file, bad JSON, a template Jinja cannot compile
             raise ProxyRefusal(
                 502,
                 f"continuous prompt mode needs model {model.name}'s tokenizer and chat template: {exc}; "
-                "register the model with `tokenizer` (its directory) or serve them at GET <base_url>/tokenizer",
+                "register the model with `tokenizer` (its directory, holding tokenizer.json and the chat template)",
                 kind="upstream_error",
             ) from None
 
@@ -182,7 +177,7 @@ class Continuity:
 
     async def prepare(self, gw: Gateway, call: Call) -> None:
         """Turn a chat call into a token-in completion call with its planned prompt."""
-        renderer = await self.renderer(gw, call.model)
+        renderer = await self.renderer(call.model)
         key = (call.view.run_id, call.view.rollout_id, call.attempt_id)
         earlier, fresh_read = await self.earlier(gw, key)
         try:

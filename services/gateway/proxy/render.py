@@ -167,16 +167,6 @@ class ChatRenderer:
         eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
         return cls((root / "tokenizer.json").read_text(encoding="utf-8"), config, template, eos_ids)
 
-    @classmethod
-    def from_files(cls, files: dict[str, Any]) -> ChatRenderer:
-        """The engine's `GET /v1/tokenizer` answer."""
-        return cls(
-            str(files["tokenizer_json"]),
-            dict(files.get("tokenizer_config") or {}),
-            str(files["chat_template"]),
-            list(files.get("eos_token_ids") or []),
-        )
-
     def text(self, messages: list[dict[str, Any]], tools: Any, generation_prompt: bool, kwargs: dict[str, Any]) -> str:
         """The template's text for template-ready messages (RenderError when the template refuses them)."""
         try:

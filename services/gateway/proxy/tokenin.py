@@ -2,7 +2,7 @@
 
 In continuous prompt mode the proxy builds the prompt ids itself (`services.gateway.proxy.continuity`)
 and posts them to the engine's `/completions` (vLLM's `CompletionRequest` with a token-id
-`prompt` and `return_token_ids`; the embedded engine speaks the same). This module writes that
+`prompt` and `return_token_ids`). This module writes that
 body from the chat body the front end built, and reads the answer back into the chat-completions
 shape the rest of the pipeline (recording, the front ends' translators) already handles:
 `prompt_token_ids`, per-choice `token_ids`, `logprobs.content[].logprob`, and a message parsed
