@@ -3,9 +3,9 @@
     python bench/bench_continuity.py                 # 16 rollouts of the 6-turn harness, cost at 5/20/60 turns
     python bench/bench_continuity.py --rollouts 32 --turns 5 20 60 120
 
-Part 1 runs the 6-turn Qwen3-style tool harness of `tests/gateway/test_continuity.py` (a real
+Part 1 runs the 6-turn Qwen3-style tool harness of `tests/services/gateway/test_continuity.py` (a real
 gateway on an embedded nats-server, the official `openai` client, and the template-rendering fake
-vLLM of `tests/gateway/template_vllm.py`, whose template drops earlier turns' reasoning and
+vLLM of `tests/services/gateway/template_vllm.py`, whose template drops earlier turns' reasoning and
 re-serialises tool-call JSON) through one run per prompt mode, then merges each rollout's
 recorded calls with the trainer's exact merge. Printed per mode: samples per rollout, the share
 of rollouts that are one sample, and training tokens per rollout (the tokens of its samples: a
@@ -33,7 +33,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "gateway"))
+sys.path.insert(0, str(ROOT / "tests" / "services" / "gateway"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from continuity_rig import recorded, scripted_engine, start, tool_loop  # noqa: E402

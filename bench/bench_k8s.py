@@ -1,4 +1,4 @@
-"""Kubernetes backend figures against the fake API server (tests/k8s/fake_apiserver.py, real HTTP).
+"""Kubernetes backend figures against the fake API server (tests/services/controller/k8s/fake_apiserver.py, real HTTP).
 
     python bench/bench_k8s.py [--jobs 1000] [--rate 50] [--samples 200] [--threads 8]
 
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "k8s"))
+sys.path.insert(0, str(REPO / "tests" / "services" / "controller" / "k8s"))
 
 from fake_apiserver import FakeApiServer  # noqa: E402
 

@@ -5,7 +5,7 @@
     python bench/bench_proxy.py --setup-agl     # create the Agent Lightning 1.0.2 venv first
 
 Everything runs on this machine: an embedded nats-server, the fake upstream
-(`tests/gateway/fake_vllm.py`, one process), Rollwire's gateway (`python -m services.gateway`,
+(`tests/services/gateway/fake_vllm.py`, one process), Rollwire's gateway (`python -m services.gateway`,
 one process) and, when a Python >= 3.12 venv with `agentlightning==1.0.2` exists, its
 `agl-server` on the same upstream (rollouts pre-created, deleted between rounds). The load
 generator is a minimal keep-alive HTTP/1.1 client on asyncio, so the client costs little.
@@ -35,7 +35,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "gateway"))
+sys.path.insert(0, str(ROOT / "tests" / "services" / "gateway"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from agl_env import agl_python, setup  # noqa: E402
@@ -57,7 +57,7 @@ class Stack:
         self.nats = NatsServer(tmp / "nats").start()
         self.fake_port = free_port()
         self.fake = self._spawn(
-            [sys.executable, str(ROOT / "tests/gateway/fake_vllm.py"), "--port", str(self.fake_port)]
+            [sys.executable, str(ROOT / "tests/services/gateway/fake_vllm.py"), "--port", str(self.fake_port)]
         )
         wait_http(f"http://127.0.0.1:{self.fake_port}/v1/models", self.fake)
         self.gw_port = free_port()

@@ -10,7 +10,7 @@ ids, packed), read back for the adapter and merged, two ways:
 - `rollout_history` (what the trainer's `replay_group` reads): calls as `CallRecord`s, bodies
   skipped, packed arrays and references left for the adapter, which reads them into arrays.
 
-Both give the same samples (tests/tools/test_compact_calls.py). Measured on 2 shared cores, 8
+Both give the same samples (tests/services/tools/test_compact_calls.py). Measured on 2 shared cores, 8
 rollouts of 120 calls ending at 67k tokens (68,483 in the last sample), best of 3: read_rollout
 2.03 s, rollout_history 0.54 s (3.8x).
 """

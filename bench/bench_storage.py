@@ -45,7 +45,7 @@ import openai
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "gateway"))
+sys.path.insert(0, str(ROOT / "tests" / "services" / "gateway"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from gw_harness import ADMIN, Served, gateway_settings  # noqa: E402
