@@ -18,6 +18,8 @@ import pytest
 from example_run import EXAMPLES, example_config, run_one_step
 
 from examples.realmodel.build import build
+from examples.realmodel.plot import main as plot_runs
+from examples.realmodel.plot import series
 from examples.realmodel.reward import score
 from services.common.toolcalls import parse_tool_calls
 from services.common.vllm_install import vllm_python
@@ -77,6 +79,15 @@ def test_conversion_writes_a_plain_llama_directory_with_a_tool_template(real_mod
     ]
     # continuity: the first call's prompt is a prefix of the later one's (the proxy extends the sample)
     assert text.startswith(renderer.text(first, [tool], True, {}))
+
+
+def test_the_plot_puts_runs_side_by_side_against_minutes(tmp_path: Path) -> None:
+    run = tmp_path / "metrics.csv"
+    run.write_text("step,reward_mean,val/reward,elapsed_s\n0,,0.25,\n1,0.3,,120\n2,0.4,0.5,240\n")
+    assert series(run, "val/reward") == ([0.0, 4.0], [0.25, 0.5])  # step 0 is minute 0
+    assert series(run, "reward_mean") == ([2.0, 4.0], [0.3, 0.4])
+    plot_runs([f"{run}:full", f"{run}:LoRA", "--out", str(tmp_path / "curve.png")])
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_reward_rule_by_hand() -> None:
