@@ -52,3 +52,26 @@ def test_kubernetes_keeps_credentials_in_secrets_each_mounted_by_its_service() -
         nats = [item for item in items if item.startswith("NATS_URL=")]
         assert nats == [next(i for i in nats if i.startswith(f"NATS_URL=nats://{name}:"))], name
         assert any(i.startswith("DATABASE_URL=") for i in items) == (name == "projector"), name
+
+
+def test_prometheus_in_kubernetes_scrapes_vllm_with_the_key_the_engine_requires() -> None:
+    """vLLM answers /metrics only with its key: the engine's scrape job sends the secret's key, the
+    pod-annotation job never reaches the engine (it would be refused), and the port is vLLM's."""
+    manifest = yaml.safe_load((ROOT / "infra/k8s/prometheus-scrape.yaml").read_text())
+    jobs = {job["job_name"]: job for job in yaml.safe_load(manifest["data"]["rollwire-scrape.yml"])["scrape_configs"]}
+    engine_job = jobs["rollwire-engine"]
+    keep = engine_job["relabel_configs"][0]
+    assert keep["source_labels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_component"]
+    assert (keep["action"], keep["regex"]) == ("keep", "engine")
+    key_path = engine_job["authorization"]["credentials_file"]
+    secret, key = key_path.split("/")[-2:]
+    engine = next(
+        d for d in yaml.safe_load_all((ROOT / "infra/k8s/engine.yaml").read_text()) if d and d["kind"] == "Deployment"
+    )
+    pod = engine["spec"]["template"]
+    vllm = pod["spec"]["containers"][0]
+    refs = [env["valueFrom"]["secretKeyRef"] for env in vllm.get("env", []) if "valueFrom" in env]
+    assert {"name": secret, "key": key} in refs
+    port = vllm["args"][vllm["args"].index("--port") + 1]
+    assert engine_job["relabel_configs"][1]["replacement"] == f"$1:{port}"
+    assert "prometheus.io/scrape" not in pod["metadata"].get("annotations", {})  # the keyless job skips it
