@@ -278,12 +278,8 @@ async def front_ends(
 ) -> dict[str, Any]:
     """Each front end in each prompt mode: 32 in flight (calls/s, proxy CPU per call) and 1 in flight (p50)."""
     modes = {"exact": RUN}
-    tokenizer = continuous_tokenizer()
-    if tokenizer is not None:
-        stack.start_run(f"{RUN}-continuous", args.budget, "continuous", tokenizer)
-        modes["continuous"] = f"{RUN}-continuous"
-    else:
-        print("continuous prompt mode: skipped (no tokenizer directory; set ROLLWIRE_BENCH_TOKENIZER)")
+    stack.start_run(f"{RUN}-continuous", args.budget, "continuous", continuous_tokenizer())
+    modes["continuous"] = f"{RUN}-continuous"
     cases: dict[str, Any] = {}
     print("front ends and prompt modes (proxy vs direct; direct is the same chat request):")
     for mode, run_id in modes.items():
@@ -311,15 +307,16 @@ async def front_ends(
     return cases
 
 
-def continuous_tokenizer() -> str | None:
+def continuous_tokenizer() -> str:
     """A model directory with a tokenizer and chat template for continuous mode: ROLLWIRE_BENCH_TOKENIZER,
-    else the tests' cached tiny model."""
+    else the default tiny model (built on first use, the one `rollwire up` serves), so the mode is
+    always measured."""
     explicit = os.environ.get("ROLLWIRE_BENCH_TOKENIZER")
     if explicit:
         return explicit
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rollwire" / "test-models"
-    found = sorted(cache.glob("tiny-qwen2-h128-seed*/tokenizer_config.json")) if cache.is_dir() else []
-    return str(found[0].parent) if found else None
+    from services.common.tinymodel.build import ensure_tiny_model
+
+    return str(ensure_tiny_model())
 
 
 async def streaming(direct: Target, rollwire: Target, scale: float) -> dict[str, float]:
