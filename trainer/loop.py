@@ -64,7 +64,7 @@ from trainer.run.other_models import OtherModels
 from trainer.run.sections import TrainConfig
 from trainer.run.spec import run_spec
 from trainer.step_row import step_row
-from trainer.validation import VAL_REWARD, ValidationPass
+from trainer.validation import VAL_REWARD, ValidationPass, first_and_last_pass
 
 Row = dict[str, Any]
 
@@ -191,10 +191,10 @@ class Trainer:
             return
         keys = ("reward_mean", VAL_REWARD)
         curve = plot_curves(self.metrics, self.run_dir.reward_curve, keys, title=self.run_id)
-        steps, held = self.metrics.series(VAL_REWARD)
         line = f"reward curve: {curve}"
-        if len(held) >= 2:
-            line += f"; held-out reward {held[0]:.3f} (step {steps[0]}) -> {held[-1]:.3f} (step {steps[-1]})"
+        if (passes := first_and_last_pass(self.metrics)) is not None:
+            (first, before), (last, after) = passes
+            line += f"; held-out reward {before:.3f} (step {first}) -> {after:.3f} (step {last})"
         self.say(line)
 
     async def _serve(self, engine: ServingEngine, gateway: GatewayClient, version: int) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import Event, RewardReported, RolloutStatusChanged
 from services.common.eventstore import EventStore
@@ -24,7 +24,19 @@ from trainer.dataset import load_jsonl
 from trainer.rollouts import StatusWatch
 from trainer.run.sections import ValidationSection
 
+if TYPE_CHECKING:
+    from trainer.metrics import MetricsLog
+
 VAL_REWARD = "val/reward"
+Pass = tuple[int, float]
+
+
+def first_and_last_pass(log: MetricsLog) -> tuple[Pass, Pass] | None:
+    """The (step, held-out reward) of the run's first and last validation passes, if two or more ran."""
+    steps, held = log.series(VAL_REWARD)
+    if len(held) < 2:
+        return None
+    return (steps[0], held[0]), (steps[-1], held[-1])
 
 
 def val_reward(events: Sequence[Event], adapter: AdapterConfig) -> float | None:

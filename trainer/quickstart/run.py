@@ -40,7 +40,7 @@ from trainer.quickstart.forkserver import DEFAULT_MODULE, launcher_command
 from trainer.quickstart.task import make_tasks, write_tasks_jsonl
 from trainer.run.load import config_from_mapping
 from trainer.run.sections import TrainConfig
-from trainer.validation import VAL_REWARD
+from trainer.validation import VAL_REWARD, first_and_last_pass
 
 DATASET_SIZE = 512
 HELDOUT_TASKS = 64  # drawn with another seed; each runs twice, sampled as in training, before step 1 and after the last
@@ -197,11 +197,11 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[float | None, float | None]:
 
 
 def heldout_before_after(log: MetricsLog) -> tuple[float, float] | None:
-    """The held-out reward on the starting weights and after the last step (`val/reward`), if both ran."""
-    steps, held = log.series(VAL_REWARD)
-    if len(held) < 2 or steps[0] != 0:
+    """The held-out reward on the starting weights (step 0) and after the last step, if both ran."""
+    passes = first_and_last_pass(log)
+    if passes is None or passes[0][0] != 0:
         return None
-    return held[0], held[-1]
+    return passes[0][1], passes[1][1]
 
 
 def write_datasets(options: QuickstartOptions, run_dir: Path) -> tuple[Path, Path | None]:
@@ -212,7 +212,7 @@ def write_datasets(options: QuickstartOptions, run_dir: Path) -> tuple[Path, Pat
     if not options.heldout_tasks:
         return dataset, None
     heldout = run_dir / "heldout.jsonl"
-    heldout.write_bytes(write_tasks_jsonl(make_tasks(options.heldout_tasks, seed=options.seed + 1, prefix="h")))
+    heldout.write_bytes(write_tasks_jsonl(make_tasks(options.heldout_tasks, seed=options.seed + 1)))
     return dataset, heldout
 
 

@@ -61,11 +61,10 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     value: str
 
 
-def make_tasks(count: int, seed: int, prefix: str = "t") -> list[Task]:
-    """`count` tasks with keys and values drawn from `random.Random(seed)` (the same every time);
-    ids are `{prefix}{seed}-{i}`, so held-out tasks (another prefix) never share an id with training ones."""
+def make_tasks(count: int, seed: int) -> list[Task]:
+    """`count` tasks with keys and values drawn from `random.Random(seed)` (the same every time)."""
     rng = random.Random(seed)
-    return [Task(task_id=f"{prefix}{seed}-{i}", key=rng.choice(KEYS), value=rng.choice(VALUES)) for i in range(count)]
+    return [Task(task_id=f"t{seed}-{i}", key=rng.choice(KEYS), value=rng.choice(VALUES)) for i in range(count)]
 
 
 def question(task: Task) -> str:

@@ -2,15 +2,21 @@
 
 The training reward's first steps already include the first updates' effect (one update can double
 the rate of tool use), so the quickstart measures its gain on held-out tasks instead: drawn with
-another seed and ids of their own, run in `val` mode before step 1 and after the last step."""
+another seed, run in `val` mode before step 1 and after the last step."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from trainer.dataset import load_jsonl
 from trainer.metrics import MetricsLog
-from trainer.quickstart.run import HELDOUT_ROLLOUTS, QuickstartOptions, heldout_before_after, quickstart_config
-from trainer.quickstart.task import make_tasks
+from trainer.quickstart.run import (
+    HELDOUT_ROLLOUTS,
+    QuickstartOptions,
+    heldout_before_after,
+    quickstart_config,
+    write_datasets,
+)
 
 
 def test_the_config_runs_the_heldout_pass_at_the_start_and_after_the_last_step(tmp_path: Path) -> None:
@@ -24,12 +30,16 @@ def test_the_config_runs_the_heldout_pass_at_the_start_and_after_the_last_step(t
     assert quickstart_config(options, "q", tmp_path, tmp_path / "tasks.jsonl", ["agent"]).validation is None
 
 
-def test_heldout_tasks_never_share_an_id_with_training_tasks() -> None:
-    training = {task.task_id for task in make_tasks(512, seed=0)}
-    heldout = make_tasks(64, seed=1, prefix="h")
-    assert len({task.task_id for task in heldout}) == 64
-    assert not training & {task.task_id for task in heldout}
-    assert make_tasks(64, seed=1, prefix="h") == heldout  # the same every run
+def test_the_run_writes_heldout_tasks_that_are_not_training_tasks(tmp_path: Path) -> None:
+    dataset, heldout = write_datasets(QuickstartOptions(seed=3, heldout_tasks=64), tmp_path / "run")
+    assert heldout is not None
+    training = {(task["task_id"], task["key"], task["value"]) for task in load_jsonl(dataset)}
+    held = [(task["task_id"], task["key"], task["value"]) for task in load_jsonl(heldout)]
+    assert len(held) == 64 and not training & set(held)  # drawn with their own seed, never trained on
+    assert write_datasets(QuickstartOptions(seed=3, heldout_tasks=64), tmp_path / "again")[1].read_bytes() == (
+        heldout.read_bytes()
+    )  # the same every run of that seed
+    assert write_datasets(QuickstartOptions(heldout_tasks=0), tmp_path / "none")[1] is None
 
 
 def test_before_and_after_are_the_first_and_last_heldout_passes(tmp_path: Path) -> None:
