@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 import msgspec
 import nats
@@ -117,6 +117,7 @@ class EventStore:
                 f"no NATS server answers at {url}: start one with `rollwire up` or point NATS_URL at a running server"
             )
         holder: list[NATS] = []
+        on_drop: list[Callable[[], None]] = []
         try:
             nc = await asyncio.wait_for(
                 nats.connect(
@@ -125,7 +126,7 @@ class EventStore:
                     connect_timeout=timeout,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
-                    **connection_options(holder, name, reconnect_buffer),
+                    **connection_options(holder, name, reconnect_buffer, on_drop),
                 ),
                 timeout * 3,
             )
@@ -133,6 +134,7 @@ class EventStore:
             raise EventStoreUnavailable(f"could not connect to NATS at {url}: {exc}") from None
         holder.append(nc)
         store = cls(nc, stream, url=url)
+        on_drop.append(store._connection_dropped)
         if ensure:
             try:
                 await store.ensure_stream(replicas=replicas, duplicate_window_s=duplicate_window_s)
@@ -274,6 +276,10 @@ class EventStore:
         if results:
             self.refusing = None
         return results
+
+    def _connection_dropped(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.connection_dropped()
 
     @property
     def _acks(self) -> PipelinedAcks:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -39,9 +39,12 @@ async def probe(url: str, timeout: float) -> bool:
     return False
 
 
-def connection_options(holder: list[NATS], name: str, buffered: bool) -> dict[str, Any]:
+def connection_options(
+    holder: list[NATS], name: str, buffered: bool, on_drop: Sequence[Callable[[], None]] = ()
+) -> dict[str, Any]:
     """nats-py's connection callbacks: one log line per outage and one on recovery, and with
-    `buffered=False` no reconnect buffer (see `EventStore.connect`); `holder` gets the client.
+    `buffered=False` no reconnect buffer (see `EventStore.connect`); `holder` gets the client, and
+    each of `on_drop` (a list the caller may fill after connecting) runs when the connection drops.
 
     nats-py's default error callback logs a traceback for every failed reconnect attempt (two a
     second with our reconnect wait): an outage is logged once by `Outage` instead."""
@@ -58,6 +61,8 @@ def connection_options(holder: list[NATS], name: str, buffered: bool) -> dict[st
             # queued but not written (nats-py keeps it in `_pending`): that is dropped here.
             holder[0]._pending = []
             holder[0]._pending_data_size = 0
+        for dropped in on_drop:
+            dropped()
         outage.failed(ConnectionError("the connection dropped"), "reconnecting")
 
     async def on_reconnect() -> None:
@@ -171,6 +176,15 @@ class PipelinedAcks:
         finally:
             self.forget([token], [future])
         return seq
+
+    def connection_dropped(self) -> None:
+        """Fail every publish still waiting for its ack, as a timeout would (it may or may not be
+        stored): the ack went with the connection, and waiting out the timeout only held the callers,
+        so a caller in flight when NATS died was answered seconds after the outage began."""
+        waiting, self.waiting = self.waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(TimeoutError("the NATS connection dropped before the ack"))
 
     def forget(self, tokens: list[str], futures: Sequence[asyncio.Future[Ack]] = ()) -> None:
         """Stop waiting for these (answered or abandoned); the abandoned futures' errors are dropped."""

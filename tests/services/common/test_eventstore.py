@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from msgspec import UNSET
 from schemas import CustomEvent, ModelRequestRecorded, RewardReported, RolloutCreated, RolloutStatusChanged
 from schemas.refs import pack, upcast
 from services.common.eventstore import ConcurrencyConflict, EventStore, EventStoreUnavailable, raise_if_cancelling
+from services.devstack.embedded import NatsServer
 
 
 async def test_append_then_read_in_order(store: EventStore, run_id: str) -> None:
@@ -166,3 +168,23 @@ async def test_a_cancellation_a_timeout_swallowed_still_stops_a_retry_loop() -> 
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 5)
+
+
+async def test_a_publish_waiting_for_its_ack_fails_at_once_when_nats_dies(fresh_nats: NatsServer) -> None:
+    """The ack of a publish in flight goes with the connection: its caller is answered as by a timeout
+    (it may or may not be stored) when the connection drops, not after the whole ack timeout."""
+    store = await EventStore.connect(fresh_nats.url, ensure=False)
+    await store.nc.subscribe("swallow.>")  # answers nothing, so no "no responders" either
+    try:
+        waiting = asyncio.ensure_future(store._acks.request("swallow.one", b"x", {}, timeout=30))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and fresh_nats.proc is not None
+        fresh_nats.proc.send_signal(signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await waiting
+        assert time.monotonic() - started < 5  # the connection's drop, not the 30 s timeout
+        fresh_nats.proc.wait()
+        fresh_nats.proc = None
+    finally:
+        await store.close()
