@@ -226,6 +226,14 @@ class EventStore:
         except nats.errors.OutboundBufferLimitError:
             raise self._not_sent(f"{bucket}/{key}") from None
 
+    async def kv_remove(self, bucket: str, revision: int) -> Awaitable[bool]:
+        """Send the erasure of a key-value entry at `revision` (`PipelinedAcks.kv_remove`) and return what
+        awaits it (True: erased; False: that revision was gone); `NotSent` while NATS is disconnected."""
+        try:
+            return await self._acks.kv_remove(bucket, revision)
+        except nats.errors.OutboundBufferLimitError:
+            raise self._not_sent(f"{bucket}@{revision}") from None
+
     async def append_many(self, events: Iterable[Event]) -> list[Appended]:
         """Append many events pipelined (publish all, then await every ack), in order.
 

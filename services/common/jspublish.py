@@ -104,7 +104,7 @@ class PipelinedAcks:
         self.sent = 0
         self.ready: asyncio.Future[None] | None = None
 
-    async def send(self, subject: str, data: bytes, headers: dict[str, str]) -> tuple[str, asyncio.Future[Ack]]:
+    async def send(self, subject: str, data: bytes, headers: dict[str, str] | None) -> tuple[str, asyncio.Future[Ack]]:
         """Publish one message: (its token, a future completed with its ack or JetStream's error).
 
         Disconnected, it raises `OutboundBufferLimitError` at once rather than queue the message for
@@ -176,6 +176,31 @@ class PipelinedAcks:
         finally:
             self.forget([token], [future])
         return seq
+
+    async def kv_remove(self, bucket: str, revision: int, *, timeout: float = 5) -> Awaitable[bool]:
+        """Send the erasure of the key-value entry stored at `revision` and return what awaits its
+        outcome: True when it was erased, False when that revision was no longer there (changed or
+        erased since). Unlike a delete it leaves no marker behind, so the bucket holds only live
+        entries; it needs a bucket whose stream allows message deletes."""
+        body = b'{"seq":%d,"no_erase":true}' % revision
+        token, future = await self.send(f"$JS.API.STREAM.MSG.DELETE.KV_{bucket}", body, None)
+        return self._removed(token, future, timeout)
+
+    async def _removed(self, token: str, future: asyncio.Future[Ack], timeout: float) -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                await future
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == 10057 and "not permitted" not in (exc.description or ""):
+                return False  # no message at that sequence
+            raise
+        except TimeoutError:
+            raise nats.errors.TimeoutError() from None
+        except ValueError as exc:  # an answer that is not one
+            raise nats.errors.Error(str(exc)) from None
+        finally:
+            self.forget([token], [future])
+        return True
 
     def connection_dropped(self) -> None:
         """Fail every publish still waiting for its ack, as a timeout would (it may or may not be

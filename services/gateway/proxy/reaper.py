@@ -1,30 +1,33 @@
 """Calls visible from their start, and ended as `aborted` when the gateway serving them dies.
 
 When a call passes the phase gate, the proxy puts a light marker for it into the JetStream
-key-value bucket `rollwire_calls` (key: the call id; value: run, rollout, attempt, the gateway's
-instance id, mode and model) without waiting for it: the marker costs the call no latency. When
-the call ends, recorded or not, the proxy deletes the key the same way. In-flight calls are
-therefore visible to anyone (`nats kv watch rollwire_calls`), and a rollout's event history holds
-only what happened: the markers are transient state, not events (entries also expire after
-`LOOKBACK_S`).
+key-value bucket `rollwire_inflight` (key: `<gateway instance id>.<call id>`; value: run, rollout,
+attempt, the gateway's instance id, mode and model) without waiting for it: the marker costs the
+call no latency. When the call ends, recorded or not, the proxy erases the marker's message (a
+stream message delete, not a key-value delete), so the bucket holds exactly the calls in flight,
+with no delete marker left per call: `nats kv ls rollwire_inflight` lists them. A rollout's event
+history holds only what happened: the markers are transient state, not events (entries also
+expire after `LOOKBACK_S`).
 
 Every gateway heartbeats into the bucket `rollwire_gateways` (its instance id, entries expire after
-three intervals) and watches `rollwire_calls`. A call whose gateway's heartbeat has expired is
-recorded by any live gateway as `aborted` with the reason, under the deterministic event id
-`<call_id>-reaped` (so several reapers append it once), and its marker is deleted. The engine's
-tokens for such a call are lost (the gateway held them), but the call, its rollout attempt and why
-it ended are on the stream.
+three intervals). Once per interval it lists the bucket's keys (one `STREAM.INFO` with a subject
+filter: the key names the gateway, so no marker is read) and, only for markers of gateways whose
+heartbeat has expired and that it saw a whole interval ago, reads the marker and records the call
+as `aborted` with the reason, under the deterministic event id `<call_id>-reaped` (so several
+reapers append it once), then erases the marker. A gateway therefore receives nothing per call of
+another gateway (watching every marker cost each gateway two messages per call of the whole
+cluster).
 
 One terminal record per call, whatever the timing: the marker decides who records. Before its
-record, the owner claims the marker (`claim`: a compare-and-set delete from the revision it wrote,
-so the claim is also the marker's delete, one write instead of two); before its `aborted` record, a
-reaper claims it by a compare-and-set to `state: reaped`. Exactly one of the two compare-and-sets
-succeeds, and the loser appends nothing: a gateway paused past
-three heartbeats (SIGSTOP, a long GC pause, a frozen VM) whose call was reaped meanwhile answers
-503 instead of recording `ok` after the `aborted` (two terminal records before). A marker a reaper
-claimed but whose `aborted` it did not append (it died in between) is finished by any live
-gateway (same event id). A call its owner claimed has no marker left: if the owner dies in the
-instant between its claim and its append, the call stays unrecorded, as a call without a marker.
+record, the owner claims the marker by erasing it at the revision it wrote (`claim`: the erasure
+fails when the marker changed since, so the claim is also the marker's removal, one write instead
+of two); before its `aborted` record, a reaper claims it by a compare-and-set to `state: reaped`.
+Exactly one of the two succeeds, and the loser appends nothing: a gateway paused past three
+heartbeats (SIGSTOP, a long GC pause, a frozen VM) whose call was reaped meanwhile answers 503
+instead of recording `ok` after the `aborted`. A marker a reaper claimed but whose `aborted` it did
+not append (it died in between) is finished by any live gateway (same event id). A call its owner
+claimed has no marker left: if the owner dies in the instant between its claim and its append, the
+call stays unrecorded, as a call without a marker.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any
 import msgspec
 import nats.errors
 import nats.js.errors
+from nats.js.api import DiscardPolicy, StreamConfig
 from nats.js.kv import KeyValue
 
 from schemas import ModelRequestRecorded
@@ -47,13 +51,13 @@ from services.common.eventstore import EventStore, EventStoreError, EventStoreUn
 from services.common.outage import Outage
 
 BUCKET = "rollwire_gateways"
-CALLS = "rollwire_calls"
+CALLS = "rollwire_inflight"
 LOOKBACK_S = 3600.0
 log = logging.getLogger("rollwire.gateway.reaper")
 
 
 class CallMarker(msgspec.Struct, frozen=True, gc=False):
-    """A call in flight, as kept in `rollwire_calls`."""
+    """A call in flight, as kept in `rollwire_inflight`."""
 
     run_id: str
     rollout_id: str
@@ -61,17 +65,25 @@ class CallMarker(msgspec.Struct, frozen=True, gc=False):
     gateway: str
     mode: str
     model: str
-    seen: float = 0.0  # when this gateway first saw it (monotonic; not stored)
     state: str = "open"
-    """`open`, `reaped` (a reaper claimed it) or `ending` (its owner claimed it, as gateways did before an
-    owner's claim deleted the marker; still honoured while such gateways run beside this one)."""
+    """`open`, or `reaped` (a reaper claimed it)."""
     by: str = ""
     """The gateway whose claim set `state` (the reaper's instance id for `reaped`)."""
-    revision: int = 0  # the marker's revision in the bucket (not stored)
+
+
+class _InfoState(msgspec.Struct):
+    subjects: dict[str, int] | None = None
+
+
+class _Info(msgspec.Struct):
+    state: _InfoState | None = None
+    total: int = 0
+    error: dict[str, Any] | None = None
 
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(CallMarker).decode
+_decode_info = msgspec.json.Decoder(_Info).decode
 
 
 class CallReaper:
@@ -81,7 +93,8 @@ class CallReaper:
         self.store = store
         self.instance = secrets.token_hex(8)
         self.interval_s = interval_s
-        self.open: dict[str, CallMarker] = {}
+        self.open: dict[str, tuple[str, float]] = {}
+        """Other gateways' calls in flight at the last listing: call id -> (gateway, when first listed)."""
         self.reaped = 0
         self.kv: KeyValue | None = None
         self.calls: KeyValue | None = None
@@ -90,25 +103,25 @@ class CallReaper:
         """This gateway's open calls: each marker and the put that stores it (its revision, None if lost)."""
         self.lost = 0  # claims this gateway lost to a reaper (its call was recorded `aborted`)
         self.claimed: set[str] = set()
-        """Calls whose claim deleted their marker (until they end)."""
+        """Calls whose claim erased their marker (until they end)."""
         self.outage = Outage(log, "the call reaper's store")
 
     def started(self, run_id: str, rollout_id: str, attempt_id: str, call_id: str, mode: str, model: str) -> None:
         """Put the call's marker without waiting for JetStream (a lost marker only loses the reaping)."""
         marker = CallMarker(run_id, rollout_id, attempt_id, self.instance, mode, model)
-        task = asyncio.get_running_loop().create_task(self._put(call_id, marker))
+        task = asyncio.get_running_loop().create_task(self._put(f"{self.instance}.{call_id}", marker))
         self.mine[call_id] = (marker, task)
 
-    async def _put(self, call_id: str, marker: CallMarker) -> int | None:
+    async def _put(self, key: str, marker: CallMarker) -> int | None:
         try:
-            return await self.store.kv_write(CALLS, call_id, _encode(marker))
+            return await self.store.kv_write(CALLS, key, _encode(marker))
         except (nats.errors.Error, OSError):  # OSError: a TimeoutError too
             return None  # not stored: no reaper can see the call, so its owner records it unclaimed
 
     async def claim(self, call_id: str) -> bool:
         """Claim the call's marker before recording the call: False when a reaper claimed it first.
 
-        A compare-and-set delete from the revision this gateway wrote: it fails only when the marker
+        The marker's erasure at the revision this gateway wrote: it fails only when the marker
         changed since, which only a reaper does (then its `aborted` is the call's record, and the
         caller appends nothing). A marker that was never stored cannot be reaped: True.
         """
@@ -123,48 +136,48 @@ class CallReaper:
         revision = await mine[1]
         if revision is None or self.calls is None:
             return _won()
-        try:  # claimed by deleting it: a reaper's claim from the revision it read then fails
-            pending = await self.store.kv_send(CALLS, call_id, b"", last=revision, delete=True)
+        try:  # claimed by erasing it: a reaper's claim from the revision it read then fails
+            pending = await self.store.kv_remove(CALLS, revision)
         except (nats.errors.Error, OSError):
             return _won()  # the store is unreachable: the record's own append fails and says so
         return self._verdict(call_id, pending)
 
-    async def _verdict(self, call_id: str, pending: Awaitable[int]) -> bool:
+    async def _verdict(self, call_id: str, pending: Awaitable[bool]) -> bool:
         try:
-            await pending
-        except nats.js.errors.KeyWrongLastSequenceError:
+            erased = await pending
+        except (nats.errors.Error, OSError):
+            return True  # the store is unreachable: the record's own append fails and says so
+        if not erased:
             self.lost += 1
             log.warning("call %s was recorded aborted by another gateway while this one was stalled", call_id)
             return False
-        except (nats.errors.Error, OSError):
-            return True  # the store is unreachable: the record's own append fails and says so
         self.claimed.add(call_id)
         return True
 
     def ended(self, call_id: str) -> None:
-        """Delete the call's marker (it was recorded, or its gateway is alive to answer for it)."""
+        """Erase the call's marker (it was recorded, or its gateway is alive to answer for it)."""
         mine = self.mine.pop(call_id, None)
-        if mine is not None:  # not claimed (nothing recorded): delete it once its put is done
-            mine[1].add_done_callback(lambda _: self._publish(call_id, b"", {"KV-Operation": "DEL"}))
+        if mine is not None:  # not claimed (nothing recorded): erase it once its put is done
+            mine[1].add_done_callback(lambda put: self._erase(None if put.cancelled() else put.result()))
             return
-        if call_id in self.claimed:  # its claim deleted it
-            self.claimed.discard(call_id)
-            return
-        self._publish(call_id, b"", {"KV-Operation": "DEL"})
+        self.claimed.discard(call_id)  # its claim erased it
 
-    def _publish(self, call_id: str, data: bytes, headers: dict[str, str] | None) -> None:
-        task = asyncio.get_running_loop().create_task(
-            self.store.nc.publish(f"$KV.{CALLS}.{call_id}", data, headers=headers)
-        )
+    def _erase(self, revision: int | None) -> None:
+        """Erase a marker at `revision` without waiting (a marker left behind expires after `LOOKBACK_S`)."""
+        if revision is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._erase_now(revision))
         task.add_done_callback(_quiet)
 
+    async def _erase_now(self, revision: int) -> None:
+        await (await self.store.kv_remove(CALLS, revision))
+
     async def start(self) -> None:
-        """Create the two buckets, then heartbeat, watch the calls and reap in the background."""
+        """Create the two buckets, then heartbeat and reap in the background."""
         self.kv = await self._bucket(BUCKET, 3 * self.interval_s)
-        self.calls = await self._bucket(CALLS, LOOKBACK_S)
+        self.calls = await self._markers_bucket()
         await self.kv.put(self.instance, b"alive")
-        loop = asyncio.get_running_loop()
-        self.tasks = [loop.create_task(self._heartbeat()), loop.create_task(self._follow())]
+        self.tasks = [asyncio.get_running_loop().create_task(self._heartbeat())]
 
     async def _bucket(self, name: str, ttl: float) -> KeyValue:
         try:
@@ -173,6 +186,23 @@ class CallReaper:
             with contextlib.suppress(nats.js.errors.BadRequestError):
                 await self.store.js.create_key_value(bucket=name, ttl=ttl, history=1)
             return await self.store.js.key_value(name)
+
+    async def _markers_bucket(self) -> KeyValue:
+        """The markers' bucket: a key-value bucket whose stream allows erasing a message (nats-py creates
+        buckets that deny it), so that an ended call leaves nothing behind."""
+        config = StreamConfig(
+            name=f"KV_{CALLS}",
+            subjects=[f"$KV.{CALLS}.>"],
+            max_msgs_per_subject=1,
+            max_age=LOOKBACK_S,
+            allow_rollup_hdrs=True,
+            deny_delete=False,
+            discard=DiscardPolicy.NEW,
+            allow_direct=True,
+        )
+        with contextlib.suppress(nats.js.errors.BadRequestError):  # it exists (another gateway made it)
+            await self.store.js.add_stream(config)
+        return await self.store.js.key_value(CALLS)
 
     async def stop(self) -> None:
         """Stop the background work and withdraw this gateway's heartbeat (its calls were drained)."""
@@ -206,57 +236,65 @@ class CallReaper:
         except nats.js.errors.NoKeysError:
             return set()
 
+    async def listed(self) -> dict[str, str]:
+        """The calls in flight on every gateway, from the bucket's subjects: call id -> gateway."""
+        prefix = f"$KV.{CALLS}."
+        calls: dict[str, str] = {}
+        while True:  # the server answers at most 100,000 subjects at a time
+            ask = {"subjects_filter": f"{prefix}>", "offset": len(calls)}
+            reply = await self.store.nc.request(f"$JS.API.STREAM.INFO.KV_{CALLS}", _encode(ask), timeout=5)
+            info = _decode_info(reply.data)
+            if info.error is not None:
+                raise EventStoreError(f"the call markers could not be listed: {info.error}")
+            subjects = (info.state.subjects if info.state else None) or {}
+            for subject in subjects:
+                gateway, _, call_id = subject[len(prefix) :].partition(".")
+                calls[call_id] = gateway
+            if not subjects or len(calls) >= info.total:
+                return calls
+
     async def reap(self) -> None:
-        """Record as aborted every open call whose gateway stopped heartbeating, and delete its marker."""
-        if not self.open:
+        """Record as aborted every call in flight whose gateway stopped heartbeating, and erase its marker."""
+        listed = await self.listed()  # before the heartbeats: a listed call's gateway was alive before it
+        now = time.monotonic()
+        self.open = {
+            call_id: (gateway, self.open[call_id][1] if call_id in self.open else now)
+            for call_id, gateway in listed.items()
+            if gateway != self.instance
+        }
+        grace = now - self.interval_s  # only calls listed a whole interval ago
+        candidates = [(call_id, gateway) for call_id, (gateway, seen) in self.open.items() if seen <= grace]
+        if not candidates:
             return
         alive = await self.alive() | {self.instance}
-        grace = time.monotonic() - self.interval_s
-        for call_id, call in list(self.open.items()):
-            if call.seen > grace or call.state == "ending":
-                continue  # new to this gateway, or its owner is recording it
-            if call.state == "reaped" and call.by in alive:
-                continue  # a live reaper is recording it
-            if call.state == "open" and call.gateway in alive:
-                continue
-            if call.state == "open" and not await self._claim_dead(call_id, call):
-                continue
-            await self.store.append(_aborted(call_id, call, self.interval_s))
-            self.open.pop(call_id, None)
-            self._publish(call_id, b"", {"KV-Operation": "DEL"})
-            self.reaped += 1
+        for call_id, gateway in candidates:
+            if gateway not in alive and await self._reap_one(call_id, gateway, alive):
+                self.open.pop(call_id, None)
+                self.reaped += 1
 
-    async def _claim_dead(self, call_id: str, call: CallMarker) -> bool:
-        """Claim a dead gateway's call for its `aborted` record; False when its owner (or another reaper) won."""
+    async def _reap_one(self, call_id: str, gateway: str, alive: set[str]) -> bool:
+        """Claim a dead gateway's call and record it aborted; False when its owner (or a live reaper) has it."""
         assert self.calls is not None
-        claimed = msgspec.structs.replace(call, state="reaped", by=self.instance)
         try:
-            await self.calls.update(call_id, _encode(claimed), last=call.revision)
-        except nats.js.errors.KeyWrongLastSequenceError:
-            return False  # the marker changed: the watcher brings its new state
+            entry = await self.calls.get(f"{gateway}.{call_id}")
+        except nats.js.errors.KeyNotFoundError:
+            return False  # its owner claimed it since the listing
+        try:
+            call = _decode(entry.value or b"")
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
+        revision = entry.revision or 0
+        if call.state == "reaped" and call.by in alive:
+            return False  # a live reaper is recording it
+        if call.state == "open":
+            claimed = msgspec.structs.replace(call, state="reaped", by=self.instance)
+            try:
+                revision = await self.calls.update(f"{gateway}.{call_id}", _encode(claimed), last=revision)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return False  # its owner claimed it (or another reaper did)
+        await self.store.append(_aborted(call_id, call, self.interval_s))
+        self._erase(revision)
         return True
-
-    async def _follow(self) -> None:
-        """Keep `open` equal to the markers in `rollwire_calls` (a put opens a call, a delete ends it)."""
-        assert self.calls is not None
-        watcher = await self.calls.watchall()
-        try:
-            async for entry in watcher:
-                if entry is None:  # the bucket's current markers have all arrived
-                    continue
-                if entry.operation is not None:
-                    self.open.pop(entry.key, None)
-                    continue
-                try:
-                    marker = _decode(entry.value or b"")
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
-                known = self.open.get(entry.key)
-                seen = known.seen if known is not None else time.monotonic()
-                self.open[entry.key] = msgspec.structs.replace(marker, seen=seen, revision=entry.revision or 0)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
 
 
 def _aborted(call_id: str, call: CallMarker, interval_s: float) -> ModelRequestRecorded:

@@ -3,7 +3,7 @@
 A gateway paused longer than three heartbeats (SIGSTOP here, as a long GC pause or a frozen VM
 would) has its call reaped as `aborted` by a replica; when it resumes, it used to record the call
 `ok` as well: two terminal records for one call (2 -> 1 here). Both now claim the call's marker in
-`rollwire_calls` by compare-and-set before appending, and the loser appends nothing: the resumed
+`rollwire_inflight` by compare-and-set before appending, and the loser appends nothing: the resumed
 gateway answers 503 (retry) instead. The first two tests drive the claim in both orders with two
 real reapers on a real nats-server; the last one pauses a real gateway process with SIGSTOP.
 """
