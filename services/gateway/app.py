@@ -141,6 +141,8 @@ def _lifespan(settings: GatewaySettings) -> Callable[[FastAPI], AbstractAsyncCon
             yield
         finally:
             await gateway.phases.stop()
+            if store.nc.is_connected:
+                await gateway.budgets.close()  # what this gateway holds ahead goes back to the attempts
             await gateway.reaper.stop()
             await state.stop()
             await upstream.close()

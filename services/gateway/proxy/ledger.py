@@ -1,8 +1,9 @@
 """The per-attempt ledger every gateway replica shares: one JetStream key-value entry per attempt.
 
-An entry holds what the attempt has spent (`calls` and `bytes` with the reservations of its
-calls in flight, `tokens` settled and `held` by calls in flight) and the stream time its attempt
-started. It is only ever changed by compare-and-set on the entry's revision
+An entry holds what the attempt has spent (`calls`, `tokens`, `bytes`, settled), what is held of
+each by calls in flight and by gateways' leases (`held_calls`, `held` tokens, `held_bytes`; a
+lease is what a gateway reserved ahead for the attempt's next calls, `leases.py`), and the stream
+time its attempt started. It is only ever changed by compare-and-set on the entry's revision
 (`EventStore.kv_write(last=...)`), so two gateways that admit calls of one attempt at once cannot both
 take the last unit of a budget: one of them re-reads and decides again. Each process keeps the
 entries it last wrote (bounded by bytes) and writes against that revision directly; a stale copy
@@ -58,49 +59,63 @@ class Charge(msgspec.Struct, frozen=True, kw_only=True):
     tokens: int = 0
     bytes: int = 0
 
+    def plus(self, other: Charge) -> Charge:
+        """The two amounts added."""
+        return Charge(calls=self.calls + other.calls, tokens=self.tokens + other.tokens, bytes=self.bytes + other.bytes)
+
+    def minus(self, other: Charge) -> Charge:
+        """This amount less `other`, never below zero."""
+        return Charge(
+            calls=max(0, self.calls - other.calls),
+            tokens=max(0, self.tokens - other.tokens),
+            bytes=max(0, self.bytes - other.bytes),
+        )
+
+    def least(self, other: Charge) -> Charge:
+        """The smaller of the two amounts, budget by budget."""
+        return Charge(
+            calls=min(self.calls, other.calls),
+            tokens=min(self.tokens, other.tokens),
+            bytes=min(self.bytes, other.bytes),
+        )
+
+    def covers(self, other: Charge) -> bool:
+        """True when this amount holds at least `other` of every budget."""
+        return self.calls >= other.calls and self.tokens >= other.tokens and self.bytes >= other.bytes
+
 
 class Ledger(msgspec.Struct, frozen=True, kw_only=True):
-    """One attempt's entry: calls and bytes spent or reserved, tokens spent, tokens `held` by calls
-    in flight, and when the attempt started (stream time)."""
+    """One attempt's entry: calls, tokens and bytes spent, what calls in flight and leases hold of each,
+    and when the attempt started (stream time)."""
 
     calls: int = 0
     tokens: int = 0
     bytes: int = 0
     held: int = 0
+    held_calls: int = 0
+    held_bytes: int = 0
     epoch: str = ""
     upto: int = 0
     started: float | None = None
 
-    def plus(self, charge: Charge, sign: int = 1) -> Ledger:
-        """This ledger with `charge` added (or taken away, sign -1); never below zero."""
+    def spend(self, charge: Charge) -> Ledger:
+        """This ledger with `charge` spent."""
+        return msgspec.structs.replace(
+            self, calls=self.calls + charge.calls, tokens=self.tokens + charge.tokens, bytes=self.bytes + charge.bytes
+        )
+
+    def hold(self, charge: Charge, sign: int = 1) -> Ledger:
+        """This ledger with `charge` held (or released, sign -1; never below zero)."""
         return msgspec.structs.replace(
             self,
-            calls=max(0, self.calls + sign * charge.calls),
-            tokens=max(0, self.tokens + sign * charge.tokens),
-            bytes=max(0, self.bytes + sign * charge.bytes),
+            held_calls=max(0, self.held_calls + sign * charge.calls),
+            held=max(0, self.held + sign * charge.tokens),
+            held_bytes=max(0, self.held_bytes + sign * charge.bytes),
         )
 
-    def reserve(self, charge: Charge) -> Ledger:
-        """This ledger with a call's reservation: its calls and bytes counted, its tokens held."""
-        return msgspec.structs.replace(
-            self, calls=self.calls + charge.calls, bytes=self.bytes + charge.bytes, held=self.held + charge.tokens
-        )
-
-    def settle(self, epoch: str, reserved: Charge, spent: Charge, seqs: list[int]) -> Ledger:
-        """Replace a reservation made against `epoch` by what was spent.
-
-        Made against this entry: the difference. Made against an entry since rebuilt from the
-        stream: the rebuild already counted records at or below `upto`, and never held the
-        reservation, so only what it could not have counted is added."""
-        if epoch == self.epoch:
-            held = max(0, self.held - reserved.tokens)
-            released = msgspec.structs.replace(self, held=held).plus(
-                Charge(calls=reserved.calls, bytes=reserved.bytes), -1
-            )
-            return released.plus(spent)
-        if seqs and min(seqs) <= self.upto:
-            return self
-        return self.plus(spent)
+    def counted(self, seqs: list[int]) -> bool:
+        """True when this entry, counted from the stream, already holds the records at `seqs`."""
+        return bool(seqs) and min(seqs) <= self.upto
 
 
 class StreamClock:
@@ -179,12 +194,6 @@ class SharedLedger:
     def key(self, view: RolloutView, attempt_id: str) -> str:
         """The attempt's key in the bucket."""
         return derive_id(view.run_id, attempt_id, "budget", length=48)
-
-    def holds(self, view: RolloutView, attempt_id: str, epoch: str) -> bool:
-        """True when this process's copy of the attempt's entry is of `epoch` (a reservation's settlement
-        that changes nothing can be skipped)."""
-        cached = self._cache.get(self.key(view, attempt_id))
-        return cached is not None and cached[0].epoch == epoch
 
     async def change(self, view: RolloutView, attempt_id: str, apply: Callable[[Ledger], Ledger]) -> Ledger:
         """Apply `apply` to the attempt's entry by compare-and-set and return the new entry.
