@@ -17,7 +17,11 @@ from pathlib import Path
 import typer
 
 from trainer.clients import ServiceUrls
+from trainer.quickstart.options import QuickstartOptions
 from trainer.run.sections import ConfigError, StackSection, TrainConfig
+
+DEFAULTS = QuickstartOptions()
+"""`rollwire quickstart`'s defaults, as the run defines them."""
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
@@ -171,16 +175,17 @@ def _external_urls(stack: StackSection) -> ServiceUrls:
 
 
 def quickstart(
-    steps: int = typer.Option(30, help="Training steps."),
-    seed: int = typer.Option(0, help="Seed of the warm start, the tasks and the sampling."),
-    data_dir: Path = typer.Option(Path(".rollwire"), help="Where the embedded stack keeps its data and logs."),
-    out: Path = typer.Option(Path("runs"), help="Where the run directory (weights, metrics, curve) goes."),
-    mode: str = typer.Option("sync", help="sync or async (collocated)."),
-    tasks_per_step: int = typer.Option(8, help="Tasks per step."),
-    rollouts_per_task: int = typer.Option(4, help="Rollouts of each task (one group)."),
-    lr: float = typer.Option(3e-4, help="Learning rate."),
+    steps: int = typer.Option(DEFAULTS.steps, help="Training steps."),
+    seed: int = typer.Option(DEFAULTS.seed, help="Seed of the warm start, the tasks and the sampling."),
+    data_dir: Path = typer.Option(DEFAULTS.data_dir, help="Where the embedded stack keeps its data and logs."),
+    out: Path = typer.Option(DEFAULTS.out, help="Where the run directory (weights, metrics, curve) goes."),
+    mode: str = typer.Option(DEFAULTS.mode, help="sync or async (collocated)."),
+    tasks_per_step: int = typer.Option(DEFAULTS.tasks_per_step, help="Tasks per step."),
+    rollouts_per_task: int = typer.Option(DEFAULTS.rollouts_per_task, help="Rollouts of each task (one group)."),
+    lr: float = typer.Option(DEFAULTS.lr, help="Learning rate."),
     heldout_tasks: int = typer.Option(
-        64, help="Held-out tasks run twice before step 1 and after the last (the before/after); 0: none."
+        DEFAULTS.heldout_tasks,
+        help="Held-out tasks run twice before step 1 and after the last (the before/after); 0: none.",
     ),
     backend: str = typer.Option("cpu", help="Training backend: cpu or verl (needs rollwire[verl])."),
     prompt_mode: str = typer.Option(
@@ -191,7 +196,7 @@ def quickstart(
     from services.common.gateway_api import GatewayError
     from services.devstack.stack import StackError
     from trainer.loop import TrainingError
-    from trainer.quickstart.run import QuickstartOptions, run_quickstart
+    from trainer.quickstart.run import run_quickstart
 
     if mode not in ("sync", "async"):
         raise _fail(f"--mode {mode!r} is not allowed; choose one of: sync, async", 2)

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +37,13 @@ from trainer.embedded import embedded_stack
 from trainer.loop import Trainer
 from trainer.metrics import MetricsLog, plot_curves
 from trainer.quickstart.forkserver import DEFAULT_MODULE, launcher_command
+from trainer.quickstart.options import QuickstartOptions
 from trainer.quickstart.task import make_tasks, write_tasks_jsonl
 from trainer.run.load import config_from_mapping
 from trainer.run.sections import TrainConfig
 from trainer.validation import VAL_REWARD, first_and_last_pass
 
 DATASET_SIZE = 512
-HELDOUT_TASKS = 64  # drawn with another seed; each runs twice, sampled as in training, before step 1 and after the last
 HELDOUT_ROLLOUTS = 2
 QUICKSTART_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("reward_mean", "reward", "{:.2f}"),
@@ -53,26 +53,6 @@ QUICKSTART_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("entropy", "entropy", "{:.2f}"),
     ("time_step_s", "step", "{:.1f}s"),
 )
-
-
-@dataclass
-class QuickstartOptions:
-    """What `rollwire quickstart` can change (the defaults are the README's run)."""
-
-    steps: int = 30
-    seed: int = 0
-    data_dir: Path = Path(".rollwire")
-    out: Path = Path("runs")
-    mode: str = "sync"
-    tasks_per_step: int = 8
-    rollouts_per_task: int = 4
-    lr: float = 3e-4
-    heldout_tasks: int = HELDOUT_TASKS  # 0: no held-out pass (before/after is then the training reward)
-    cache_dir: Path | None = None
-    model_dir: Path | None = None
-    fork_server: bool = True
-    run_name: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
