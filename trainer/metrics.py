@@ -151,16 +151,27 @@ class MetricsLog:
         staging.write_text(buffer.getvalue())
         os.replace(staging, self.csv_path)
 
+    @classmethod
+    def read(cls, csv_path: Path) -> MetricsLog:
+        """A run's metrics table read back whole (for plots and reports; nothing is written)."""
+        return cls(csv_path, resume_after=1 << 62)
+
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one column, skipping steps where it is missing."""
-        steps: list[int] = []
+        steps, values = self.against(key, "step")
+        return [int(step) for step in steps], values
+
+    def against(self, key: str, by: str) -> tuple[list[float], list[float]]:
+        """(values of `by`, values of `key`) of the steps that have `key` (`by` missing counts as 0)."""
+        xs: list[float] = []
         values: list[float] = []
         for row in self.rows:
             value = row.get(key)
             if isinstance(value, int | float):
-                steps.append(int(row["step"]))  # type: ignore[arg-type]
+                x = row.get(by)
+                xs.append(float(x) if isinstance(x, int | float) else 0.0)
                 values.append(float(value))
-        return steps, values
+        return xs, values
 
     def close(self) -> None:
         """Close the TensorBoard writer and the other sinks."""

@@ -11,7 +11,6 @@ whose steps take different times compare as a user sees them: reward per minute 
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
 
 import matplotlib
@@ -19,18 +18,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the file-only backend
 
+from trainer.metrics import MetricsLog
+
 
 def series(path: Path, key: str) -> tuple[list[float], list[float]]:
     """(minutes, values) of `key` in a run's metrics.csv, skipping steps without it."""
-    minutes: list[float] = []
-    values: list[float] = []
-    with path.open(newline="") as handle:
-        for row in csv.DictReader(handle):
-            if not row.get(key):
-                continue
-            minutes.append(float(row.get("elapsed_s") or 0.0) / 60.0)
-            values.append(float(row[key]))
-    return minutes, values
+    seconds, values = MetricsLog.read(path).against(key, "elapsed_s")
+    return [s / 60.0 for s in seconds], values
 
 
 def main(argv: list[str] | None = None) -> None:

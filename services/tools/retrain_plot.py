@@ -33,7 +33,7 @@ class Curves:
 
     def __init__(self, label: str, metrics: Path) -> None:
         self.label = label
-        self.log = MetricsLog(metrics, resume_after=1 << 62)
+        self.log = MetricsLog.read(metrics)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one column."""
