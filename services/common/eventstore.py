@@ -187,10 +187,13 @@ class EventStore:
             headers["Nats-Expected-Last-Subject-Sequence-Subject"] = over
         return headers
 
-    async def append(self, event: Event, expected_last_subject_seq: int | None = None) -> Appended:
-        """Append one event; returns its stream sequence, or the original's when it is a duplicate."""
+    async def append(
+        self, event: Event, expected_last_subject_seq: int | None = None, *, encoded: bytes | None = None
+    ) -> Appended:
+        """Append one event (`encoded`: its `encode`d bytes, when the caller made them already); returns
+        its stream sequence, or the original's when it is a duplicate."""
         subject = event.subject
-        data = self._checked(subject, encode(event))
+        data = self._checked(subject, encode(event) if encoded is None else encoded)
         headers = {**self._headers(event, expected_last_subject_seq), "Nats-Expected-Stream": self.stream}
         try:
             seq, duplicate = await self._acks.request(subject, data, headers, PUBLISH_TIMEOUT_S)
@@ -234,26 +237,29 @@ class EventStore:
         except nats.errors.OutboundBufferLimitError:
             raise self._not_sent(f"{bucket}@{revision}") from None
 
-    async def append_many(self, events: Iterable[Event]) -> list[Appended]:
-        """Append many events pipelined (publish all, then await every ack), in order.
+    async def append_many(self, events: Iterable[Event], encoded: Sequence[bytes] | None = None) -> list[Appended]:
+        """Append many events pipelined (publish all, then await every ack), in order (`encoded`: their
+        `encode`d bytes, when the caller made them already).
 
         A refusal (a full store, a conflict) raises at once, as `append` does; events before the
         refused one may be stored. The acks are read by `_Acks`, not nats-py's `publish_async`,
         which never completes a publish JetStream refuses (it waited out the whole timeout).
         """
-        encoded = [(event, self._checked(event.subject, encode(event))) for event in events]
+        events = list(events)
+        datas = [encode(event) for event in events] if encoded is None else encoded
+        encoded_events = [(e, self._checked(e.subject, data)) for e, data in zip(events, datas, strict=True)]
         acks = self._acks
         tokens: list[str] = []
         futures: list[asyncio.Future[tuple[int, bool]]] = []
         try:
-            for event, data in encoded:
+            for event, data in encoded_events:
                 headers = {**self._headers(event, None), "Nats-Expected-Stream": self.stream}
                 token, future = await acks.send(event.subject, data, headers)
                 tokens.append(token)
                 futures.append(future)
         except nats.errors.OutboundBufferLimitError:
             acks.forget(tokens)
-            raise self._not_sent(encoded[len(futures)][0].subject) from None
+            raise self._not_sent(encoded_events[len(futures)][0].subject) from None
         results: list[Appended] = []
         loop = asyncio.get_running_loop()
         try:
@@ -268,10 +274,10 @@ class EventStore:
                     except ValueError as exc:
                         raise EventStoreError(str(exc)) from None
                     except nats.js.errors.APIError as exc:
-                        raise self._translate(exc, encoded[i][0].subject, None) from None
+                        raise self._translate(exc, encoded_events[i][0].subject, None) from None
                     except nats.js.errors.NoStreamResponseError:
                         raise EventStoreUnavailable(
-                            f"no JetStream stream answered for {encoded[i][0].subject}: is the stream there?"
+                            f"no JetStream stream answered for {encoded_events[i][0].subject}: is the stream there?"
                         ) from None
                     results.append(Appended(seq=seq, duplicate=duplicate))
         except TimeoutError:

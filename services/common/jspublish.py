@@ -122,7 +122,8 @@ class PipelinedAcks:
                 ready.exception()
                 raise
             ready.set_result(None)
-        await asyncio.shield(self.ready)
+        if not self.ready.done():  # a failed subscription sets `ready` back to None: done means subscribed
+            await asyncio.shield(self.ready)
         self.sent += 1
         token = str(self.sent)
         future: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()

@@ -41,6 +41,8 @@ from services.gateway.proxy.tokenin import ChunkConverter, chat_answer
 from services.gateway.proxy.upstream import UpstreamError, UpstreamResponse
 
 WEIGHTS_HEADER = "x-rollwire-weights-version"
+Prepared = tuple[list[ModelRequestRecorded], list[bytes]]
+"""A call's events as they will be stored, and their encoded bytes."""
 _decode_obj = msgspec.json.Decoder(dict[str, Any]).decode
 _encode = msgspec.json.Encoder().encode
 
@@ -174,29 +176,35 @@ class Pipeline:
         or `OutOfBounds` after recording as failed an answer the contract cannot hold)."""
         call.note(outcome)  # what the engine spent counts, whoever records the call
         verdict = await self.gw.reaper.send_claim(call.call_id) if self.gw.reaper is not None else None
-        try:
-            events, why = self._bounded(call, outcome)  # built while the claim travels; nothing is sent
+        events: list[ModelRequestRecorded] = []
+        prepared: Prepared | None = None
+        try:  # built, compacted and encoded while the claim travels; nothing is sent
+            events, why = self._bounded(call, outcome)
+            if why is None:
+                prepared = self._prepare(events)
+        except OutOfBounds as exc:  # token ids found outside the bounds while packing them
+            why = exc.why
         finally:
             won = True if verdict is None else await verdict
         if not won:
+            self.gw.chains.drop(events)
             raise CallReaped(call.call_id)  # a reaper recorded it `aborted`: one terminal record per call
         if why is None:
-            try:
-                await self._append_or_cut(call, events, outcome.status == "ok")
-                return
-            except OutOfBounds as exc:  # token ids found outside the bounds while packing them
-                why = exc.why
+            await self._append_or_cut(call, events, outcome.status == "ok", prepared)
+            return
         # Recorded as failed, without what does not fit; the caller answers 502.
         status = "failed" if outcome.status == "ok" else outcome.status
         failed = self.events(call, Outcome(status=status, error=f"{OutOfBounds.prefix}: {why}"))
         await self._append_or_cut(call, failed)
         raise OutOfBounds(why)
 
-    async def _append_or_cut(self, call: Call, events: list[ModelRequestRecorded], ok: bool = False) -> None:
+    async def _append_or_cut(
+        self, call: Call, events: list[ModelRequestRecorded], ok: bool = False, prepared: Prepared | None = None
+    ) -> None:
         """Append the events; a failed call's too large events are appended cut (an `ok` one raises)."""
         try:
             try:
-                await self._append(call, events)
+                await self._append(call, events, prepared)
             except EventTooLarge as exc:
                 if ok:
                     raise
@@ -217,20 +225,25 @@ class Pipeline:
             return [], str(exc)
         return events, out_of_bounds(events)
 
-    async def _append(self, call: Call, events: list[ModelRequestRecorded]) -> None:
+    def _prepare(self, events: list[ModelRequestRecorded]) -> Prepared:
+        """The events as they will be stored (compacted against the attempt's earlier calls) and their bytes."""
+        stored = self.gw.chains.compact(events)
+        return stored, [encode(event) for event in stored]
+
+    async def _append(self, call: Call, events: list[ModelRequestRecorded], prepared: Prepared | None = None) -> None:
         store, chains = self.gw.store, self.gw.chains
-        stored = chains.compact(events)
         try:
+            stored, encoded = self._prepare(events) if prepared is None else prepared
             if len(stored) == 1:
-                appended = [await store.append(stored[0])]
+                appended = [await store.append(stored[0], encoded=encoded[0])]
             else:
-                appended = await store.append_many(stored)
+                appended = await store.append_many(stored, encoded)
         except BaseException:
             chains.drop(events)
             raise
         chains.remember(events, appended)
         call.seqs = [a.seq for a in appended]
-        call.record_bytes = sum(len(encode(e)) for e in stored if e.status != "ok")
+        call.record_bytes = sum(len(data) for event, data in zip(stored, encoded, strict=True) if event.status != "ok")
 
     async def _too_large(self, call: Call, outcome: Outcome, exc: EventTooLarge) -> str:
         """Record a generated call whose event does not fit as failed; the message for the client."""
