@@ -214,7 +214,7 @@ class Budgets:
             )
         except Exception as exc:  # the reservation stays: the attempt is charged too much, never too little
             log.warning("budget of attempt %s not settled: %r", reservation.attempt_id, exc)
-        if share is not None:
+        if share is not None and reservation.epoch:  # a reservation of this share's older entry has ended
             share.in_flight = max(0, share.in_flight - 1)
             self._idle(key, share)
 
