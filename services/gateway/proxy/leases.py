@@ -98,8 +98,10 @@ class Share:
 
 def lease_for(ledger: Ledger, budget: AttemptBudget, charge: Charge) -> Charge:
     """What to hold ahead beside a call's `charge`: up to `LEASE_CALLS` more such calls, each budget
-    at most `1 / LEASE_SHARE` of what is left of it after the call."""
-    calls, tokens, size = LEASE_CALLS, LEASE_CALLS * charge.tokens, LEASE_CALLS * charge.bytes
+    at most `1 / LEASE_SHARE` of what is left of it after the call. Only what `charge` spends is
+    leased (an event, which is no call, leases no calls)."""
+    calls = LEASE_CALLS if charge.calls else 0
+    tokens, size = LEASE_CALLS * charge.tokens, LEASE_CALLS * charge.bytes
     if budget.calls is not None:
         calls = min(calls, (budget.calls - ledger.calls - ledger.held_calls - charge.calls) // LEASE_SHARE)
     if budget.tokens is not None:

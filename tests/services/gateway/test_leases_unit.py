@@ -25,6 +25,8 @@ def test_a_lease_takes_a_quarter_of_what_is_left_and_nothing_near_the_end() -> N
     assert unlimited == Charge(calls=LEASE_CALLS, tokens=LEASE_CALLS * 100, bytes=LEASE_CALLS * 1000)
     tokens = lease_for(Ledger(tokens=500, held=100), AttemptBudget(tokens=1000), CALL)
     assert tokens.tokens == (1000 - 500 - 100 - 100) // 4
+    event = lease_for(Ledger(), AttemptBudget(bytes=10_000), Charge(bytes=100))  # an event is no call
+    assert event == Charge(bytes=LEASE_CALLS * 100)
 
 
 def test_a_call_draws_only_what_the_lease_covers_and_never_during_a_write() -> None:
