@@ -189,18 +189,11 @@ class PipelinedAcks:
 
     async def _removed(self, token: str, future: asyncio.Future[Ack], timeout: float) -> bool:
         try:
-            async with asyncio.timeout(timeout):
-                await future
+            await self._kv_ack(token, future, timeout)
         except nats.js.errors.APIError as exc:
             if exc.err_code == 10057 and "not permitted" not in (exc.description or ""):
                 return False  # no message at that sequence
             raise
-        except TimeoutError:
-            raise nats.errors.TimeoutError() from None
-        except ValueError as exc:  # an answer that is not one
-            raise nats.errors.Error(str(exc)) from None
-        finally:
-            self.forget([token], [future])
         return True
 
     def connection_dropped(self) -> None:
