@@ -189,7 +189,7 @@ class Trainer:
         """The reward curve (`reward_curve.png`: training and held-out reward per step) and held-out before/after."""
         if self.metrics is None or not self.metrics.rows:
             return
-        keys = ("reward_mean", VAL_REWARD)
+        keys = ("reward_mean", *self.config.run.plot, VAL_REWARD)
         curve = plot_curves(self.metrics, self.run_dir.reward_curve, keys, title=self.run_id)
         line = f"reward curve: {curve}"
         if (passes := first_and_last_pass(self.metrics)) is not None:

@@ -35,13 +35,13 @@ from services.devstack.embedded import die_with_parent
 from trainer.display import StepDisplay
 from trainer.embedded import embedded_stack
 from trainer.loop import Trainer
-from trainer.metrics import MetricsLog, plot_curves
+from trainer.metrics import MetricsLog
 from trainer.quickstart.forkserver import DEFAULT_MODULE, launcher_command
 from trainer.quickstart.options import QuickstartOptions
 from trainer.quickstart.task import make_tasks, write_tasks_jsonl
 from trainer.run.load import config_from_mapping
 from trainer.run.sections import TrainConfig
-from trainer.validation import VAL_REWARD, first_and_last_pass
+from trainer.validation import first_and_last_pass
 
 DATASET_SIZE = 512
 HELDOUT_ROLLOUTS = 2
@@ -84,6 +84,7 @@ def quickstart_config(
             "steps": options.steps,
             "mode": options.mode,
             "resume": False,
+            "plot": ["agent_tool_used"],
         },
         "data": {
             "path": str(dataset),
@@ -241,13 +242,7 @@ def run_quickstart(options: QuickstartOptions, say: Callable[[str], None] = prin
         with StepDisplay(options.steps, fields=QUICKSTART_FIELDS) as display:
             rows = asyncio.run(Trainer(config, urls, on_step=display.step, say=say).run())
     log = MetricsLog(run_dir / "metrics.csv", resume_after=options.steps)
-    curve = plot_curves(
-        log,
-        run_dir / "reward_curve.png",
-        keys=("reward_mean", "agent_tool_used", VAL_REWARD),
-        title=f"quickstart {config.run.name}: reward and tool use per step",
-        ylim=(-0.02, 1.02),
-    )
+    curve = run_dir / "reward_curve.png"  # drawn by the trainer: reward, tool use and held-out reward
     seconds = time.monotonic() - start
     say_gain(rows, log, options.heldout_tasks, seconds, say)
     log.close()

@@ -53,6 +53,8 @@ class RunSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     newest weights versions on disk besides v0 and the checkpoint's (0 keeps all). `prepare` is a
     command `rollwire train` runs once before anything starts (convert a model, build the data),
     with `python` and `{config_dir}` read as in `[agent] command`; a non-zero exit stops the run.
+    `plot` names more metric columns (an agent's own metric, say) that `reward_curve.png` draws beside
+    the training and held-out reward.
     """
 
     name: str = "run"
@@ -63,6 +65,7 @@ class RunSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     resume: bool = True
     keep_weights: int = 3
     prepare: list[str] = []
+    plot: list[str] = []
 
 
 class DataSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
