@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from services.devstack.embedded import die_with_parent
+from trainer.checkpoint import WEIGHTS_DIR, RunDir
 from trainer.display import StepDisplay
 from trainer.embedded import embedded_stack
 from trainer.loop import Trainer
@@ -241,15 +242,16 @@ def run_quickstart(options: QuickstartOptions, say: Callable[[str], None] = prin
         )
         with StepDisplay(options.steps, fields=QUICKSTART_FIELDS) as display:
             rows = asyncio.run(Trainer(config, urls, on_step=display.step, say=say).run())
-    log = MetricsLog(run_dir / "metrics.csv", resume_after=options.steps)
-    curve = run_dir / "reward_curve.png"  # drawn by the trainer: reward, tool use and held-out reward
+    paths = RunDir(run_dir)
+    log = MetricsLog(paths.metrics_csv, resume_after=options.steps)
+    curve = paths.reward_curve  # drawn by the trainer: reward, tool use (`[run] plot`) and held-out reward
     seconds = time.monotonic() - start
     say_gain(rows, log, options.heldout_tasks, seconds, say)
     log.close()
     data_dir = options.data_dir.resolve()
     say(f"reward curve: {curve}")
-    say(f"metrics: {run_dir / 'metrics.csv'} (TensorBoard: tensorboard --logdir {run_dir / 'tb'})")
-    say(f"weights: {run_dir / 'weights'}")
+    say(f"metrics: {paths.metrics_csv} (TensorBoard: tensorboard --logdir {paths.tensorboard})")
+    say(f"weights: {paths.root / WEIGHTS_DIR}")
     say(f"logs: {data_dir / 'logs'} (services), {data_dir / 'executions'} (each agent run)")
     say(
         f"trajectory viewer: {urls.gateway_url}/ui while the run was up; to browse it now, run "

@@ -63,6 +63,8 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     epoch: str
     charge: Charge
     max_tokens: int = 0
+    key: str = ""
+    """The attempt's entry key ("" for a charge never reserved)."""
 
 
 def unlimited(budget: AttemptBudget) -> bool:
@@ -116,7 +118,9 @@ class Budgets:
         # What is not a call (a count of tokens, an event) is refused once the calls are spent: the entry decides.
         drawable = in_time and (calls > 0 or budget.calls is None)
         if drawable and share.draw(want):
-            return Reservation(view=view, attempt_id=attempt_id, epoch=share.epoch, charge=want, max_tokens=max_tokens)
+            return Reservation(
+                view=view, attempt_id=attempt_id, epoch=share.epoch, charge=want, max_tokens=max_tokens, key=key
+            )
         granted = max_tokens
 
         def decide(ledger: Ledger) -> tuple[Charge, Charge]:
@@ -136,7 +140,9 @@ class Budgets:
             raise
         share.in_flight += 1
         charge = Charge(calls=calls, tokens=prompt + n * granted, bytes=size)
-        return Reservation(view=view, attempt_id=attempt_id, epoch=share.epoch, charge=charge, max_tokens=granted)
+        return Reservation(
+            view=view, attempt_id=attempt_id, epoch=share.epoch, charge=charge, max_tokens=granted, key=key
+        )
 
     async def _write(self, share: Share, decide: Callable[[Ledger], tuple[Charge, Charge]]) -> Ledger:
         """Write the share's part of the attempt's entry and hold what `decide` asks on the entry as it
@@ -200,8 +206,8 @@ class Budgets:
 
         Kept on this gateway's share until the attempt's next write (or `IDLE_S` without a call).
         Never raises: a settlement the store cannot take leaves the reservation charged."""
-        key = self.ledger.key(reservation.view, reservation.attempt_id)
-        share = self.shares.get(key)
+        key = reservation.key
+        share = self.shares.get(key) if key else None
         if share is not None and reservation.epoch and reservation.epoch == share.epoch:
             share.settled(reservation.charge, spent, seqs)
             self._idle(key, share)

@@ -45,8 +45,8 @@ class Share:
         """Held in the entry by calls that ended: released at the next write."""
         self.spent = Charge()
         """Spent by calls that ended: added at the next write."""
-        self.seqs: list[int] = []
-        """The stream sequences of what `spent` counts (the lowest one is kept)."""
+        self.first_seq: int | None = None
+        """The lowest stream sequence of the records `spent` counts."""
         self.in_flight = 0
         self.writing = 0
         self.idle: asyncio.TimerHandle | None = None
@@ -65,7 +65,7 @@ class Share:
         self.release = self.release.plus(reserved.least(spent))
         self.spent = self.spent.plus(spent)
         if seqs:
-            self.seqs = [min([*self.seqs, *seqs])]
+            self.first_seq = min(seqs) if self.first_seq is None else min(self.first_seq, *seqs)
         self.in_flight = max(0, self.in_flight - 1)
 
     @property
@@ -78,7 +78,8 @@ class Share:
         in an entry rebuilt from the stream but what the stream counted: only the rest is added)."""
         if ledger.epoch == self.epoch:
             return ledger.hold(self.release.plus(self.lease), -1).spend(self.spent)
-        return ledger if ledger.counted(self.seqs) else ledger.spend(self.spent)
+        counted = self.first_seq is not None and ledger.counted([self.first_seq])
+        return ledger if counted else ledger.spend(self.spent)
 
     def snapshot(self) -> tuple[Charge, Charge, Charge]:
         """What a write folds in: the lease, the releases and the spending, as they are now."""
@@ -91,7 +92,7 @@ class Share:
         self.release = self.release.minus(release)
         self.spent = self.spent.minus(spent)
         if self.spent == Charge():
-            self.seqs = []
+            self.first_seq = None
         self.epoch = entry.epoch
         self.started = entry.started
 

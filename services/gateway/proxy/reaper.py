@@ -99,18 +99,15 @@ class CallReaper:
         self.kv: KeyValue | None = None
         self.calls: KeyValue | None = None
         self.tasks: list[asyncio.Task[None]] = []
-        self.mine: dict[str, tuple[CallMarker, asyncio.Task[int | None]]] = {}
-        """This gateway's open calls: each marker and the put that stores it (its revision, None if lost)."""
+        self.mine: dict[str, asyncio.Task[int | None]] = {}
+        """This gateway's open calls: the put that stores each one's marker (its revision, None if lost)."""
         self.lost = 0  # claims this gateway lost to a reaper (its call was recorded `aborted`)
-        self.claimed: set[str] = set()
-        """Calls whose claim erased their marker (until they end)."""
         self.outage = Outage(log, "the call reaper's store")
 
     def started(self, run_id: str, rollout_id: str, attempt_id: str, call_id: str, mode: str, model: str) -> None:
         """Put the call's marker without waiting for JetStream (a lost marker only loses the reaping)."""
         marker = CallMarker(run_id, rollout_id, attempt_id, self.instance, mode, model)
-        task = asyncio.get_running_loop().create_task(self._put(f"{self.instance}.{call_id}", marker))
-        self.mine[call_id] = (marker, task)
+        self.mine[call_id] = asyncio.get_running_loop().create_task(self._put(f"{self.instance}.{call_id}", marker))
 
     async def _put(self, key: str, marker: CallMarker) -> int | None:
         try:
@@ -133,7 +130,7 @@ class CallReaper:
         mine = self.mine.pop(call_id, None)
         if mine is None:
             return _won()
-        revision = await mine[1]
+        revision = await mine
         if revision is None or self.calls is None:
             return _won()
         try:  # claimed by erasing it: a reaper's claim from the revision it read then fails
@@ -151,16 +148,13 @@ class CallReaper:
             self.lost += 1
             log.warning("call %s was recorded aborted by another gateway while this one was stalled", call_id)
             return False
-        self.claimed.add(call_id)
         return True
 
     def ended(self, call_id: str) -> None:
         """Erase the call's marker (it was recorded, or its gateway is alive to answer for it)."""
         mine = self.mine.pop(call_id, None)
-        if mine is not None:  # not claimed (nothing recorded): erase it once its put is done
-            mine[1].add_done_callback(lambda put: self._erase(None if put.cancelled() else put.result()))
-            return
-        self.claimed.discard(call_id)  # its claim erased it
+        if mine is not None:  # not claimed (nothing recorded): erase it once its put is done; a claim erased it
+            mine.add_done_callback(lambda put: self._erase(None if put.cancelled() else put.result()))
 
     def _erase(self, revision: int | None) -> None:
         """Erase a marker at `revision` without waiting (a marker left behind expires after `LOOKBACK_S`)."""
