@@ -17,6 +17,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from services.common.deadline import within
 from services.common.outage import Outage
 
 log = logging.getLogger("rollwire.eventstore")
@@ -89,6 +90,10 @@ Ack = tuple[int, bool]
 """A publish's stream sequence and whether it was a duplicate."""
 
 
+def _no_ack() -> TimeoutError:
+    return TimeoutError("no ack from JetStream in time")
+
+
 class PipelinedAcks:
     """Pipelined publishes and their acks, read from one reply subscription of our own.
 
@@ -144,8 +149,7 @@ class PipelinedAcks:
         reply subscription and decodes the ack with msgspec."""
         token, future = await self.send(subject, data, headers)
         try:
-            async with asyncio.timeout(timeout):
-                return await future
+            return await within(future, timeout, _no_ack)
         finally:
             self.forget([token], [future])
 
@@ -162,8 +166,7 @@ class PipelinedAcks:
 
     async def _kv_ack(self, token: str, future: asyncio.Future[Ack], timeout: float) -> int:
         try:
-            async with asyncio.timeout(timeout):
-                seq, _ = await future
+            seq, _ = await within(future, timeout, _no_ack)
         except nats.js.errors.APIError as exc:
             if exc.err_code in (10071, 10164):  # the stream's wrong-last-sequence errors
                 raise nats.js.errors.KeyWrongLastSequenceError(description=exc.description) from None

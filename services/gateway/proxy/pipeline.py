@@ -45,6 +45,10 @@ Prepared = tuple[list[ModelRequestRecorded], list[bytes]]
 """A call's events as they will be stored, and their encoded bytes."""
 _decode_obj = msgspec.json.Decoder(dict[str, Any]).decode
 _encode = msgspec.json.Encoder().encode
+WATCH_AFTER_S = 0.05
+"""A non-streamed call starts watching for its client's disconnect once the engine has taken this long:
+a task per call costs more than the rest of the answer's path, and a client gone this early only
+lets the engine generate this much longer."""
 
 
 class Pipeline:
@@ -282,7 +286,9 @@ class Pipeline:
     async def _complete(self, call: Call, receive: Receive, send: Send) -> None:
         me = asyncio.current_task()
         assert me is not None
+        loop = asyncio.get_running_loop()
         gone = False
+        watcher: asyncio.Task[None] | None = None
 
         async def cancel_on_disconnect() -> None:
             nonlocal gone
@@ -290,7 +296,11 @@ class Pipeline:
             gone = True
             me.cancel()  # closes the upstream connection: the engine stops generating
 
-        watcher = asyncio.get_running_loop().create_task(cancel_on_disconnect())
+        def watch() -> None:
+            nonlocal watcher
+            watcher = loop.create_task(cancel_on_disconnect())
+
+        timer = loop.call_later(WATCH_AFTER_S, watch)
         error: BaseException | None = None
         upstream: Upstream | None = None
         try:
@@ -301,7 +311,9 @@ class Pipeline:
         except UpstreamError as exc:
             error = exc
         finally:
-            watcher.cancel()
+            timer.cancel()
+            if watcher is not None:
+                watcher.cancel()
         if gone:
             me.uncancel()
             await self._record_quietly(

@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from services.common.deadline import within
+
 MAX_IDLE_PER_HOST = 256
 
 
@@ -124,10 +126,10 @@ class UpstreamResponse:
     async def _wait(self) -> None:
         if not self._ready.done():
             try:
-                await asyncio.wait_for(asyncio.shield(self._ready), self.client.read_timeout_s)
-            except TimeoutError:
+                await within(self._ready, self.client.read_timeout_s, self._silent)
+            except UpstreamTimeout:
                 self.close()
-                raise UpstreamTimeout(f"no data from the upstream for {self.client.read_timeout_s:g}s") from None
+                raise
         self._ready = asyncio.get_running_loop().create_future()
 
     async def read(self) -> bytes:
@@ -155,6 +157,9 @@ class UpstreamResponse:
             if self._error is not None:
                 raise self._error
             await self._wait()
+
+    def _silent(self) -> UpstreamTimeout:
+        return UpstreamTimeout(f"no data from the upstream for {self.client.read_timeout_s:g}s")
 
     def release(self) -> None:
         """Give the connection back to the pool if the response is complete, else close it."""
@@ -193,6 +198,9 @@ class UpstreamClient:
             if len(self._urls) < 10_000:
                 self._urls[url] = cached
         return cached
+
+    def _unanswered(self) -> UpstreamTimeout:
+        return UpstreamTimeout(f"the upstream did not answer within {self.read_timeout_s:g}s")
 
     def _put(self, key: tuple[str, int, bool], conn: _Connection) -> None:
         idle = self._idle.setdefault(key, [])
@@ -239,10 +247,10 @@ class UpstreamClient:
             assert conn.transport is not None
             conn.transport.write(payload)
             try:
-                await asyncio.wait_for(asyncio.shield(response.head), self.read_timeout_s)
-            except TimeoutError:
+                await within(response.head, self.read_timeout_s, self._unanswered)
+            except UpstreamTimeout:
                 response.close()
-                raise UpstreamTimeout(f"the upstream did not answer within {self.read_timeout_s:g}s") from None
+                raise
             except UpstreamError:
                 response.close()
                 # A pooled connection the server had already closed: try once more on a fresh one.
