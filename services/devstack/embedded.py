@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import hashlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -55,10 +56,45 @@ class EmbeddedServerError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
+    """A TCP port on 127.0.0.1 that is free right now, outside the kernel's ephemeral range.
+
+    A port the kernel hands out for `bind(0)` comes from the range it also gives outgoing
+    connections their local ports from: between this call and the service's own bind, any process's
+    connection (an agent's, the engine's) could take it, and the service failed with "address
+    already in use". A port below that range is never taken that way; one this process handed out
+    already is not handed out again.
+    """
+    low, _ = _ephemeral_range()
+    if low - _PORTS_FROM >= 1000:
+        for _ in range(200):
+            port = random.randrange(_PORTS_FROM, low)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+_PORTS_FROM = 20000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 0, 0  # unknown (not Linux): the kernel's choice
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
