@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -58,3 +59,49 @@ async def disconnected(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+WATCH_AFTER_S = 0.05
+"""A call starts watching for its client's disconnect once it has taken this long: a task per call
+costs more than the rest of a fast call's answer, and a client gone this early only lets the engine
+generate this much longer."""
+
+
+class DisconnectWatch:
+    """Cancels the task that makes it when its client goes away, once the call outlasts `WATCH_AFTER_S`.
+
+        watch = DisconnectWatch(receive)
+        try:
+            ...                                  # the engine's answer, relayed or read
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            asyncio.current_task().uncancel()    # the client left: record the call as aborted
+        finally:
+            watch.stop()
+
+    Cancelling the task closes the engine's connection, which is how the engine learns to stop.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.receive = receive
+        self.gone = False
+        self._watcher: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+
+    def _start(self) -> None:
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        await disconnected(self.receive)
+        self.gone = True
+        self.task.cancel()
+
+    def stop(self) -> None:
+        """Stop watching (the call's answer is in, or it failed)."""
+        self._timer.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()

@@ -23,7 +23,7 @@ from schemas.codec import encode
 from schemas.runs import RunSpec
 from services.common.eventstore import EventStoreUnavailable, EventTooLarge
 from services.gateway import metrics
-from services.gateway.asgi import SSE_HEADERS, Receive, Send, disconnected, send_json
+from services.gateway.asgi import SSE_HEADERS, DisconnectWatch, Receive, Send, send_json
 from services.gateway.context import Gateway
 from services.gateway.errors import unavailable
 from services.gateway.proxy.budgets import Reservation
@@ -45,10 +45,6 @@ Prepared = tuple[list[ModelRequestRecorded], list[bytes]]
 """A call's events as they will be stored, and their encoded bytes."""
 _decode_obj = msgspec.json.Decoder(dict[str, Any]).decode
 _encode = msgspec.json.Encoder().encode
-WATCH_AFTER_S = 0.05
-"""A non-streamed call starts watching for its client's disconnect once the engine has taken this long:
-a task per call costs more than the rest of the answer's path, and a client gone this early only
-lets the engine generate this much longer."""
 
 
 class Pipeline:
@@ -284,38 +280,20 @@ class Pipeline:
         return Upstream(response.status, response.headers.get(WEIGHTS_HEADER), content)
 
     async def _complete(self, call: Call, receive: Receive, send: Send) -> None:
-        me = asyncio.current_task()
-        assert me is not None
-        loop = asyncio.get_running_loop()
-        gone = False
-        watcher: asyncio.Task[None] | None = None
-
-        async def cancel_on_disconnect() -> None:
-            nonlocal gone
-            await disconnected(receive)
-            gone = True
-            me.cancel()  # closes the upstream connection: the engine stops generating
-
-        def watch() -> None:
-            nonlocal watcher
-            watcher = loop.create_task(cancel_on_disconnect())
-
-        timer = loop.call_later(WATCH_AFTER_S, watch)
+        watch = DisconnectWatch(receive)
         error: BaseException | None = None
         upstream: Upstream | None = None
         try:
             upstream = await self._post(call)
         except asyncio.CancelledError:
-            if not gone:
+            if not watch.gone:
                 raise
         except UpstreamError as exc:
             error = exc
         finally:
-            timer.cancel()
-            if watcher is not None:
-                watcher.cancel()
-        if gone:
-            me.uncancel()
+            watch.stop()
+        if watch.gone:
+            watch.task.uncancel()
             await self._record_quietly(
                 call, Outcome(status="aborted", error="the client disconnected before the answer")
             )
@@ -412,12 +390,18 @@ class Pipeline:
         if opening:
             await send({"type": "http.response.body", "body": opening, "more_body": True})
         convert = ChunkConverter(call.parse_tools, call.parse_reasoning) if call.token_in else None
-        relay = asyncio.ensure_future(relay_stream(response, fold, held, translator, send, convert))
-        watch = asyncio.ensure_future(disconnected(receive))
+        watch = DisconnectWatch(receive)
+        error: Exception | None = None
         try:
-            await asyncio.wait((relay, watch), return_when=asyncio.FIRST_COMPLETED)
+            await relay_stream(response, fold, held, translator, send, convert)
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            watch.task.uncancel()
+        except Exception as exc:  # the engine broke off, or went silent past the read timeout
+            error = exc
         finally:
-            watch.cancel()
+            watch.stop()
         weights = response.headers.get(WEIGHTS_HEADER)
         seen = Outcome(
             status="ok",
@@ -428,14 +412,10 @@ class Pipeline:
             model=fold.model,
         )
         call.note(seen)  # what reached the gateway is charged, however the call ends
-        if not relay.done():
-            relay.cancel()
-            with contextlib.suppress(BaseException):
-                await relay
+        if watch.gone:
             seen.status, seen.error = "aborted", "the client disconnected mid-stream"
             await self._record_quietly(call, seen)
             return False
-        error = relay.exception()
         if error is not None:
             await self._broke(call, error, weights, send)
             return False
