@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.common.deadline import within
+from services.common.natswire import NatsWire, WireError
 from services.common.outage import Outage
 
 log = logging.getLogger("rollwire.eventstore")
@@ -100,45 +101,81 @@ class PipelinedAcks:
     nats-py's `publish_async` never completes a publish JetStream refuses (its reply handler raises
     the error instead of setting it on the future), so an append refused for a full store hung for
     the whole ack timeout. Here every answer completes its future, the refusals with `APIError`.
+
+    The publishes and acks travel on a lean second connection (`natswire.NatsWire`) where one can be
+    made, else on nats-py's. A lost lean connection (NATS restarted, say) is made again by the next
+    publish once nats-py is connected again; one that could not be made at all is not tried again.
     """
 
-    def __init__(self, nc: NATS) -> None:
+    def __init__(self, nc: NATS, name: str = "rollwire") -> None:
         self.nc = nc
+        self.name = name
         self.prefix = ""
         self.waiting: dict[str, asyncio.Future[Ack]] = {}
         self.sent = 0
         self.ready: asyncio.Future[None] | None = None
+        self.wire: NatsWire | None = None
+        self._subscribed = False
 
-    async def send(self, subject: str, data: bytes, headers: dict[str, str] | None) -> tuple[str, asyncio.Future[Ack]]:
+    async def send(
+        self, subject: str, data: bytes, headers: dict[str, str] | None, *, urgent: bool = True
+    ) -> tuple[str, asyncio.Future[Ack]]:
         """Publish one message: (its token, a future completed with its ack or JetStream's error).
+
+        `urgent=False` on the lean connection: written with the event loop turn's other writes at its
+        end, never on its own at once (a call's marker, so that waking NATS does not slow the engine's
+        first token: +0.1 ms measured when it went at once).
 
         Disconnected, it raises `OutboundBufferLimitError` at once rather than queue the message for
         a reconnect: a caller answered "not stored" must never see it stored later."""
         if not self.nc.is_connected:
             raise nats.errors.OutboundBufferLimitError
         if self.ready is None:
-            ready = self.ready = asyncio.get_running_loop().create_future()
-            self.prefix = f"{self.nc.new_inbox()}."
-            try:
-                await self.nc.subscribe(f"{self.prefix}*", cb=self._answer)
-            except BaseException as exc:
-                self.ready = None
-                ready.set_exception(exc)
-                ready.exception()
-                raise
-            ready.set_result(None)
-        if not self.ready.done():  # a failed subscription sets `ready` back to None: done means subscribed
-            await asyncio.shield(self.ready)
+            self.ready = asyncio.ensure_future(self._connect())
+        ready = self.ready
+        if not ready.done():
+            await asyncio.shield(ready)
+        if ready.cancelled() or ready.exception() is not None:  # tried again on the next publish
+            self.ready = None
+            ready.result()
         self.sent += 1
         token = str(self.sent)
         future: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
         self.waiting[token] = future
         try:
-            await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
+            wire = self.wire
+            if wire is not None and wire.connected:
+                try:
+                    wire.publish(subject, self.prefix + token, data, headers, urgent=urgent and not subject.startswith("$KV."))
+                except WireError:  # closed in this instant: not sent, as while disconnected
+                    raise nats.errors.OutboundBufferLimitError from None
+            else:
+                await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
         except BaseException:
             self.waiting.pop(token, None)
             raise
         return token, future
+
+    async def _connect(self) -> None:
+        """The lean connection where one can be made, else a subscription for the replies on nats-py's."""
+        if not self.prefix:
+            self.prefix = f"{self.nc.new_inbox()}."
+        url = self.nc.connected_url
+        if url is not None:
+            try:
+                self.wire = await NatsWire.open(
+                    url, f"{self.prefix}*", self._deliver, self._wire_lost, name=self.name, timeout=2.0
+                )
+                return
+            except WireError as exc:
+                log.debug("publishing through nats-py: %s", exc)
+        if not self._subscribed:
+            await self.nc.subscribe(f"{self.prefix}*", cb=self._answer)
+            self._subscribed = True
+
+    def _wire_lost(self) -> None:
+        self.connection_dropped()
+        self.ready = None  # the next publish makes it again
 
     async def request(self, subject: str, data: bytes, headers: dict[str, str], timeout: float) -> Ack:
         """Publish one message and wait for its ack (raises JetStream's refusal as `APIError`,
@@ -154,14 +191,22 @@ class PipelinedAcks:
             self.forget([token], [future])
 
     async def kv_send(
-        self, bucket: str, key: str, value: bytes, last: int | None = None, *, delete: bool = False, timeout: float = 5
+        self,
+        bucket: str,
+        key: str,
+        value: bytes,
+        last: int | None = None,
+        *,
+        delete: bool = False,
+        timeout: float = 5,
+        urgent: bool = True,
     ) -> Awaitable[int]:
         """Send a key-value write (a delete with `delete`; with `last`, a compare-and-set on the entry's
         revision) and return what awaits its new revision, raising as nats-py's `KeyValue` does."""
         headers = {} if last is None else {"Nats-Expected-Last-Subject-Sequence": str(last)}
         if delete:
             headers["KV-Operation"] = "DEL"
-        token, future = await self.send(f"$KV.{bucket}.{key}", value, headers)
+        token, future = await self.send(f"$KV.{bucket}.{key}", value, headers, urgent=urgent)
         return self._kv_ack(token, future, timeout)
 
     async def _kv_ack(self, token: str, future: asyncio.Future[Ack], timeout: float) -> int:
@@ -203,6 +248,10 @@ class PipelinedAcks:
         """Fail every publish still waiting for its ack, as a timeout would (it may or may not be
         stored): the ack went with the connection, and waiting out the timeout only held the callers,
         so a caller in flight when NATS died was answered seconds after the outage began."""
+        wire, self.wire = self.wire, None
+        if wire is not None:  # it went with nats-py's, or soon will: made again by a later publish
+            wire.close()
+            self.ready = None
         waiting, self.waiting = self.waiting, {}
         for future in waiting.values():
             if not future.done():
@@ -219,16 +268,21 @@ class PipelinedAcks:
                 future.exception()
 
     async def _answer(self, msg: Msg) -> None:
-        future = self.waiting.pop(msg.subject[len(self.prefix) :], None)
+        no_responders = msg.headers is not None and msg.headers.get("Status") == "503"
+        self._deliver(msg.subject, msg.data, no_responders)
+
+    def _deliver(self, subject: str, data: bytes, no_responders: bool) -> None:
+        """Complete the waiting publish a reply answers (from either connection)."""
+        future = self.waiting.pop(subject[len(self.prefix) :], None)
         if future is None or future.done():
             return
-        if msg.headers and msg.headers.get("Status") == "503":
+        if no_responders:
             future.set_exception(nats.js.errors.NoStreamResponseError())
             return
         try:
-            ack = _decode_ack(msg.data)
+            ack = _decode_ack(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            future.set_exception(ValueError(f"JetStream answered an append with {msg.data[:200]!r}: {exc}"))
+            future.set_exception(ValueError(f"JetStream answered an append with {data[:200]!r}: {exc}"))
             return
         if ack.error is not None:
             err = ack.error
@@ -239,3 +293,9 @@ class PipelinedAcks:
             )
         else:
             future.set_result((ack.seq, ack.duplicate))
+
+    def close(self) -> None:
+        """Close the lean connection (nats-py's is closed by its owner)."""
+        wire, self.wire = self.wire, None
+        if wire is not None:
+            wire.close()

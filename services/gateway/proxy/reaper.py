@@ -111,7 +111,7 @@ class CallReaper:
 
     async def _put(self, key: str, marker: CallMarker) -> int | None:
         try:
-            return await self.store.kv_write(CALLS, key, _encode(marker))
+            return await self.store.kv_write(CALLS, key, _encode(marker), urgent=False)
         except (nats.errors.Error, OSError):  # OSError: a TimeoutError too
             return None  # not stored: no reaper can see the call, so its owner records it unclaimed
 

@@ -1,0 +1,125 @@
+"""The lean NATS connection under the event store's publishes, against real nats-servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import nats
+import nats.errors
+import pytest
+
+from schemas import RolloutCreated
+from services.common.eventstore import EventStore
+from services.common.jspublish import PipelinedAcks
+from services.common.natswire import NatsWire, WireError
+from services.devstack.embedded import free_port, nats_server_binary, port_in_use
+
+
+@pytest.fixture
+def strict_nats(tmp_path: Path) -> Iterator[str]:
+    """A nats-server that pings every 200 ms (a client that does not answer two is dropped) and has one
+    user, `svc` with password `pw`: its host:port."""
+    port = free_port()
+    config = tmp_path / "nats.conf"
+    users = json.dumps([{"user": "svc", "password": "pw"}])
+    config.write_text(
+        f'listen: "127.0.0.1:{port}"\nping_interval: "200ms"\nping_max: 2\n'
+        f'jetstream {{ store_dir: "{tmp_path / "js"}" }}\nauthorization {{ users = {users} }}\n'
+    )
+    proc = subprocess.Popen([str(nats_server_binary()), "-c", str(config)], stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(200):
+            if port_in_use(port):
+                break
+            proc.poll()
+            assert proc.returncode is None, "nats-server exited"
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _created(run_id: str) -> RolloutCreated:
+    return RolloutCreated(run_id=run_id, rollout_id=f"r-{run_id}", input={"q": 1}, event_id=f"created-{run_id}")
+
+
+async def test_appends_travel_on_the_lean_connection(store: EventStore, run_id: str) -> None:
+    first = await store.append(_created(run_id))
+    acks = store._acks
+    assert acks.wire is not None and acks.wire.connected
+    assert not acks._subscribed  # no reply subscription on nats-py's connection
+    again = await store.append(_created(run_id))
+    assert again.duplicate and again.seq == first.seq
+
+
+async def test_credentials_of_the_url_and_pings_answered(strict_nats: str, run_id: str) -> None:
+    store = await EventStore.connect(f"nats://svc:pw@{strict_nats}")
+    try:
+        await store.append(_created(run_id))
+        wire = store._acks.wire
+        assert wire is not None and wire.connected
+        await asyncio.sleep(1.5)  # seven pings: unanswered, the server drops the connection after two
+        assert store._acks.wire is wire and wire.connected
+        await store.append(_created(run_id + "b"))
+    finally:
+        await store.close()
+
+
+async def test_a_wire_that_cannot_log_in_leaves_publishing_to_nats_py(strict_nats: str) -> None:
+    """nats-py logged in with options the URL does not carry: the lean connection is refused, and the
+    publishes and their acks go through nats-py's connection instead."""
+    nc = await nats.connect(f"nats://{strict_nats}", user="svc", password="pw")
+    try:
+        js = nc.jetstream()
+        await js.add_stream(name="wiretest", subjects=["wiretest.>"])
+        acks = PipelinedAcks(nc)
+        seq, duplicate = await acks.request("wiretest.a", b"{}", {"Nats-Msg-Id": "one"}, timeout=5)
+        assert (seq, duplicate) == (1, False)
+        assert acks.wire is None and acks._subscribed
+    finally:
+        await nc.close()
+
+
+async def test_a_lost_wire_fails_what_waits_and_is_made_again(store: EventStore, run_id: str) -> None:
+    await store.append(_created(run_id))
+    acks = store._acks
+    wire = acks.wire
+    assert wire is not None and wire.transport is not None
+    waiting: asyncio.Future[tuple[int, bool]] = asyncio.get_running_loop().create_future()
+    acks.waiting["never-answered"] = waiting
+    wire.transport.abort()  # the connection breaks under it
+    with pytest.raises(TimeoutError, match="dropped"):
+        await asyncio.wait_for(waiting, 5)
+    await store.append(_created(run_id + "b"))  # made again by the next publish
+    assert acks.wire is not None and acks.wire is not wire and acks.wire.connected
+
+
+async def test_line_breaks_cannot_inject_commands(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        url = nc.connected_url
+        assert url is not None
+        wire = await NatsWire.open(url, "_INBOX.t.*", lambda *_: None, lambda: None, name="t", timeout=5)
+        try:
+            with pytest.raises(nats.errors.BadSubjectError):
+                wire.publish("rl.x\r\nPUB evil 1", "_INBOX.t.1", b"x", None)
+            with pytest.raises(ValueError, match="line break"):
+                wire.publish("rl.x", "_INBOX.t.1", b"x", {"Nats-Msg-Id": "a\r\nPUB evil 1\r\nx"})
+        finally:
+            wire.close()
+    finally:
+        await nc.close()
+
+
+async def test_nothing_listening_is_a_wire_error() -> None:
+    port = free_port()
+    url = urlparse(f"nats://127.0.0.1:{port}")
+    with pytest.raises(WireError):
+        await NatsWire.open(url, "_INBOX.t.*", lambda *_: None, lambda: None, name="t", timeout=2)
