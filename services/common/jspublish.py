@@ -146,7 +146,7 @@ class PipelinedAcks:
             wire = self.wire
             if wire is not None and wire.connected:
                 try:
-                    wire.publish(subject, self.prefix + token, data, headers, urgent=urgent and not subject.startswith("$KV."))
+                    wire.publish(subject, self.prefix + token, data, headers, urgent=urgent)
                 except WireError:  # closed in this instant: not sent, as while disconnected
                     raise nats.errors.OutboundBufferLimitError from None
             else:
