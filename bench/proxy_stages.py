@@ -98,6 +98,10 @@ ROOTS: dict[tuple[str, str], str] = {
     ("services/common/jspublish.py", "send"): "",
     ("services/common/jspublish.py", "forget"): "",
     ("services/common/jspublish.py", "_answer"): "NATS socket I/O",
+    ("services/common/jspublish.py", "_deliver"): "NATS socket I/O",
+    ("services/common/natswire.py", "publish"): "",  # the caller's stage, as nats-py's publish below
+    ("services/common/natswire.py", "_write"): "",
+    ("services/common/natswire.py", "*"): "NATS socket I/O",
     ("nats/aio/subscription.py", "*"): "NATS socket I/O",
     ("services/common/eventstore.py", "*"): "publish",
     ("services/gateway/proxy/pipeline.py", "_append"): "publish",
