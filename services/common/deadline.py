@@ -18,11 +18,18 @@ T = TypeVar("T")
 
 async def within(future: asyncio.Future[T], timeout_s: float, timed_out: Callable[[], BaseException]) -> T:
     """The future's result, or the exception `timed_out()` makes when none came in `timeout_s` seconds."""
-    timer = asyncio.get_running_loop().call_later(timeout_s, _expire, future, timed_out)
+    timer = fail_after(future, timeout_s, timed_out)
     try:
         return await future
     finally:
         timer.cancel()
+
+
+def fail_after(
+    future: asyncio.Future[T], timeout_s: float, timed_out: Callable[[], BaseException]
+) -> asyncio.TimerHandle:
+    """Fail the future with `timed_out()` unless it is done in `timeout_s` seconds (cancel the handle when it is)."""
+    return asyncio.get_running_loop().call_later(timeout_s, _expire, future, timed_out)
 
 
 def _expire(future: asyncio.Future[T], timed_out: Callable[[], BaseException]) -> None:

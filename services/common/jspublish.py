@@ -17,7 +17,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.common.deadline import within
+from services.common.deadline import fail_after, within
 from services.common.natswire import NatsWire, WireError
 from services.common.outage import Outage
 
@@ -208,6 +208,38 @@ class PipelinedAcks:
             headers["KV-Operation"] = "DEL"
         token, future = await self.send(f"$KV.{bucket}.{key}", value, headers, urgent=urgent)
         return self._kv_ack(token, future, timeout)
+
+    def kv_put_nowait(
+        self, bucket: str, key: str, value: bytes, *, timeout: float = 5, urgent: bool = True
+    ) -> asyncio.Future[int | None] | None:
+        """A key-value put sent now, without a task, on the lean connection: a future of its revision
+        (None when it was not stored or no ack came in `timeout` seconds). None when the lean
+        connection is not up: use `kv_send`. For a write made on every call (the call's marker), where
+        a task and its chain of coroutines cost more than the write."""
+        wire = self.wire
+        if wire is None or not wire.connected or not self.nc.is_connected:
+            return None
+        self.sent += 1
+        token = str(self.sent)
+        try:
+            wire.publish(f"$KV.{bucket}.{key}", self.prefix + token, value, None, urgent=urgent)
+        except WireError:
+            return None
+        loop = asyncio.get_running_loop()
+        ack: asyncio.Future[Ack] = loop.create_future()
+        revision: asyncio.Future[int | None] = loop.create_future()
+        self.waiting[token] = ack
+        timer = fail_after(ack, timeout, _no_ack)
+
+        def acked(done: asyncio.Future[Ack]) -> None:
+            timer.cancel()
+            stored = not done.cancelled() and done.exception() is None
+            self.forget([token], [done])
+            if not revision.done():
+                revision.set_result(done.result()[0] if stored else None)
+
+        ack.add_done_callback(acked)
+        return revision
 
     async def _kv_ack(self, token: str, future: asyncio.Future[Ack], timeout: float) -> int:
         try:

@@ -90,7 +90,7 @@ class NatsWire(asyncio.Protocol):
         `urgent=False`: never written on its own at once (see `_write`)."""
         if not self.connected:
             raise WireError("the connection is closed")
-        if _UNSAFE_SUBJECT.search(subject) or _UNSAFE_SUBJECT.search(reply):
+        if _UNSAFE_SUBJECT.search(subject):  # the reply subject is the caller's own inbox
             raise BadSubjectError(f"a NATS subject may not hold whitespace: {subject!r}")
         if not headers:
             self._write(b"PUB %s %s %d\r\n%s\r\n" % (subject.encode(), reply.encode(), len(data), data), urgent)

@@ -99,7 +99,7 @@ class CallReaper:
         self.kv: KeyValue | None = None
         self.calls: KeyValue | None = None
         self.tasks: list[asyncio.Task[None]] = []
-        self.mine: dict[str, asyncio.Task[int | None]] = {}
+        self.mine: dict[str, asyncio.Future[int | None]] = {}
         """This gateway's open calls: the put that stores each one's marker (its revision, None if lost)."""
         self.lost = 0  # claims this gateway lost to a reaper (its call was recorded `aborted`)
         self.outage = Outage(log, "the call reaper's store")
@@ -107,11 +107,15 @@ class CallReaper:
     def started(self, run_id: str, rollout_id: str, attempt_id: str, call_id: str, mode: str, model: str) -> None:
         """Put the call's marker without waiting for JetStream (a lost marker only loses the reaping)."""
         marker = CallMarker(run_id, rollout_id, attempt_id, self.instance, mode, model)
-        self.mine[call_id] = asyncio.get_running_loop().create_task(self._put(f"{self.instance}.{call_id}", marker))
+        key = f"{self.instance}.{call_id}"
+        # After the turn's other writes: the engine's request goes first.
+        data = _encode(marker)
+        put = self.store.kv_put_nowait(CALLS, key, data, urgent=False)
+        self.mine[call_id] = put if put is not None else asyncio.get_running_loop().create_task(self._put(key, data))
 
-    async def _put(self, key: str, marker: CallMarker) -> int | None:
+    async def _put(self, key: str, data: bytes) -> int | None:
         try:
-            return await self.store.kv_write(CALLS, key, _encode(marker), urgent=False)
+            return await self.store.kv_write(CALLS, key, data, urgent=False)
         except (nats.errors.Error, OSError):  # OSError: a TimeoutError too
             return None  # not stored: no reaper can see the call, so its owner records it unclaimed
 

@@ -251,6 +251,8 @@ class OutOfBounds(Exception):
 _FIELD_TYPES = {f.name: f.type for f in msgspec.structs.fields(ModelRequestRecorded)}
 """A call's fields with the contract's own types (and bounds: `schemas.bounds.Count`, `Int32`)."""
 _SCALARS = ("choice_index", "weights_version", "usage", "top_k", "latency_s")
+_Scalars = msgspec.defstruct("_Scalars", [(name, _FIELD_TYPES[name]) for name in _SCALARS])
+"""The bounded scalar fields of a call, checked in one conversion."""
 _IDS = ("prompt_ids", "response_ids")
 
 
@@ -262,11 +264,10 @@ def out_of_bounds(events: Sequence[ModelRequestRecorded]) -> str | None:
     packed (`_packed`: an id outside int32 cannot be packed, and a negative one widens the packing
     to 4 bytes, the rare case checked in full), so a long prompt costs no extra pass."""
     for event in events:
-        for name in _SCALARS:
-            try:
-                msgspec.convert(getattr(event, name), _FIELD_TYPES[name])
-            except msgspec.ValidationError as exc:
-                return f"{name}: {exc}"
+        try:
+            msgspec.convert({name: getattr(event, name) for name in _SCALARS}, _Scalars)
+        except msgspec.ValidationError as exc:  # "... - at `$.weights_version`": the path names the field
+            return str(exc)
     return None
 
 

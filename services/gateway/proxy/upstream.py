@@ -183,6 +183,7 @@ class UpstreamClient:
         self.connect_timeout_s = connect_timeout_s
         self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
         self._urls: dict[str, tuple[tuple[str, int, bool], str, str]] = {}
+        self._heads: dict[tuple[object, ...], tuple[tuple[str, int, bool], bytes]] = {}
         self._ssl: ssl.SSLContext | None = None
 
     def _parse(self, url: str) -> tuple[tuple[str, int, bool], str, str]:
@@ -197,6 +198,19 @@ class UpstreamClient:
             cached = ((parts.hostname, port, tls), path, parts.netloc)
             if len(self._urls) < 10_000:
                 self._urls[url] = cached
+        return cached
+
+    def _head(self, method: str, url: str, headers: dict[str, str]) -> tuple[tuple[str, int, bool], bytes]:
+        """The connection key and a request's head up to its `Content-Length` (made once per method, URL
+        and headers: a proxy sends the same few)."""
+        lookup: tuple[object, ...] = (method, url, *headers.items())
+        cached = self._heads.get(lookup)
+        if cached is None:
+            key, path, netloc = self._parse(url)
+            lines = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+            cached = key, f"{method} {path} HTTP/1.1\r\nHost: {netloc}\r\n{lines}".encode("latin-1")
+            if len(self._heads) < 10_000:
+                self._heads[lookup] = cached
         return cached
 
     def _unanswered(self) -> UpstreamTimeout:
@@ -227,10 +241,8 @@ class UpstreamClient:
 
     async def request(self, method: str, url: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
         """Send a request; returns once the status line and headers have arrived."""
-        key, path, netloc = self._parse(url)
-        head = f"{method} {path} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(body)}\r\n"
-        head += "".join(f"{name}: {value}\r\n" for name, value in headers.items()) + "\r\n"
-        payload = head.encode("latin-1") + body
+        key, head = self._head(method, url, headers)
+        payload = b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body)
         for attempt in (0, 1):
             idle = self._idle.get(key)
             reused = False

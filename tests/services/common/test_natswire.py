@@ -123,3 +123,20 @@ async def test_nothing_listening_is_a_wire_error() -> None:
     url = urlparse(f"nats://127.0.0.1:{port}")
     with pytest.raises(WireError):
         await NatsWire.open(url, "_INBOX.t.*", lambda *_: None, lambda: None, name="t", timeout=2)
+
+
+async def test_a_put_without_a_task_gives_its_revision_or_none(store: EventStore, run_id: str) -> None:
+    bucket = f"nowait_{run_id}".replace("-", "_")
+    assert store.kv_put_nowait(bucket, "k", b"v") is None  # no lean connection yet: use kv_write
+    await store.append(_created(run_id))  # the first publish makes it
+    kv = await store.nc.jetstream().create_key_value(bucket=bucket)
+    try:
+        put = store.kv_put_nowait(bucket, "k", b"v")
+        assert put is not None
+        revision = await put
+        assert revision is not None and (await kv.get("k")).revision == revision
+        missing = store.kv_put_nowait(bucket + "_none", "k", b"v")  # no such bucket: nothing stored
+        assert missing is not None and await missing is None
+        assert not store._acks.waiting
+    finally:
+        await store.nc.jetstream().delete_key_value(bucket)
