@@ -17,9 +17,10 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-
 
 
 async def send_json(send: Send, status: int, payload: bytes, headers: dict[str, str] | None = None) -> None:
-    """A complete JSON response (a permanent refusal says `x-should-retry: false`)."""
+    """A complete JSON response with its length (a permanent refusal says `x-should-retry: false`)."""
     extra = [(k.lower().encode(), v.encode()) for k, v in (retry_headers(status) | (headers or {})).items()]
-    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS + extra})
+    length = (b"content-length", b"%d" % len(payload))
+    await send({"type": "http.response.start", "status": status, "headers": [*JSON_HEADERS, length, *extra]})
     await send({"type": "http.response.body", "body": payload})
 
 
