@@ -18,7 +18,9 @@ way (the marker is not rendered once, verbatim) give None, and the caller render
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -28,13 +30,20 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
+import msgspec
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from services.common.bytecache import ByteLRU
 from services.gateway.proxy.content_format import ContentFormat, detect_content_format, template_content, text_parts
 
 MARKER = "\u2063rollwire-earlier-turn\u2063"
+RENDERED_BYTES = 64 << 20
+"""Bytes of whole-conversation renders a renderer keeps (the rollouts of a group open with one prompt)."""
 _LEAD = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+
+
+_encode_key = msgspec.json.Encoder().encode
 
 
 class RenderError(ValueError):
@@ -150,6 +159,11 @@ class ChatRenderer:
         if eos_text is not None and (eos_id := self.tokenizer.token_to_id(eos_text)) is not None:
             eos.add(eos_id)
         self.eos_ids = frozenset(eos)
+        # A template that reads the clock (`strftime_now`) renders another prompt tomorrow: not kept.
+        self._rendered: ByteLRU[bytes, tuple[int, ...]] | None = (
+            None if "strftime_now" in template else ByteLRU(RENDERED_BYTES, lambda ids: 36 * len(ids))
+        )
+        self._rendered_lock = threading.Lock()  # renders run in worker threads
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ChatRenderer:
@@ -184,7 +198,26 @@ class ChatRenderer:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def prompt_ids(self, messages: Sequence[Any], tools: Any, kwargs: dict[str, Any]) -> list[int]:
-        """A whole conversation's prompt, with the generation prompt (what the engine would render)."""
+        """A whole conversation's prompt, with the generation prompt (what the engine would render).
+
+        Kept by the conversation's digest: every rollout of a group sends the same first prompt, and a
+        long one costs milliseconds to render and tokenize (6 ms for 20,000 characters here)."""
+        try:
+            key = hashlib.blake2b(_encode_key([messages, tools, kwargs]), digest_size=16).digest()
+        except (TypeError, ValueError, OverflowError):  # not plain JSON: rendered, not kept
+            return self._render(messages, tools, kwargs)
+        if self._rendered is None:
+            return self._render(messages, tools, kwargs)
+        with self._rendered_lock:
+            kept = self._rendered.get(key)
+        if kept is not None:
+            return list(kept)
+        ids = self._render(messages, tools, kwargs)
+        with self._rendered_lock:
+            self._rendered.put(key, tuple(ids))
+        return ids
+
+    def _render(self, messages: Sequence[Any], tools: Any, kwargs: dict[str, Any]) -> list[int]:
         return self.encode(self.text(template_messages(messages, self.content_format), tools, True, kwargs))
 
     def suffix_ids(

@@ -113,3 +113,35 @@ def test_the_token_in_body_keeps_the_chat_sampling_fields() -> None:
                     "seed": 3, "stop": ["x"], "n": 2, "max_tokens": None, "logprobs": 2, "stream": True,
                     "stream_options": {"include_usage": True}}  # fmt: skip
     assert completion_body({"max_completion_tokens": 9, "max_tokens": 5}, [1], "m")["max_tokens"] == 9
+
+
+def test_a_repeated_conversation_is_rendered_once_and_a_clock_template_every_time(
+    dirs: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollouts of a group open with one prompt: rendered once, handed out as copies. A template that
+    reads the clock is rendered every time (tomorrow's prompt differs)."""
+    renderer = ChatRenderer.from_dir(dirs[0])
+    renders: list[int] = []
+    render = renderer._render
+    monkeypatch.setattr(renderer, "_render", lambda *a: renders.append(1) or render(*a))
+    first = renderer.prompt_ids(CONVERSATION[:2], TOOLS, {})
+    first.append(-1)  # the caller's list is its own
+    again = renderer.prompt_ids(CONVERSATION[:2], TOOLS, {})
+    assert again == first[:-1] == _transformers_ids(dirs[0], CONVERSATION[:2], TOOLS)
+    assert len(renders) == 1
+    assert renderer.prompt_ids(CONVERSATION[:2], None, {}) != again and len(renders) == 2  # tools are in the key
+
+    clock = tmp_path / "clock"
+    clock.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (clock / name).write_bytes((dirs[0] / name).read_bytes())
+    template = "{{ strftime_now('%Y') }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (clock / "chat_template.jinja").write_text(template)
+    timed = ChatRenderer.from_dir(clock)
+    timed_renders: list[int] = []
+    timed_render = timed._render
+    monkeypatch.setattr(timed, "_render", lambda *a: timed_renders.append(1) or timed_render(*a))
+    assert timed.prompt_ids([{"role": "user", "content": "hi"}], None, {}) == timed.prompt_ids(
+        [{"role": "user", "content": "hi"}], None, {}
+    )
+    assert len(timed_renders) == 2
