@@ -33,6 +33,10 @@ Deliver = Callable[[str, bytes, bool], None]
 
 _UNSAFE_SUBJECT = re.compile(r"[\s]")
 _CRLF = b"\r\n"
+_FLUSH_AT = 1 << 20
+"""Bytes held for the end of a turn past which they are written at once."""
+_JOIN_BELOW = 16 << 10
+"""Payloads smaller than this are joined with their protocol line into one buffer (cheaper than a vector)."""
 
 
 class WireError(Exception):
@@ -50,6 +54,7 @@ class NatsWire(asyncio.Protocol):
         self.max_payload = 1 << 20
         self._buffer = bytearray()
         self._turn: list[bytes] | None = None
+        self._turn_bytes = 0
         """What was written in this turn of the event loop after its first write (None: nothing yet)."""
         self._info: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pong: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -70,7 +75,7 @@ class NatsWire(asyncio.Protocol):
                 if info.get("tls_required"):
                     raise WireError("the server asks for TLS")
                 wire.max_payload = int(info.get("max_payload") or wire.max_payload)
-                wire._write(b"CONNECT %s\r\nPING\r\n" % _connect_options(url, info, name))
+                wire._write((b"CONNECT %s\r\nPING\r\n" % _connect_options(url, info, name),))
                 await wire._pong
         except (OSError, TimeoutError, ValueError) as exc:
             wire.close()
@@ -78,7 +83,7 @@ class NatsWire(asyncio.Protocol):
         except BaseException:
             wire.close()
             raise
-        wire._write(b"SUB %s 1\r\n" % inbox.encode())
+        wire._write((b"SUB %s 1\r\n" % inbox.encode(),))
         wire.connected = True
         return wire
 
@@ -93,17 +98,23 @@ class NatsWire(asyncio.Protocol):
         if _UNSAFE_SUBJECT.search(subject):  # the reply subject is the caller's own inbox
             raise BadSubjectError(f"a NATS subject may not hold whitespace: {subject!r}")
         if not headers:
-            self._write(b"PUB %s %s %d\r\n%s\r\n" % (subject.encode(), reply.encode(), len(data), data), urgent)
-            return
-        lines = "".join(f"{key}: {value}\r\n" for key, value in headers.items())
-        if lines.count("\r") != len(headers) or lines.count("\n") != len(headers):  # one CRLF per header
-            raise ValueError("a NATS header may not hold a line break")
-        head = b"NATS/1.0\r\n%s\r\n" % lines.encode()
-        self._write(
-            b"HPUB %s %s %d %d\r\n%s%s\r\n"
-            % (subject.encode(), reply.encode(), len(head), len(head) + len(data), head, data),
-            urgent,
-        )
+            line = b"PUB %s %s %d\r\n" % (subject.encode(), reply.encode(), len(data))
+        else:
+            lines = "".join(f"{key}: {value}\r\n" for key, value in headers.items())
+            if lines.count("\r") != len(headers) or lines.count("\n") != len(headers):  # one CRLF per header
+                raise ValueError("a NATS header may not hold a line break")
+            head = b"NATS/1.0\r\n%s\r\n" % lines.encode()
+            line = b"HPUB %s %s %d %d\r\n%s" % (
+                subject.encode(),
+                reply.encode(),
+                len(head),
+                len(head) + len(data),
+                head,
+            )
+        if len(data) < _JOIN_BELOW:
+            self._write((b"%s%s\r\n" % (line, data),), urgent)
+        else:  # a large payload is handed to the socket as it is, not copied into one buffer
+            self._write((line, data, _CRLF), urgent)
 
     def close(self) -> None:
         """Close the connection (the waiting publishes are failed by `on_lost`)."""
@@ -111,26 +122,30 @@ class NatsWire(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def _write(self, data: bytes, urgent: bool = True) -> None:
+    def _write(self, parts: tuple[bytes, ...], urgent: bool = True) -> None:
         """Write at once when nothing was written in this turn of the event loop (a lone claim travels
         while its record is built), else with the turn's other writes in one send at its end (32 calls
         in flight cost one system call a turn, not one a publish); not `urgent`, always at the end."""
         if self.transport is None or self.transport.is_closing():
             raise WireError("the connection is closed")
         if self._turn is not None:
-            self._turn.append(data)
+            self._turn.extend(parts)
+            self._turn_bytes += sum(map(len, parts))
+            if self._turn_bytes >= _FLUSH_AT:  # a batch of appends: the server starts on it meanwhile
+                self.transport.writelines(self._turn)
+                self._turn, self._turn_bytes = [], 0
             return
         if urgent:
-            self.transport.write(data)
-            self._turn = []
+            self.transport.writelines(parts)
+            self._turn, self._turn_bytes = [], 0
         else:
-            self._turn = [data]
+            self._turn, self._turn_bytes = list(parts), sum(map(len, parts))
         asyncio.get_running_loop().call_soon(self._end_turn)
 
     def _end_turn(self) -> None:
         turn, self._turn = self._turn, None
         if turn and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(b"".join(turn))
+            self.transport.writelines(turn)
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -190,7 +205,7 @@ class NatsWire(asyncio.Protocol):
 
     def _control(self, line: bytes) -> None:
         if line == b"PING":
-            self._write(b"PONG\r\n")
+            self._write((b"PONG\r\n",))
         elif line == b"PONG":
             if not self._pong.done():
                 self._pong.set_result(None)
