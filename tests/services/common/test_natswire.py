@@ -140,3 +140,18 @@ async def test_a_put_without_a_task_gives_its_revision_or_none(store: EventStore
         assert not store._acks.waiting
     finally:
         await store.nc.jetstream().delete_key_value(bucket)
+
+
+async def test_large_events_in_batches_past_the_flush_size_arrive_whole_and_in_order(
+    store: EventStore, run_id: str
+) -> None:
+    """Payloads past the join size go to the socket as a vector; a batch past 1 MiB is written before the turn ends."""
+    events = [
+        RolloutCreated(run_id=run_id, rollout_id=f"r{i}", input={"text": f"{i}:" + "x" * 40_000}, event_id=f"big-{i}")
+        for i in range(60)  # about 2.4 MB in one turn
+    ]
+    appended = await store.append_many(events)
+    assert [a.duplicate for a in appended] == [False] * 60
+    assert [a.seq for a in appended] == sorted(a.seq for a in appended)
+    read = [stored.event async for stored in store.read_run(run_id)]
+    assert read == events
