@@ -213,39 +213,21 @@ class EventStore:
         return Appended(seq=seq, duplicate=duplicate)
 
     async def kv_write(
-        self,
-        bucket: str,
-        key: str,
-        value: bytes,
-        last: int | None = None,
-        *,
-        delete: bool = False,
-        timeout: float = 5,
-        urgent: bool = True,
+        self, bucket: str, key: str, value: bytes, last: int | None = None, *, delete: bool = False, timeout: float = 5
     ) -> int:
         """Put a key-value entry (with `delete`, delete it); with `last`, only if its revision is still
         `last` (0: only if it has none). Its new revision. Raises as `KeyValue.put`/`update`/`delete` do
         (`KeyWrongLastSequenceError` when it changed, nats-py's `TimeoutError`), at the cost of one
-        pipelined publish (`PipelinedAcks.kv_send`; `urgent=False`: see `PipelinedAcks.send`);
-        `NotSent` while NATS is disconnected."""
-        waiting = await self.kv_send(bucket, key, value, last, delete=delete, timeout=timeout, urgent=urgent)
-        return await waiting
+        pipelined publish (`PipelinedAcks.kv_send`); `NotSent` while NATS is disconnected."""
+        return await (await self.kv_send(bucket, key, value, last, delete=delete, timeout=timeout))
 
     async def kv_send(
-        self,
-        bucket: str,
-        key: str,
-        value: bytes,
-        last: int | None = None,
-        *,
-        delete: bool = False,
-        timeout: float = 5,
-        urgent: bool = True,
+        self, bucket: str, key: str, value: bytes, last: int | None = None, *, delete: bool = False, timeout: float = 5
     ) -> Awaitable[int]:
         """`kv_write` in two steps: send the write now, and return what awaits its outcome (await it
         always), so that the caller can work while it travels."""
         try:
-            return await self._acks.kv_send(bucket, key, value, last, delete=delete, timeout=timeout, urgent=urgent)
+            return await self._acks.kv_send(bucket, key, value, last, delete=delete, timeout=timeout)
         except nats.errors.OutboundBufferLimitError:
             raise self._not_sent(f"{bucket}/{key}") from None
 

@@ -191,22 +191,14 @@ class PipelinedAcks:
             self.forget([token], [future])
 
     async def kv_send(
-        self,
-        bucket: str,
-        key: str,
-        value: bytes,
-        last: int | None = None,
-        *,
-        delete: bool = False,
-        timeout: float = 5,
-        urgent: bool = True,
+        self, bucket: str, key: str, value: bytes, last: int | None = None, *, delete: bool = False, timeout: float = 5
     ) -> Awaitable[int]:
         """Send a key-value write (a delete with `delete`; with `last`, a compare-and-set on the entry's
         revision) and return what awaits its new revision, raising as nats-py's `KeyValue` does."""
         headers = {} if last is None else {"Nats-Expected-Last-Subject-Sequence": str(last)}
         if delete:
             headers["KV-Operation"] = "DEL"
-        token, future = await self.send(f"$KV.{bucket}.{key}", value, headers, urgent=urgent)
+        token, future = await self.send(f"$KV.{bucket}.{key}", value, headers)
         return self._kv_ack(token, future, timeout)
 
     def kv_put_nowait(

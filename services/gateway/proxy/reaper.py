@@ -115,7 +115,7 @@ class CallReaper:
 
     async def _put(self, key: str, data: bytes) -> int | None:
         try:
-            return await self.store.kv_write(CALLS, key, data, urgent=False)
+            return await self.store.kv_write(CALLS, key, data)
         except (nats.errors.Error, OSError):  # OSError: a TimeoutError too
             return None  # not stored: no reaper can see the call, so its owner records it unclaimed
 
