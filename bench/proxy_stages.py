@@ -90,8 +90,7 @@ ROOTS: dict[tuple[str, str], str] = {
     ("services/gateway/proxy/pipeline.py", "events"): "event encode",
     ("services/gateway/proxy/pipeline.py", "_bounded"): "event encode",
     ("schemas/codec.py", "*"): "event encode",
-    ("services/common/eventstore.py", "kv_write"): "",  # "": the caller's stage (budget, marker)
-    ("services/common/eventstore.py", "kv_send"): "",
+    ("services/common/kvwrites.py", "*"): "",  # "": the caller's stage (budget, marker)
     ("services/common/jspublish.py", "kv_send"): "",
     ("services/common/jspublish.py", "_kv_ack"): "",
     ("services/common/jspublish.py", "request"): "",

@@ -181,6 +181,19 @@ def vllm_server(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     process, url = start_vllm(vllm_model_dir, log)
     try:
         wait_healthy(process, url, log)
-        yield VllmServer(url=url, api_key=API_KEY, model_dir=vllm_model_dir, served_name=SERVED_NAME, log=log)
+        server = VllmServer(url=url, api_key=API_KEY, model_dir=vllm_model_dir, served_name=SERVED_NAME, log=log)
+        _warm_up(server)
+        yield server
     finally:
         stop(process)
+
+
+def _warm_up(server: VllmServer) -> None:
+    """One chat and one token-in call: a fresh server's first generation takes seconds more than the next
+    (measured: over the 2 s upstream timeout of the test gateway), which would land on whichever test is first."""
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}),
+        ("/v1/completions", {"prompt": [1, 2, 3], "logprobs": 1}),
+    ):
+        response = server.post(path, {"model": server.served_name, "max_tokens": 2, "return_token_ids": True, **body})
+        assert response.status_code == 200, f"vLLM's warm-up call to {path} failed: {response.text[:500]}"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 
 import msgspec
 import nats
@@ -37,6 +37,7 @@ from schemas import Event, ModelRequestRecorded, RolloutStatusChanged, check_id,
 from schemas.ids import ROLLOUT_ALL, ROLLOUT_STATUS, RUN_ALL, STREAM_NAME, STREAM_SUBJECTS
 from schemas.refs import Resolver, UnresolvedReference
 from services.common.jspublish import PipelinedAcks, connection_options, probe
+from services.common.kvwrites import PublishPipeline
 from services.common.storeerrors import (
     STORE_FULL,
     WRONG_LAST_SEQUENCE,
@@ -78,7 +79,7 @@ class Appended(msgspec.Struct, frozen=True):
     duplicate: bool = False
 
 
-class EventStore:
+class EventStore(PublishPipeline):
     """Append-only access to the Rollwire stream (see the module docstring for the rules)."""
 
     def __init__(self, nc: NATS, stream: str = STREAM_NAME, *, url: str = "") -> None:
@@ -212,42 +213,6 @@ class EventStore:
         self.refusing = None
         return Appended(seq=seq, duplicate=duplicate)
 
-    async def kv_write(
-        self, bucket: str, key: str, value: bytes, last: int | None = None, *, delete: bool = False, timeout: float = 5
-    ) -> int:
-        """Put a key-value entry (with `delete`, delete it); with `last`, only if its revision is still
-        `last` (0: only if it has none). Its new revision. Raises as `KeyValue.put`/`update`/`delete` do
-        (`KeyWrongLastSequenceError` when it changed, nats-py's `TimeoutError`), at the cost of one
-        pipelined publish (`PipelinedAcks.kv_send`); `NotSent` while NATS is disconnected."""
-        return await (await self.kv_send(bucket, key, value, last, delete=delete, timeout=timeout))
-
-    async def kv_send(
-        self, bucket: str, key: str, value: bytes, last: int | None = None, *, delete: bool = False, timeout: float = 5
-    ) -> Awaitable[int]:
-        """`kv_write` in two steps: send the write now, and return what awaits its outcome (await it
-        always), so that the caller can work while it travels."""
-        try:
-            return await self._acks.kv_send(bucket, key, value, last, delete=delete, timeout=timeout)
-        except nats.errors.OutboundBufferLimitError:
-            raise self._not_sent(f"{bucket}/{key}") from None
-
-    def kv_put_nowait(
-        self, bucket: str, key: str, value: bytes, *, urgent: bool = True
-    ) -> asyncio.Future[int | None] | None:
-        """A key-value put sent now without a task (`PipelinedAcks.kv_put_nowait`): a future of its
-        revision, None when it was not stored; None when it cannot be sent so (use `kv_write`)."""
-        if self._pipeline is None:
-            return None
-        return self._pipeline.kv_put_nowait(bucket, key, value, urgent=urgent)
-
-    async def kv_remove(self, bucket: str, revision: int) -> Awaitable[bool]:
-        """Send the erasure of a key-value entry at `revision` (`PipelinedAcks.kv_remove`) and return what
-        awaits it (True: erased; False: that revision was gone); `NotSent` while NATS is disconnected."""
-        try:
-            return await self._acks.kv_remove(bucket, revision)
-        except nats.errors.OutboundBufferLimitError:
-            raise self._not_sent(f"{bucket}@{revision}") from None
-
     async def append_many(self, events: Iterable[Event], encoded: Sequence[bytes] | None = None) -> list[Appended]:
         """Append many events pipelined (publish all, then await every ack), in order (`encoded`: their
         `encode`d bytes, when the caller made them already).
@@ -301,19 +266,6 @@ class EventStore:
         if results:
             self.refusing = None
         return results
-
-    def _connection_dropped(self) -> None:
-        if self._pipeline is not None:
-            self._pipeline.connection_dropped()
-
-    @property
-    def _acks(self) -> PipelinedAcks:
-        if self._pipeline is None:
-            self._pipeline = PipelinedAcks(self.nc)
-        return self._pipeline
-
-    def _not_sent(self, subject: str) -> NotSent:
-        return NotSent(f"NATS is disconnected: {subject} was not sent, so it is not stored; retry later")
 
     async def append_unique(self, events: Sequence[tuple[Event, str]]) -> list[Appended | None]:
         """Append each event only if no message on the stream matches its filter yet; all at once, in order.
