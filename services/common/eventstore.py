@@ -36,7 +36,7 @@ from nats.js.api import StorageType, StreamConfig
 from schemas import Event, ModelRequestRecorded, RolloutStatusChanged, check_id, decode, encode
 from schemas.ids import ROLLOUT_ALL, ROLLOUT_STATUS, RUN_ALL, STREAM_NAME, STREAM_SUBJECTS
 from schemas.refs import Resolver, UnresolvedReference
-from services.common.jspublish import PipelinedAcks, connection_options, probe
+from services.common.jspublish import connection_options, probe
 from services.common.kvwrites import PublishPipeline
 from services.common.storeerrors import (
     STORE_FULL,
@@ -90,7 +90,6 @@ class EventStore(PublishPipeline):
         """The URL(s) it was connected with ("" when built on a connection): where another process connects."""
         self.refusing: str | None = None
         """Why the store refuses writes (it is full), from the last refused append; None once one succeeds."""
-        self._pipeline: PipelinedAcks | None = None
 
     @classmethod
     async def connect(

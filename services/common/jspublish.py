@@ -107,9 +107,8 @@ class PipelinedAcks:
     publish once nats-py is connected again; one that could not be made at all is not tried again.
     """
 
-    def __init__(self, nc: NATS, name: str = "rollwire") -> None:
+    def __init__(self, nc: NATS) -> None:
         self.nc = nc
-        self.name = name
         self.prefix = ""
         self.waiting: dict[str, asyncio.Future[Ack]] = {}
         self.sent = 0
@@ -123,8 +122,7 @@ class PipelinedAcks:
         """Publish one message: (its token, a future completed with its ack or JetStream's error).
 
         `urgent=False` on the lean connection: written with the event loop turn's other writes at its
-        end, never on its own at once (a call's marker, so that waking NATS does not slow the engine's
-        first token: +0.1 ms measured when it went at once).
+        end, never on its own at once (a call's marker: the engine's request is written first).
 
         Disconnected, it raises `OutboundBufferLimitError` at once rather than queue the message for
         a reconnect: a caller answered "not stored" must never see it stored later."""
@@ -138,19 +136,40 @@ class PipelinedAcks:
         if ready.cancelled() or ready.exception() is not None:  # tried again on the next publish
             self.ready = None
             ready.result()
+        if self.wire is not None and self.wire.connected:
+            sent = self._publish_now(subject, data, headers, urgent)
+            if sent is None:  # closed in this instant: not sent, as while disconnected
+                raise nats.errors.OutboundBufferLimitError
+            return sent
+        token, future = self._waiter()
+        try:
+            await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
+        except BaseException:
+            self.waiting.pop(token, None)
+            raise
+        return token, future
+
+    def _waiter(self) -> tuple[str, asyncio.Future[Ack]]:
+        """A new publish's reply token and the future its ack completes."""
         self.sent += 1
         token = str(self.sent)
         future: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
         self.waiting[token] = future
+        return token, future
+
+    def _publish_now(
+        self, subject: str, data: bytes, headers: dict[str, str] | None, urgent: bool
+    ) -> tuple[str, asyncio.Future[Ack]] | None:
+        """Publish on the lean connection without awaiting anything; None when it is not up."""
+        wire = self.wire
+        if wire is None or not wire.connected:
+            return None
+        token, future = self._waiter()
         try:
-            wire = self.wire
-            if wire is not None and wire.connected:
-                try:
-                    wire.publish(subject, self.prefix + token, data, headers, urgent=urgent)
-                except WireError:  # closed in this instant: not sent, as while disconnected
-                    raise nats.errors.OutboundBufferLimitError from None
-            else:
-                await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
+            wire.publish(subject, self.prefix + token, data, headers, urgent=urgent)
+        except WireError:
+            self.waiting.pop(token, None)
+            return None
         except BaseException:
             self.waiting.pop(token, None)
             raise
@@ -162,9 +181,10 @@ class PipelinedAcks:
             self.prefix = f"{self.nc.new_inbox()}."
         url = self.nc.connected_url
         if url is not None:
+            name = f"{self.nc.options.get('name') or 'rollwire'} (publishes)"
             try:
                 self.wire = await NatsWire.open(
-                    url, f"{self.prefix}*", self._deliver, self._wire_lost, name=self.name, timeout=2.0
+                    url, f"{self.prefix}*", self._deliver, self._lost, name=name, timeout=2.0
                 )
                 return
             except WireError as exc:
@@ -173,9 +193,9 @@ class PipelinedAcks:
             await self.nc.subscribe(f"{self.prefix}*", cb=self._answer)
             self._subscribed = True
 
-    def _wire_lost(self) -> None:
-        self.connection_dropped()
-        self.ready = None  # the next publish makes it again
+    def _lost(self, wire: NatsWire) -> None:
+        if wire is self.wire:  # not an older one, closed after it was replaced
+            self.connection_dropped()
 
     async def request(self, subject: str, data: bytes, headers: dict[str, str], timeout: float) -> Ack:
         """Publish one message and wait for its ack (raises JetStream's refusal as `APIError`,
@@ -208,19 +228,11 @@ class PipelinedAcks:
         (None when it was not stored or no ack came in `timeout` seconds). None when the lean
         connection is not up: use `kv_send`. For a write made on every call (the call's marker), where
         a task and its chain of coroutines cost more than the write."""
-        wire = self.wire
-        if wire is None or not wire.connected or not self.nc.is_connected:
+        sent = self._publish_now(f"$KV.{bucket}.{key}", value, None, urgent) if self.nc.is_connected else None
+        if sent is None:
             return None
-        self.sent += 1
-        token = str(self.sent)
-        try:
-            wire.publish(f"$KV.{bucket}.{key}", self.prefix + token, value, None, urgent=urgent)
-        except WireError:
-            return None
-        loop = asyncio.get_running_loop()
-        ack: asyncio.Future[Ack] = loop.create_future()
-        revision: asyncio.Future[int | None] = loop.create_future()
-        self.waiting[token] = ack
+        token, ack = sent
+        revision: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
         timer = fail_after(ack, timeout, _no_ack)
 
         def acked(done: asyncio.Future[Ack]) -> None:

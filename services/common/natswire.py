@@ -2,10 +2,10 @@
 
 Hand-written because it was measured: on the gateway, nats-py's own Python (subject validation,
 a pending list and a flusher task per publish; per ack its parser, a `Msg`, a subscription queue
-and a task) took about a sixth of the proxy's CPU per call (`bench/bench_proxy.py`, the gateway
-README gives the figures before and after). Here a publish is written to the socket at once, so a
-claim also travels while the record is built, and an ack completes its future from the protocol
-callback.
+and a task) took 14% of the proxy's CPU per call at 32 calls in flight and 22% at 1 (cProfile under
+`bench/bench_proxy.py`; the gateway README gives the figures before and after). Here a publish is
+written to the socket at once, so a claim also travels while the record is built, and an ack
+completes its future from the protocol callback.
 
 It does only that: publishes with a reply subject (PUB, HPUB) and one subscription for the replies
 (MSG, HMSG), answering the server's PINGs. Everything else (reads, subscriptions, the JetStream
@@ -46,24 +46,33 @@ class WireError(Exception):
 class NatsWire(asyncio.Protocol):
     """One NATS connection: publish with a reply subject, receive on one subscription (see the module docstring)."""
 
-    def __init__(self, deliver: Deliver, on_lost: Callable[[], None]) -> None:
+    def __init__(self, deliver: Deliver, on_lost: Callable[[NatsWire], None]) -> None:
         self.deliver = deliver
         self.on_lost = on_lost
         self.transport: asyncio.Transport | None = None
         self.connected = False
-        self.max_payload = 1 << 20
+        """Open for publishing (False once closed, by either side)."""
+        self._opened = False
         self._buffer = bytearray()
         self._turn: list[bytes] | None = None
-        self._turn_bytes = 0
         """What was written in this turn of the event loop after its first write (None: nothing yet)."""
+        self._turn_bytes = 0
         self._info: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pong: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @classmethod
     async def open(
-        cls, url: ParseResult, inbox: str, deliver: Deliver, on_lost: Callable[[], None], *, name: str, timeout: float
+        cls,
+        url: ParseResult,
+        inbox: str,
+        deliver: Deliver,
+        on_lost: Callable[[NatsWire], None],
+        *,
+        name: str,
+        timeout: float,
     ) -> NatsWire:
-        """Connect to `url` with its credentials and subscribe to `inbox` (raises `WireError`)."""
+        """Connect to `url` with its credentials and subscribe to `inbox` (raises `WireError`); `on_lost`
+        is called with the connection once it closes, whoever closed it."""
         if url.scheme not in ("nats", ""):
             raise WireError(f"{url.scheme}:// is left to nats-py")
         loop = asyncio.get_running_loop()
@@ -74,7 +83,6 @@ class NatsWire(asyncio.Protocol):
                 info = await wire._info
                 if info.get("tls_required"):
                     raise WireError("the server asks for TLS")
-                wire.max_payload = int(info.get("max_payload") or wire.max_payload)
                 wire._write((b"CONNECT %s\r\nPING\r\n" % _connect_options(url, info, name),))
                 await wire._pong
         except (OSError, TimeoutError, ValueError) as exc:
@@ -84,7 +92,7 @@ class NatsWire(asyncio.Protocol):
             wire.close()
             raise
         wire._write((b"SUB %s 1\r\n" % inbox.encode(),))
-        wire.connected = True
+        wire.connected = wire._opened = True
         return wire
 
     def publish(
@@ -117,7 +125,7 @@ class NatsWire(asyncio.Protocol):
             self._write((line, data, _CRLF), urgent)
 
     def close(self) -> None:
-        """Close the connection (the waiting publishes are failed by `on_lost`)."""
+        """Close the connection (`on_lost` follows, and fails the waiting publishes)."""
         self.connected = False
         if self.transport is not None:
             self.transport.close()
@@ -153,13 +161,13 @@ class NatsWire(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # a stream transport
 
     def connection_lost(self, exc: Exception | None) -> None:
-        was = self.connected
         self.connected = False
         for waiter in (self._info, self._pong):
             if not waiter.done():
                 waiter.set_exception(WireError(f"the connection closed: {exc!r}"))
-        if was:
-            self.on_lost()
+        if self._opened:  # also when this side closed it (the server's -ERR): what waits must fail now
+            self._opened = False
+            self.on_lost(self)
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer

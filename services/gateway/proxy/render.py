@@ -202,11 +202,11 @@ class ChatRenderer:
 
         Kept by the conversation's digest: every rollout of a group sends the same first prompt, and a
         long one costs milliseconds to render and tokenize (6 ms for 20,000 characters here)."""
+        if self._rendered is None:
+            return self._render(messages, tools, kwargs)
         try:
             key = hashlib.blake2b(_encode_key([messages, tools, kwargs]), digest_size=16).digest()
         except (TypeError, ValueError, OverflowError):  # not plain JSON: rendered, not kept
-            return self._render(messages, tools, kwargs)
-        if self._rendered is None:
             return self._render(messages, tools, kwargs)
         with self._rendered_lock:
             kept = self._rendered.get(key)

@@ -101,12 +101,29 @@ async def test_a_lost_wire_fails_what_waits_and_is_made_again(store: EventStore,
     assert acks.wire is not None and acks.wire is not wire and acks.wire.connected
 
 
+async def test_a_connection_the_server_closes_with_an_error_fails_what_waits_at_once(
+    store: EventStore, run_id: str
+) -> None:
+    """The server refuses a message past its max_payload with -ERR and closes the connection: what waits
+    on it fails then (not at its timeout), and the next publish makes a new one."""
+    await store.append(_created(run_id))
+    acks = store._acks
+    wire = acks.wire
+    assert wire is not None
+    subject = _created(run_id).subject
+    _, waiting = await acks.send(subject, b"x" * (store.max_payload + 1), None)
+    with pytest.raises(TimeoutError, match="dropped"):
+        await asyncio.wait_for(waiting, 3)  # the ack timeout is 5 s: only the loss fails it this soon
+    await store.append(_created(run_id + "b"))
+    assert acks.wire is not None and acks.wire is not wire and acks.wire.connected
+
+
 async def test_line_breaks_cannot_inject_commands(nats_url: str) -> None:
     nc = await nats.connect(nats_url)
     try:
         url = nc.connected_url
         assert url is not None
-        wire = await NatsWire.open(url, "_INBOX.t.*", lambda *_: None, lambda: None, name="t", timeout=5)
+        wire = await NatsWire.open(url, "_INBOX.t.*", lambda *_: None, lambda _: None, name="t", timeout=5)
         try:
             with pytest.raises(nats.errors.BadSubjectError):
                 wire.publish("rl.x\r\nPUB evil 1", "_INBOX.t.1", b"x", None)
@@ -122,7 +139,7 @@ async def test_nothing_listening_is_a_wire_error() -> None:
     port = free_port()
     url = urlparse(f"nats://127.0.0.1:{port}")
     with pytest.raises(WireError):
-        await NatsWire.open(url, "_INBOX.t.*", lambda *_: None, lambda: None, name="t", timeout=2)
+        await NatsWire.open(url, "_INBOX.t.*", lambda *_: None, lambda _: None, name="t", timeout=2)
 
 
 async def test_a_put_without_a_task_gives_its_revision_or_none(store: EventStore, run_id: str) -> None:
