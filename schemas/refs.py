@@ -39,7 +39,8 @@ import numpy as np
 from msgspec import UNSET, UnsetType
 
 _SWAP = sys.byteorder != "little"
-_IdArray = np.ndarray[Any, np.dtype[np.int32]]
+IdArray = np.ndarray[Any, np.dtype[np.int32]]
+"""Token ids as one int32 array (what the proxy parses a long prompt's ids into)."""
 _FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 # dtype objects made once: numpy parses a dtype string on every call that names one.
 _I4, _U4, _F4, _F8 = np.dtype("<i4"), np.dtype("<u4"), np.dtype("<f4"), np.dtype("<f8")
@@ -87,8 +88,8 @@ class UnresolvedReference(LookupError):
 # ---- packing ------------------------------------------------------------------------------------
 
 
-def pack_ids(values: Sequence[int], width: int = 4) -> bytes:
-    """Ids as little-endian int32 (`width` 4), or as unsigned 24-bit integers (`width` 3).
+def pack_ids(values: Sequence[int] | IdArray, width: int = 4) -> bytes:
+    """Ids (a list, or an int32 array) as little-endian int32 (`width` 4), or as unsigned 24-bit integers (`width` 3).
 
     Raises OverflowError for an id outside the width's range.
     """
@@ -136,10 +137,16 @@ def _int32_view(data: bytes, width: int, more: bytes = b"") -> np.ndarray[Any, A
     return ids
 
 
-def id_width(*arrays: Sequence[int]) -> int:
+def id_width(*arrays: Sequence[int] | IdArray) -> int:
     """3 when every id fits in 24 bits (every vocabulary in use does), else 4."""
     for values in arrays:
-        if values and (min(values) < 0 or max(values) >= 1 << 24):
+        if not len(values):
+            continue
+        if isinstance(values, np.ndarray):  # a long prompt's array: its bounds in C
+            low, high = int(values.min()), int(values.max())
+        else:
+            low, high = min(values), max(values)
+        if low < 0 or high >= 1 << 24:
             return 4
     return 3
 
@@ -159,7 +166,7 @@ def unpack_floats(data: bytes, width: int) -> list[float]:
     return _float_array(data, width).tolist()
 
 
-def pack(ids: Sequence[int], response: Sequence[int], logprobs: Sequence[float]) -> PackedTokens:
+def pack(ids: Sequence[int] | IdArray, response: Sequence[int], logprobs: Sequence[float]) -> PackedTokens:
     """The packed form of one call's prompt ids (or their new suffix), response ids and logprobs."""
     text, width = pack_floats(logprobs)
     ids_width = id_width(ids, response)
@@ -225,7 +232,7 @@ def _unpacked(event: _Packable) -> tuple[list[int], list[int], list[float]]:
     return prompt.tolist(), response.tolist(), logprobs.tolist()
 
 
-def unpack_arrays(event: _Packable) -> tuple[_IdArray, _IdArray, _FloatArray]:
+def unpack_arrays(event: _Packable) -> tuple[IdArray, IdArray, _FloatArray]:
     """A call's prompt ids, response ids and logprobs as numpy arrays (int32, int32, float64), packed or not.
 
     What a bulk reader (the trainer, the replay) takes instead of `upcast`: no Python int or float
@@ -252,7 +259,7 @@ def unpack_arrays(event: _Packable) -> tuple[_IdArray, _IdArray, _FloatArray]:
 
 def unpack_together(
     events: Sequence[_Packable],
-) -> tuple[list[tuple[_IdArray, _IdArray, _FloatArray]], _IdArray | None]:
+) -> tuple[list[tuple[IdArray, IdArray, _FloatArray]], IdArray | None]:
     """`unpack_arrays` of many calls (a rollout's), with a few numpy operations for all of them,
     and the one array all their ids were read from (None when each call was unpacked alone).
 
@@ -330,7 +337,7 @@ def check_packed(packed: PackedTokens) -> None:
     raise ValueError(f"{len(packed.logprobs)} bytes are not whole {packed.logprob_width}-byte floats")
 
 
-def _ids(values: Sequence[int]) -> _IdArray:
+def _ids(values: Sequence[int]) -> IdArray:
     return np.asarray(values, dtype=np.int32)
 
 
@@ -472,8 +479,8 @@ class ArrayResolver:
 
     __slots__ = ("at", "joined", "repeated", "seen", "tail")
 
-    def __init__(self, joined: _IdArray | None = None) -> None:
-        self.seen: dict[str, tuple[_IdArray, _IdArray]] = {}
+    def __init__(self, joined: IdArray | None = None) -> None:
+        self.seen: dict[str, tuple[IdArray, IdArray]] = {}
         self.repeated: set[str] = set()
         self.joined = joined
         self.at = 0  # where the next call's recorded ids start in `joined`
@@ -481,8 +488,8 @@ class ArrayResolver:
         self.tail: tuple[str, int] | None = None
 
     def prompt(
-        self, event_id: str, ref: CallRef | UnsetType | None, prompt: _IdArray, response: _IdArray
-    ) -> tuple[_IdArray, CallRef | None]:
+        self, event_id: str, ref: CallRef | UnsetType | None, prompt: IdArray, response: IdArray
+    ) -> tuple[IdArray, CallRef | None]:
         """A call's full prompt (its recorded `prompt` and `response` given, in stream order) and its usable reference.
 
         Raises `UnresolvedReference` when the referenced call was not seen (and so not resolved).

@@ -13,7 +13,7 @@ import msgspec
 from schemas.rollout import RolloutView
 from services.gateway.proxy.frontends.base import Translator
 from services.gateway.proxy.ledger import Charge
-from services.gateway.proxy.openai_format import ChoiceRecord
+from services.gateway.proxy.openai_format import ChoiceRecord, PromptIds
 from services.gateway.state import ModelEntry
 
 
@@ -54,7 +54,7 @@ class Call(msgspec.Struct, kw_only=True):
 
     def note(self, outcome: Outcome) -> None:
         """Note the tokens an outcome shows the engine spent (its prompt and responses), when it shows any."""
-        if outcome.prompt_ids or outcome.records:
+        if len(outcome.prompt_ids) or outcome.records:
             self.used = len(outcome.prompt_ids) + sum(len(r.token_ids) for r in outcome.records)
 
     def spent(self, reserved: Charge) -> Charge:
@@ -72,7 +72,8 @@ class Outcome(msgspec.Struct, kw_only=True):
     """What a call produced, to record."""
 
     status: str
-    prompt_ids: list[int] = msgspec.field(default_factory=list)
+    prompt_ids: PromptIds = msgspec.field(default_factory=list)
+    """The prompt's ids (an int32 array when parsed straight from the engine's answer)."""
     records: list[ChoiceRecord] = msgspec.field(default_factory=list)
     usage: Any = None
     weights: str | None = None

@@ -172,7 +172,8 @@ class Continuity:
                 found.append((event, stored.seq))
         chains.forget(run_id, rollout_id, attempt_id)
         for event, seq in found[-PER_ATTEMPT:]:
-            chains.add(key, event, seq, np.asarray([*event.prompt_ids, *event.response_ids], dtype=np.int32))
+            tokens = np.asarray([*event.prompt_ids, *event.response_ids], dtype=np.int32)
+            chains.add(key, event, seq, tokens, len(event.prompt_ids))
         return chains.recent(key) or [], True
 
     async def prepare(self, gw: Gateway, call: Call) -> None:

@@ -32,7 +32,14 @@ from services.gateway.proxy.continuity import Continuity
 from services.gateway.proxy.frontends.base import error_body
 from services.gateway.proxy.ledger import Charge
 from services.gateway.proxy.limits import RECORD_OVERHEAD, asked, check_call, clamp_max_tokens, lower_max_tokens
-from services.gateway.proxy.openai_format import StreamFold, int_usage, read_completion, sampling_params
+from services.gateway.proxy.openai_format import (
+    PromptIds,
+    StreamFold,
+    decode_completion,
+    int_usage,
+    read_completion,
+    sampling_params,
+)
 from services.gateway.proxy.payload import refusal
 from services.gateway.proxy.reaper import CallReaped
 from services.gateway.proxy.recording import OutOfBounds, cut, not_recorded, out_of_bounds
@@ -43,7 +50,6 @@ from services.gateway.proxy.upstream import UpstreamError, UpstreamResponse
 WEIGHTS_HEADER = "x-rollwire-weights-version"
 Prepared = tuple[list[ModelRequestRecorded], list[bytes]]
 """A call's events as they will be stored, and their encoded bytes."""
-_decode_obj = msgspec.json.Decoder(dict[str, Any]).decode
 _encode = msgspec.json.Encoder().encode
 
 
@@ -132,7 +138,10 @@ class Pipeline:
         return phase.weights_version if phase else None
 
     def events(self, call: Call, outcome: Outcome) -> list[ModelRequestRecorded]:
-        """One `model_request` event per choice (one event without choices for a failed call)."""
+        """One `model_request` event per choice (one event without choices for a failed call).
+
+        A prompt parsed into an int32 array is not copied into them: `record` hands it to
+        `CallChains.compact` beside the events."""
         view, call_id = call.view, call.call_id
         common: dict[str, Any] = {
             "run_id": view.run_id,
@@ -143,7 +152,7 @@ class Pipeline:
             "status": outcome.status,
             "model": outcome.model or call.model.upstream_model,
             "weights_version": self._weights(call, outcome.weights),
-            "prompt_ids": outcome.prompt_ids,
+            "prompt_ids": outcome.prompt_ids if isinstance(outcome.prompt_ids, list) else [],
             "request": call.recorded_request,
             "usage": int_usage(outcome.usage),
             "latency_s": time.perf_counter() - call.started,
@@ -181,7 +190,7 @@ class Pipeline:
         try:  # built, compacted and encoded while the claim travels; nothing is sent
             events, why = self._bounded(call, outcome)
             if why is None:
-                prepared = self._prepare(events)
+                prepared = self._prepare(events, outcome.prompt_ids)
         except OutOfBounds as exc:  # token ids found outside the bounds while packing them
             why = exc.why
         finally:
@@ -225,9 +234,9 @@ class Pipeline:
             return [], str(exc)
         return events, out_of_bounds(events)
 
-    def _prepare(self, events: list[ModelRequestRecorded]) -> Prepared:
+    def _prepare(self, events: list[ModelRequestRecorded], prompt_ids: PromptIds | None = None) -> Prepared:
         """The events as they will be stored (compacted against the attempt's earlier calls) and their bytes."""
-        stored = self.gw.chains.compact(events)
+        stored = self.gw.chains.compact(events, prompt_ids)
         return stored, [encode(event) for event in stored]
 
     async def _append(self, call: Call, events: list[ModelRequestRecorded], prepared: Prepared | None = None) -> None:
@@ -312,7 +321,7 @@ class Pipeline:
             await self._pass_error(call, upstream, send)
             return
         try:
-            answer = _decode_obj(upstream.content)
+            answer = decode_completion(upstream.content)
         except (msgspec.DecodeError, msgspec.ValidationError):
             await self._fail(call, send, 502, "the model endpoint answered with invalid JSON")
             return

@@ -24,9 +24,10 @@ import numpy as np
 from msgspec import UNSET, UnsetType
 
 from schemas import CallRef, ModelRequestRecorded
-from schemas.refs import pack
+from schemas.refs import IdArray, pack
 from services.common.bytecache import ByteLRU
 from services.common.eventstore import Appended
+from services.gateway.proxy.openai_format import PromptIds
 from services.gateway.proxy.payload import cut_request
 
 MIN_SHARED = 16
@@ -61,9 +62,9 @@ def _shared(prompt: Any, tokens: Any) -> int:
     return first if differ[first] else n
 
 
-def _ids(values: Sequence[int]) -> Any | None:
+def _ids(values: PromptIds) -> IdArray | None:
     try:
-        return np.asarray(values, dtype=np.int32) if values else None
+        return np.asarray(values, dtype=np.int32) if len(values) else None
     except OverflowError:
         return None
 
@@ -110,25 +111,34 @@ class CallChains:
         self.references = compact
         self.attempts: ByteLRU[AttemptKey, list[RecordedCall]] = ByteLRU(max_bytes, _calls_size)
         self.referenced = 0
-        self._prompts: dict[int, tuple[list[int], Any]] = {}
-        """The prompt arrays `compact` made, by the id of their list, for `remember` (a long prompt's
-        list-to-array conversion is the costly part of both)."""
+        self._prompts: dict[str, IdArray] = {}
+        """The prompt arrays `compact` made or was given, by the call's first event id, for `remember`."""
 
-    def compact(self, events: list[ModelRequestRecorded]) -> list[ModelRequestRecorded]:
-        """The events as recorded: a reference and the new ids where an earlier call is shared, arrays packed."""
+    def compact(
+        self, events: list[ModelRequestRecorded], prompt_ids: PromptIds | None = None
+    ) -> list[ModelRequestRecorded]:
+        """The events as recorded: a reference and the new ids where an earlier call is shared, arrays packed.
+
+        `prompt_ids`, when given, are the call's prompt ids (its events' own `prompt_ids` are then
+        left empty: an array parsed from the engine's answer never becomes a list unless the
+        version-1 encoding needs it)."""
         if not events:
             return events
+        first = events[0]
+        given = first.prompt_ids if prompt_ids is None else prompt_ids
         if not self.references:  # the version-1 encoding of calls: full JSON lists, no reference
+            if given is not first.prompt_ids:
+                listed = given.tolist() if isinstance(given, np.ndarray) else list(given)
+                events = [msgspec.structs.replace(event, prompt_ids=listed) for event in events]
             _check_ids(events)
             return events
-        first = events[0]
         base: RecordedCall | None = None
         shared = 0
-        prompt = _ids(first.prompt_ids)
+        prompt = _ids(given)
         if prompt is not None and first.status == "ok":
             if len(self._prompts) >= 256:  # a bound: every call's append ends in `remember` or `drop`
                 self._prompts.clear()
-            self._prompts[id(first.prompt_ids)] = (first.prompt_ids, prompt)
+            self._prompts[first.event_id] = prompt
             for recorded in reversed(self.attempts.get(_key(first)) or []):
                 n = _shared(prompt, recorded.tokens)
                 if n > shared:
@@ -136,38 +146,37 @@ class CallChains:
                 if shared == len(prompt):  # no earlier call can share more than the whole prompt
                     break
         if base is None or shared < MIN_SHARED:
-            return [_packed(event, event.prompt_ids, event.request, UNSET) for event in events]
+            return [_packed(event, given, event.request, UNSET) for event in events]
         self.referenced += 1
         request, same, prefix = compact_request(first.request, base.request)
         ref = CallRef(event_id=base.event_id, seq=base.seq, tokens=shared, same=same, prefix=prefix)
-        rest = first.prompt_ids[shared:]
+        rest = given[shared:]
         return [_packed(event, rest, request, ref) for event in events]
 
     def remember(self, events: list[ModelRequestRecorded], appended: Sequence[Appended]) -> None:
         """Keep the acknowledged `ok` calls (full events, as built before `compact`) for later references
         and continuous prompts."""
-        made = self._prompts.pop(id(events[0].prompt_ids), None) if events else None
+        made = self._prompts.pop(events[0].event_id, None) if events else None
         for event, ack in zip(events, appended, strict=True):
-            if event.status != "ok" or not event.prompt_ids or ack.duplicate:
+            if event.status != "ok" or ack.duplicate:
                 continue
-            if made is not None and made[0] is event.prompt_ids:  # the same list: its array is made
-                response = _ids(event.response_ids) if event.response_ids else None
-                if event.response_ids and response is None:  # an id outside int32: not kept, as below
-                    continue
-                tokens = made[1] if response is None else np.concatenate((made[1], response))
-            else:
-                tokens = _ids([*event.prompt_ids, *event.response_ids])
-            if tokens is None:
+            prompt = made if made is not None else _ids(event.prompt_ids)
+            if prompt is None:  # no prompt ids, or one outside int32: nothing to reference
                 continue
-            self.add(_key(event), event, ack.seq, tokens)
+            response = _ids(event.response_ids) if event.response_ids else None
+            if event.response_ids and response is None:  # an id outside int32: not kept
+                continue
+            tokens = prompt if response is None else np.concatenate((prompt, response))
+            self.add(_key(event), event, ack.seq, tokens, len(prompt))
 
     def drop(self, events: list[ModelRequestRecorded]) -> None:
         """Forget what `compact` made for events whose append failed (they are not remembered)."""
         if events:
-            self._prompts.pop(id(events[0].prompt_ids), None)
+            self._prompts.pop(events[0].event_id, None)
 
-    def add(self, key: AttemptKey, event: ModelRequestRecorded, seq: int, tokens: Any) -> None:
-        """Keep one call (full prompt ids and request) of an attempt, the oldest of more than PER_ATTEMPT dropped."""
+    def add(self, key: AttemptKey, event: ModelRequestRecorded, seq: int, tokens: Any, prompt_size: int) -> None:
+        """Keep one call (full prompt + response ids, `prompt_size` of them the prompt's, and its request)
+        of an attempt, the oldest of more than PER_ATTEMPT dropped."""
         reply = event.response.get("message") if isinstance(event.response, dict) else None
         size = tokens.nbytes + len(_encode(event.request)) + (len(_encode(reply)) if reply else 0)
         calls = self.attempts.pop(key) or []
@@ -178,7 +187,7 @@ class CallChains:
                 tokens,
                 event.request,
                 size,
-                len(event.prompt_ids),
+                prompt_size,
                 reply if isinstance(reply, dict) else None,
             )
         )
@@ -210,16 +219,17 @@ def _key(event: ModelRequestRecorded) -> AttemptKey:
 
 
 def _packed(
-    event: ModelRequestRecorded, prompt: list[int], request: dict[str, Any], ref: CallRef | UnsetType | None
+    event: ModelRequestRecorded, prompt: PromptIds, request: dict[str, Any], ref: CallRef | UnsetType | None
 ) -> ModelRequestRecorded:
-    if not (prompt or event.response_ids or event.logprobs):
+    if not (len(prompt) or event.response_ids or event.logprobs):
         return msgspec.structs.replace(event, prompt_ids=[], request=request, prompt_ref=ref)
     try:
         packed = pack(prompt, event.response_ids, event.logprobs)
     except OverflowError:  # an id outside int32, which no reader accepts
         raise OutOfBounds("a token id is outside 0..2^31-1") from None
     if packed.id_width == 4:  # some id is negative or past 24 bits (3 bytes each otherwise): which?
-        _check_ids([msgspec.structs.replace(event, prompt_ids=prompt)])
+        listed = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)
+        _check_ids([msgspec.structs.replace(event, prompt_ids=listed)])
     return msgspec.structs.replace(
         event, prompt_ids=[], response_ids=[], logprobs=[], request=request, prompt_ref=ref, packed=packed
     )

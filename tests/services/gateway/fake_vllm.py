@@ -12,7 +12,8 @@ test can check what the gateway recorded against what was actually sampled. Knob
 `tool_script` (tool name -> JSON arguments: call that tool when the request offers it),
 `answer_tokens` (answers end, `finish_reason: stop`, after this many tokens when max_tokens allows more),
 and injected faults an engine could answer but the contract cannot hold: `forge_token` (the first
-sampled token id is this, e.g. 2^32 or -1), `forge_usage` (the answer's `completion_tokens`, e.g. 2^63).
+sampled token id is this, e.g. 2^32 or -1), `forge_prompt_token` (the last prompt id is this),
+`forge_usage` (the answer's `completion_tokens`, e.g. 2^63).
 
 With tools, the first call of a turn calls the first tool (arguments `{"x": N}`) and the call after
 its result (last message role `tool`) answers in text and stops (`finish_reason: stop`; otherwise
@@ -121,6 +122,7 @@ class FakeVLLM:
         self.tool_script: dict[str, str] = {}
         self.answer_tokens: int | None = None
         self.forge_token: int | None = None
+        self.forge_prompt_token: int | None = None
         self.forge_usage: int | None = None
         self.vary = False  # True: every request draws anew, so identical requests get different answers
         self.draws = 0
@@ -147,7 +149,7 @@ class FakeVLLM:
         self.reasoning = None
         self.tool_script = {}
         self.answer_tokens = None
-        self.forge_token = self.forge_usage = None
+        self.forge_token = self.forge_prompt_token = self.forge_usage = None
         self.served.clear()
         self.requests.clear()
         self.aborted = self.started = 0
@@ -279,6 +281,8 @@ class FakeVLLM:
 
     def _choices(self, request: dict[str, Any], epoch: int) -> tuple[list[int], list[dict[str, Any]]]:
         prompt = prompt_ids(request.get("messages") or [])
+        if self.forge_prompt_token is not None and prompt:
+            prompt[-1] = self.forge_prompt_token
         limit = int(request.get("max_tokens") or request.get("max_completion_tokens") or 8)
         count = min(limit, self.answer_tokens or limit)
         tools = request.get("tools") or []
