@@ -13,7 +13,8 @@ import msgspec
 from schemas.rollout import RolloutView
 from services.gateway.proxy.frontends.base import Translator
 from services.gateway.proxy.ledger import Charge
-from services.gateway.proxy.openai_format import ChoiceRecord, PromptIds
+from services.gateway.proxy.openai_format import ChoiceRecord
+from services.gateway.proxy.promptids import PromptIds
 from services.gateway.state import ModelEntry
 
 

@@ -9,20 +9,15 @@ asked for: the extras are removed unless its own request set them. Pure function
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import numpy as np
 
-from schemas.refs import IdArray
-
-PromptIds = list[int] | IdArray
-"""A call's prompt ids: an int32 array when parsed straight from the engine's JSON, else a list."""
+from services.gateway.proxy.promptids import PromptIds, int_list, prompt_token_ids
 
 _decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _decode_any = msgspec.json.Decoder().decode
-_ID_TEXT = b"0123456789, \t\r\n"
-_INT32_MAX = 2**31 - 1
 
 
 class Wants(msgspec.Struct, frozen=True):
@@ -101,59 +96,22 @@ def _logprob_values(choice: dict[str, Any]) -> list[float]:
         return []
 
 
-def _int_list(value: Any) -> list[int]:
-    """Token ids, validated in C (a Python loop over a long prompt costs ten times more)."""
-    if not isinstance(value, list):
-        return []
-    try:
-        return msgspec.convert(value, list[int])
-    except msgspec.ValidationError:
-        return []
-
-
 def decode_completion(content: bytes) -> dict[str, Any]:
     """A non-streamed completion's JSON object, its `prompt_token_ids` left raw (`msgspec.Raw`).
 
-    `read_completion` parses those ids straight into an int32 array and encoding the answer writes
-    them back as they came, so a long prompt's ids never become Python ints: at 32 calls in flight
-    with 20,000-character prompts (5,000 ids) this took the proxy's CPU per call from 587-628 µs
-    to 463-473 µs (`bench/bench_proxy.py`). Raises `msgspec.DecodeError` for malformed JSON and
-    `msgspec.ValidationError` for JSON that is not an object.
+    `read_completion` parses those ids straight into an int32 array (`promptids.py`) and encoding
+    the answer writes them back as they came, so a long prompt's ids never become Python ints.
+    Raises `msgspec.DecodeError` for malformed JSON and `msgspec.ValidationError` for JSON that is
+    not an object.
     """
     fields = _decode_fields(content)
     return {key: value if key == "prompt_token_ids" else _decode_any(value) for key, value in fields.items()}
 
 
-def prompt_token_ids(value: Any) -> PromptIds:
-    """Prompt ids as recorded: raw JSON of non-negative int32s as an int32 array, anything else
-    decoded and validated as a list (so odd answers keep the list path's exact checks)."""
-    if isinstance(value, msgspec.Raw):
-        ids = _int32_array(bytes(value))
-        if ids is not None:
-            return ids
-        value = _decode_any(value)
-    return _int_list(value)
-
-
-def _int32_array(data: bytes) -> IdArray | None:
-    """A JSON array of integers in 0..2^31-1 parsed by numpy's C parser; None for anything else.
-
-    The JSON was validated when it was decoded, so an array holding only digits, commas and
-    whitespace holds integers, and numpy parses every one of them (checked by the count).
-    """
-    if len(data) < 3 or data[0] != 0x5B or data[-1] != 0x5D:  # "[...]", not empty
-        return None
-    inner = data[1:-1]
-    if inner.translate(None, _ID_TEXT) or not inner.strip():  # a sign, a fraction, an exponent; no number
-        return None
-    ids = np.fromstring(inner, dtype=np.int64, sep=",")
-    if len(ids) != inner.count(b",") + 1 or int(ids.max()) > _INT32_MAX:
-        return None
-    return ids.astype(np.int32)
-
-
-def read_completion(response: dict[str, Any]) -> tuple[PromptIds, list[ChoiceRecord]]:
-    """Prompt ids and per-choice records of a non-streamed completion (its prompt ids may be raw JSON)."""
+def read_completion(
+    response: dict[str, Any], prompt_ids: Callable[[Any], PromptIds] = prompt_token_ids
+) -> tuple[PromptIds, list[ChoiceRecord]]:
+    """Prompt ids (read by `prompt_ids`: they may be raw JSON) and per-choice records of a non-streamed completion."""
     records = []
     for position, choice in enumerate(response.get("choices") or []):
         if not isinstance(choice, dict):
@@ -162,13 +120,13 @@ def read_completion(response: dict[str, Any]) -> tuple[PromptIds, list[ChoiceRec
         records.append(
             ChoiceRecord(
                 index=int(choice.get("index", position)),
-                token_ids=_int_list(choice.get("token_ids")),
+                token_ids=int_list(choice.get("token_ids")),
                 logprobs=_logprob_values(choice),
                 finish_reason=choice.get("finish_reason"),
                 message=message if isinstance(message, dict) else None,
             )
         )
-    return prompt_token_ids(response.get("prompt_token_ids")), records
+    return prompt_ids(response.get("prompt_token_ids")), records
 
 
 def strip_completion(response: dict[str, Any], wants: Wants) -> None:
@@ -197,7 +155,7 @@ class StreamFold:
     def feed(self, chunk: dict[str, Any]) -> None:
         """Fold one decoded chunk."""
         if not self.prompt_ids and isinstance(chunk.get("prompt_token_ids"), list):
-            self.prompt_ids = _int_list(chunk["prompt_token_ids"])
+            self.prompt_ids = int_list(chunk["prompt_token_ids"])
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
@@ -207,7 +165,7 @@ class StreamFold:
             record = self.choices.get(index)
             if record is None:
                 record = self.choices[index] = ChoiceRecord(index=index)
-            record.token_ids.extend(_int_list(choice.get("token_ids")))
+            record.token_ids.extend(int_list(choice.get("token_ids")))
             record.logprobs.extend(_logprob_values(choice))
             if choice.get("finish_reason") is not None:
                 record.finish_reason = choice["finish_reason"]

@@ -33,7 +33,6 @@ from services.gateway.proxy.frontends.base import error_body
 from services.gateway.proxy.ledger import Charge
 from services.gateway.proxy.limits import RECORD_OVERHEAD, asked, check_call, clamp_max_tokens, lower_max_tokens
 from services.gateway.proxy.openai_format import (
-    PromptIds,
     StreamFold,
     decode_completion,
     int_usage,
@@ -41,6 +40,7 @@ from services.gateway.proxy.openai_format import (
     sampling_params,
 )
 from services.gateway.proxy.payload import refusal
+from services.gateway.proxy.promptids import PromptIdParser, PromptIds
 from services.gateway.proxy.reaper import CallReaped
 from services.gateway.proxy.recording import OutOfBounds, cut, not_recorded, out_of_bounds
 from services.gateway.proxy.relay import relay_stream
@@ -59,6 +59,7 @@ class Pipeline:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
         self.continuity = Continuity()
+        self.prompt_ids = PromptIdParser()
 
     async def run(self, call: Call, receive: Receive, send: Send) -> None:
         """Serve one call within the run's limits, the event store's and the attempt's budget, behind the phase gate."""
@@ -329,7 +330,8 @@ class Pipeline:
         if call.token_in:
             answer = chat_answer(answer, call.parse_tools, call.parse_reasoning)
             content = _encode(answer)
-        prompt_ids, records = read_completion(answer)
+        key = (call.view.run_id, call.view.rollout_id, call.attempt_id)
+        prompt_ids, records = read_completion(answer, lambda value: self.prompt_ids.parse(key, value))
         outcome = Outcome(
             status="ok",
             prompt_ids=prompt_ids,

@@ -27,8 +27,8 @@ from schemas import CallRef, ModelRequestRecorded
 from schemas.refs import IdArray, pack
 from services.common.bytecache import ByteLRU
 from services.common.eventstore import Appended
-from services.gateway.proxy.openai_format import PromptIds
 from services.gateway.proxy.payload import cut_request
+from services.gateway.proxy.promptids import AttemptKey, PromptIds
 
 MIN_SHARED = 16
 """Fewest shared leading tokens worth a reference (below it the call is recorded in full)."""
@@ -36,7 +36,6 @@ PER_ATTEMPT = 8
 """Recent `ok` calls remembered per attempt (harnesses with sub-agents interleave a few chains)."""
 
 _encode = msgspec.json.Encoder().encode
-AttemptKey = tuple[str, str | None, str | None]
 
 
 class RecordedCall(msgspec.Struct, frozen=True, gc=False):

@@ -1,5 +1,6 @@
-"""A completion's prompt ids, parsed straight from the engine's JSON into int32, equal what the exact
-path (decode to Python, validate as `list[int]`) makes of them, and the answer re-encodes unchanged."""
+"""A completion's prompt ids, parsed straight from the engine's JSON into int32 (and from the attempt's
+last parse when the prompt extends it), equal what the exact path (decode to Python, validate as
+`list[int]`) makes of them, and the answer re-encodes unchanged."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from services.gateway.proxy.openai_format import decode_completion, prompt_token_ids
+from services.gateway.proxy.openai_format import decode_completion
+from services.gateway.proxy.promptids import PromptIdParser, prompt_token_ids
 
 EXACT = msgspec.json.Decoder(dict[str, Any]).decode
 
@@ -70,3 +72,51 @@ def test_an_answer_without_prompt_ids_or_not_an_object() -> None:
         decode_completion(b"[1,2]")
     with pytest.raises(msgspec.DecodeError):
         decode_completion(b'{"prompt_token_ids":[1,,2]}')
+
+
+def _raw(ids_json: bytes) -> msgspec.Raw:
+    return decode_completion(b'{"prompt_token_ids":' + ids_json + b"}")["prompt_token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        (b"[1,2,3]", b"[1,2,3]"),  # the same prompt again
+        (b"[1,2,3]", b"[1,2,3,4,5]"),  # the next turn
+        (b"[1, 2 ]", b"[1, 2 ,7]"),  # spaced
+        (b"[1,2,3]", b"[1,2,34]"),  # not an extension: 3 became 34
+        (b"[1,2,3]", b"[1,2]"),  # shorter
+        (b"[1,2,3]", b"[1,2,3,-4]"),  # extends with an id outside the contract
+        (b"[1,2,3]", b"[1,2,3,2147483648]"),
+        (b"[1,2,3]", b"[1,2,3,4.5]"),
+        (b"[1,2,3]", b"[9,2,3,4]"),
+        (b"[5]", b"[]"),
+    ],
+)
+def test_the_attempts_last_parse_is_reused_only_when_the_ids_are_the_same(first: bytes, then: bytes) -> None:
+    parser = PromptIdParser()
+    key = ("run", "rollout", "attempt")
+    assert list(parser.parse(key, _raw(first))) == list(prompt_token_ids(_raw(first)))
+    again = parser.parse(key, _raw(then))
+    exact = prompt_token_ids(_raw(then))
+    assert type(again) is type(exact) and list(again) == list(exact)
+
+
+def test_attempts_do_not_share_a_parse_and_a_kept_parse_is_read_only() -> None:
+    parser = PromptIdParser()
+    first = parser.parse(("r", "x", "a"), _raw(b"[1,2,3]"))
+    other = parser.parse(("r", "x", "b"), _raw(b"[1,2,3,4]"))
+    assert list(other) == [1, 2, 3, 4]
+    assert isinstance(first, np.ndarray) and not first.flags.writeable
+    assert list(parser.parse(("r", "x", "a"), _raw(b"[1,2,3,4]"))) == [1, 2, 3, 4]
+    assert list(parser.parse(("r", "x", "a"), [8, 9])) == [8, 9]  # a list (token-in answers) as it is
+
+
+def test_a_long_growing_conversation_parses_to_the_exact_ids() -> None:
+    rng = random.Random(3)
+    parser = PromptIdParser(max_bytes=1 << 20)
+    ids: list[int] = []
+    for _turn in range(30):
+        ids += [rng.randrange(2**31) for _ in range(rng.randrange(1, 400))]
+        got = parser.parse(("r", "x", "a"), _raw(msgspec.json.encode(ids)))
+        assert isinstance(got, np.ndarray) and got.tolist() == ids
