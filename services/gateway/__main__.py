@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import signal
 
 import msgspec
@@ -19,6 +18,7 @@ import uvicorn
 from services.common.accesslog import AccessLogError, access_format
 from services.common.eventstore import EventStore, EventStoreError
 from services.common.settings import fail, run_async, run_command, typer_app
+from services.common.turnwrites import OneSendProtocol
 from services.gateway.app import create_app
 from services.gateway.settings import DEFAULT_PORT, GatewaySettings, SettingsError, settings_from_env
 
@@ -42,7 +42,8 @@ async def serve(settings: GatewaySettings) -> None:
         port=settings.port,
         log_level="warning",
         access_log=False,
-        http="httptools" if importlib.util.find_spec("httptools") else "h11",
+        http=OneSendProtocol,  # one socket send per response (see turnwrites.py)
+        proxy_headers=False,  # nothing reads a forwarded client address; not parsed on every call
         timeout_keep_alive=120,
         timeout_graceful_shutdown=30,
     )
