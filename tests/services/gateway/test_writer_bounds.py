@@ -1,11 +1,11 @@
 """The writer checks a call against the contract's own bounds before recording it `ok`.
 
 An engine (a fake here: these are injected faults, see `fake_vllm.py`) that answers a token id
-(sampled or of the prompt) of 2^32 or -1, a usage count of 2^63 or a weights-version header of 3e9 used to get its call recorded
-`ok` in a form `schemas.decode` refuses (and every reader after it stopped there), or, for the
-weights version, lost unrecorded after generation with a 500. Now such a call is recorded `failed`
-with the reason (without the values that do not fit), every event stays readable, and the agent
-gets a 502 naming what was wrong.
+(sampled or of the prompt) of 2^32 or -1, a usage count of 2^63 or a weights-version header of 3e9
+used to get its call recorded `ok` in a form `schemas.decode` refuses (and every reader after it
+stopped there), or, for the weights version, lost unrecorded after generation with a 500. Now such
+a call is recorded `failed` with the reason (without the values that do not fit), every event stays
+readable, and the agent gets a 502 naming what was wrong.
 """
 
 from __future__ import annotations
