@@ -46,6 +46,8 @@ class Call(msgspec.Struct, kw_only=True):
     continuity: str | None = None
     parse_tools: bool = False
     parse_reasoning: bool = False
+    prompt_size: int | None = None
+    """Tokens of a prompt known before the call (a token-in prompt's ids), for its reservation."""
     used: int | None = None
     """Tokens the engine spent on the call (None: unknown, the call is charged its reservation)."""
     seqs: list[int] = msgspec.field(default_factory=list)

@@ -190,6 +190,7 @@ class Continuity:
             raise ProxyRefusal(400, str(exc), kind="invalid_request_error", param="messages") from None
         call.payload = _encode(completion_body(call.recorded_request, planned.prompt_ids, call.model.upstream_model))
         call.endpoint = "/completions"
+        call.prompt_size = len(planned.prompt_ids)
         call.continuity = planned.continuity
         call.parse_tools = (
             bool(call.recorded_request.get("tools")) and call.recorded_request.get("tool_choice") != "none"

@@ -109,17 +109,15 @@ RECORD_OVERHEAD = 4096
 reserves of its attempt's byte budget is its payload plus this."""
 
 
-def asked(payload: bytes, request: dict[str, Any], limits: CallLimits) -> tuple[int, int, int]:
+def asked(
+    payload: bytes, request: dict[str, Any], limits: CallLimits, prompt_size: int | None = None
+) -> tuple[int, int, int]:
     """(prompt tokens at most, n, max_tokens) a call may spend, for its reservation against the budget.
 
-    A token-in payload (`prompt` a list of ids) says its prompt exactly; otherwise the payload's size
-    in bytes bounds it (no token is shorter than a byte of the request that renders it). A call that
+    A token-in prompt's size is known (`prompt_size`, its ids); otherwise the payload's size in
+    bytes bounds it (no token is shorter than a byte of the request that renders it). A call that
     names no `max_tokens` may run to the run's per-call limit."""
-    prompt = len(payload)
-    if b'"prompt"' in payload:
-        ids = msgspec.json.decode(payload).get("prompt")
-        if isinstance(ids, list):
-            prompt = len(ids)
+    prompt = len(payload) if prompt_size is None else prompt_size
     names = [name for name in ("max_tokens", "max_completion_tokens") if request.get(name) is not None]
     wanted = min((_count(request, name, 1) for name in names), default=limits.max_tokens)
     return prompt, _count(request, "n"), min(wanted, limits.max_tokens)

@@ -50,7 +50,6 @@ from services.gateway.proxy.upstream import UpstreamError, UpstreamResponse
 WEIGHTS_HEADER = "x-rollwire-weights-version"
 Prepared = tuple[list[ModelRequestRecorded], list[bytes]]
 """A call's events as they will be stored, and their encoded bytes."""
-_encode = msgspec.json.Encoder().encode
 
 
 class Pipeline:
@@ -96,7 +95,7 @@ class Pipeline:
 
     async def _reserve(self, call: Call, settings: RunSpec) -> Reservation | None:
         """Reserve the call against its attempt's budget, its `max_tokens` lowered to what is left."""
-        prompt, n, max_tokens = asked(call.payload, call.recorded_request, settings.limits)
+        prompt, n, max_tokens = asked(call.payload, call.recorded_request, settings.limits, call.prompt_size)
         size = len(call.payload) + RECORD_OVERHEAD
         budgets = self.gw.budgets
         reservation = await budgets.reserve(
@@ -322,14 +321,14 @@ class Pipeline:
             await self._pass_error(call, upstream, send)
             return
         try:
-            answer = decode_completion(upstream.content)
+            answer = decode_completion(upstream.content, choice_ids=call.token_in)
         except (msgspec.DecodeError, msgspec.ValidationError):
             await self._fail(call, send, 502, "the model endpoint answered with invalid JSON")
             return
-        content = upstream.content
-        if call.token_in:
+        content: bytes | None = upstream.content
+        if call.token_in:  # answered as chat: the engine's bytes are not the answer
             answer = chat_answer(answer, call.parse_tools, call.parse_reasoning)
-            content = _encode(answer)
+            content = None
         key = (call.view.run_id, call.view.rollout_id, call.attempt_id)
         prompt_ids, records = read_completion(answer, lambda value: self.prompt_ids.parse(key, value))
         outcome = Outcome(

@@ -145,3 +145,29 @@ def test_interleaved_sub_agents_each_extend_their_own_chain(
         "fresh: first call of the attempt", "fresh: a new conversation (no earlier assistant turn)", *["extended"] * 4
     ]  # fmt: skip
     assert sample_count(calls, rollout_id) == 2
+
+
+def test_a_token_in_call_reserves_its_prompt_ids_exactly(
+    gateway: GatewayHandle, qwen3_vllm: TemplateVLLM, qwen3_model_dir: Path, run_id: str
+) -> None:
+    """Against a token budget, a continuous-mode call counts its prompt as its ids (not its payload's bytes,
+    several times more): a budget of the prompt and 7 tokens lowers the call's max_tokens to 7."""
+    ask: Any = {"model": "policy", "messages": [{"role": "user", "content": "add 1 and 2, please"}], "max_tokens": 50}
+    rollout_id, client = start(gateway, f"{run_id}-free", "continuous", qwen3_vllm, qwen3_model_dir)
+    client.chat.completions.create(**ask)
+    (free,) = recorded(gateway, rollout_id)
+    prompt = len(free.prompt_ids)
+    assert prompt > 10  # its token-in payload is hundreds of bytes
+
+    budgeted = f"{run_id}-budget"
+    spec = {"run_id": budgeted, "prompt_mode": "continuous", "budget": {"tokens": prompt + 7}}
+    assert gateway.admin.post("/api/runs", json=spec).status_code in (200, 201)
+    extra = {"tokenizer": str(qwen3_model_dir), "reasoning_parser": "qwen3"}
+    gateway.register_model(budgeted, f"{qwen3_vllm.url}/v1", name="policy", served_model="qwen3-style", **extra)  # type: ignore[attr-defined]
+    rollout = gateway.create(budgeted)[0]
+    attempt = gateway.attempt(rollout["rollout_id"])
+    client = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"], max_retries=0)
+    client.chat.completions.create(**ask)
+    (call,) = recorded(gateway, rollout["rollout_id"])
+    assert call.status == "ok" and call.prompt_ids == free.prompt_ids
+    assert call.request["max_tokens"] == 7

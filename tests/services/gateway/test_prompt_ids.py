@@ -120,3 +120,16 @@ def test_a_long_growing_conversation_parses_to_the_exact_ids() -> None:
         ids += [rng.randrange(2**31) for _ in range(rng.randrange(1, 400))]
         got = parser.parse(("r", "x", "a"), _raw(msgspec.json.encode(ids)))
         assert isinstance(got, np.ndarray) and got.tolist() == ids
+
+
+def test_a_token_in_completions_choice_ids_stay_raw_only_when_asked() -> None:
+    body = b'{"id":"cmpl","choices":[{"index":0,"text":"hi","prompt_token_ids":[4,5,6],"token_ids":[7]}]}'
+    plain = decode_completion(body)
+    assert plain["choices"][0]["prompt_token_ids"] == [4, 5, 6]
+    raw = decode_completion(body, choice_ids=True)
+    ids = raw["choices"][0]["prompt_token_ids"]
+    assert isinstance(ids, msgspec.Raw) and list(prompt_token_ids(ids)) == [4, 5, 6]
+    assert raw["choices"][0]["token_ids"] == [7] and EXACT(msgspec.json.encode(raw)) == EXACT(body)
+    odd = b'{"choices":null}'
+    assert decode_completion(odd, choice_ids=True) == {"choices": None}
+    assert decode_completion(b'{"choices":[1,"x"]}', choice_ids=True) == {"choices": [1, "x"]}

@@ -105,8 +105,9 @@ class Translator(Protocol):
 
     api: Api
 
-    def complete(self, answer: dict[str, Any], content: bytes, records: list[ChoiceRecord]) -> bytes:
-        """The body of a non-streamed 200 answer."""
+    def complete(self, answer: dict[str, Any], content: bytes | None, records: list[ChoiceRecord]) -> bytes:
+        """The body of a non-streamed 200 answer (`content`: the engine's own bytes when they are that answer
+        as it sent it, None when the proxy rewrote it)."""
         ...
 
     def begin(self) -> bytes:

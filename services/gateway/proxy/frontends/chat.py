@@ -35,10 +35,10 @@ class ChatTranslator:
         self.wants = wants
         self.passthrough = wants.token_ids and wants.logprobs and wants.usage_chunk
 
-    def complete(self, answer: dict[str, Any], content: bytes, records: list[ChoiceRecord]) -> bytes:
+    def complete(self, answer: dict[str, Any], content: bytes | None, records: list[ChoiceRecord]) -> bytes:
         """The engine's answer, stripped."""
         if self.wants.token_ids and self.wants.logprobs:
-            return content
+            return content if content is not None else _encode(answer)
         strip_completion(answer, self.wants)
         return _encode(answer)
 

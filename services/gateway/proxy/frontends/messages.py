@@ -236,7 +236,7 @@ class MessagesTranslator:
             "usage": usage,
         }
 
-    def complete(self, answer: dict[str, Any], content: bytes, records: list[ChoiceRecord]) -> bytes:
+    def complete(self, answer: dict[str, Any], content: bytes | None, records: list[ChoiceRecord]) -> bytes:
         """The whole `message`."""
         choices = answer.get("choices") or [{}]
         stop = choices[0].get("stop_reason") if isinstance(choices[0], dict) else None

@@ -253,7 +253,7 @@ class ResponsesTranslator:
             "usage": _usage(out) if out is not None else None,
         }
 
-    def complete(self, answer: dict[str, Any], content: bytes, records: list[ChoiceRecord]) -> bytes:
+    def complete(self, answer: dict[str, Any], content: bytes | None, records: list[ChoiceRecord]) -> bytes:
         """The whole `response`."""
         out = output_of(records[0] if records else None, answer.get("usage"))
         output: list[dict[str, Any]] = []
