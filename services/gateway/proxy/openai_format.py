@@ -17,7 +17,6 @@ import msgspec
 from services.gateway.proxy.promptids import PromptIds, int_list, prompt_token_ids
 
 _decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
-_decode_choice_fields = msgspec.json.Decoder(list[dict[str, msgspec.Raw]]).decode
 _decode_any = msgspec.json.Decoder().decode
 
 
@@ -97,32 +96,16 @@ def _logprob_values(choice: dict[str, Any]) -> list[float]:
         return []
 
 
-def decode_completion(content: bytes, *, choice_ids: bool = False) -> dict[str, Any]:
-    """A non-streamed completion's JSON object, its `prompt_token_ids` left raw (`msgspec.Raw`), and with
-    `choice_ids` each choice's own too (a token-in completion's, see `tokenin.py`).
+def decode_completion(content: bytes) -> dict[str, Any]:
+    """A non-streamed completion's JSON object, its `prompt_token_ids` left raw (`msgspec.Raw`).
 
     `read_completion` parses those ids straight into an int32 array (`promptids.py`) and encoding
     the answer writes them back as they came, so a long prompt's ids never become Python ints.
     Raises `msgspec.DecodeError` for malformed JSON and `msgspec.ValidationError` for JSON that is
     not an object.
     """
-    answer: dict[str, Any] = {}
-    for key, value in _decode_fields(content).items():
-        if key == "prompt_token_ids":
-            answer[key] = value
-        elif key == "choices" and choice_ids:
-            answer[key] = _raw_id_choices(value)
-        else:
-            answer[key] = _decode_any(value)
-    return answer
-
-
-def _raw_id_choices(value: msgspec.Raw) -> Any:
-    try:
-        choices = _decode_choice_fields(value)
-    except msgspec.ValidationError:  # not a list of objects: as it is
-        return _decode_any(value)
-    return [{k: v if k == "prompt_token_ids" else _decode_any(v) for k, v in choice.items()} for choice in choices]
+    fields = _decode_fields(content)
+    return {key: value if key == "prompt_token_ids" else _decode_any(value) for key, value in fields.items()}
 
 
 def read_completion(

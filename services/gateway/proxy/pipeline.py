@@ -45,6 +45,7 @@ from services.gateway.proxy.reaper import CallReaped
 from services.gateway.proxy.recording import OutOfBounds, cut, not_recorded, out_of_bounds
 from services.gateway.proxy.relay import relay_stream
 from services.gateway.proxy.tokenin import ChunkConverter, chat_answer
+from services.gateway.proxy.tokenin import decode_completion as decode_token_in
 from services.gateway.proxy.upstream import UpstreamError, UpstreamResponse
 
 WEIGHTS_HEADER = "x-rollwire-weights-version"
@@ -321,7 +322,8 @@ class Pipeline:
             await self._pass_error(call, upstream, send)
             return
         try:
-            answer = decode_completion(upstream.content, choice_ids=call.token_in)
+            decode = decode_token_in if call.token_in else decode_completion
+            answer = decode(upstream.content)
         except (msgspec.DecodeError, msgspec.ValidationError):
             await self._fail(call, send, 502, "the model endpoint answered with invalid JSON")
             return

@@ -135,6 +135,51 @@ def _finish(reason: Any, calls: list[dict[str, Any]]) -> Any:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
+_NULL = msgspec.Raw(b"null")
+
+
+class _Choice(msgspec.Struct):
+    """What `chat_answer` reads of a completion's choice; its prompt ids left as raw JSON."""
+
+    index: Any = None
+    text: Any = None
+    finish_reason: Any = None
+    stop_reason: Any = None
+    prompt_token_ids: msgspec.Raw = _NULL
+    token_ids: Any = None
+    logprobs: Any = None
+
+
+class _Completion(msgspec.Struct):
+    """What `chat_answer` reads of a non-streamed completion."""
+
+    id: Any = None
+    created: Any = None
+    model: Any = None
+    usage: Any = None
+    choices: list[_Choice] = []
+
+
+_decode_completion = msgspec.json.Decoder(_Completion).decode
+_decode_any = msgspec.json.Decoder(dict[str, Any]).decode
+
+
+def decode_completion(content: bytes) -> dict[str, Any]:
+    """A non-streamed token-in completion in one pass, each choice's `prompt_token_ids` left raw for the
+    proxy's id parser (`promptids.py`); a shape other than vLLM's is decoded as it is. Raises
+    `msgspec.DecodeError` for malformed JSON and `msgspec.ValidationError` for JSON that is not an object."""
+    try:
+        completion = _decode_completion(content)
+    except msgspec.ValidationError:
+        return _decode_any(content)
+    answer = msgspec.structs.asdict(completion)
+    answer["choices"] = choices = [msgspec.structs.asdict(choice) for choice in completion.choices]
+    for choice in choices:
+        if choice["prompt_token_ids"] == _NULL:  # absent or null: none to read
+            choice["prompt_token_ids"] = None
+    return answer
+
+
 def chat_answer(completion: dict[str, Any], tools: bool, reasoning: bool) -> dict[str, Any]:
     """A non-streamed token-in completion as vLLM's chat completion (prompt and sampled ids, parsed message)."""
     choices, prompt_ids = [], None
