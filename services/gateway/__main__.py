@@ -17,8 +17,8 @@ import uvicorn
 
 from services.common.accesslog import AccessLogError, access_format
 from services.common.eventstore import EventStore, EventStoreError
+from services.common.headheld import OneSendProtocol
 from services.common.settings import fail, run_async, run_command, typer_app
-from services.common.turnwrites import OneSendProtocol
 from services.gateway.app import create_app
 from services.gateway.settings import DEFAULT_PORT, GatewaySettings, SettingsError, settings_from_env
 
@@ -42,7 +42,7 @@ async def serve(settings: GatewaySettings) -> None:
         port=settings.port,
         log_level="warning",
         access_log=False,
-        http=OneSendProtocol,  # one socket send per response (see turnwrites.py)
+        http=OneSendProtocol,  # one socket send per response (see headheld.py)
         proxy_headers=False,  # nothing reads a forwarded client address; not parsed on every call
         timeout_keep_alive=120,
         timeout_graceful_shutdown=30,

@@ -1,11 +1,11 @@
-"""uvicorn's HTTP protocol (httptools) with one socket send per event-loop turn, not one per write.
+"""uvicorn's HTTP protocol (httptools) sending a response's head and its body in one socket send.
 
 uvicorn writes a response's status line and headers, then its body, each with its own
 `transport.write`, and uvloop sends each at once: two system calls for every JSON answer, the
-second often a separate TCP segment. `TurnWrites` holds what a connection writes during one turn
-of the event loop and sends it as one buffer at the turn's end (`loop.call_soon`), so a response
-whose head and body are sent in the same turn, as every JSON answer is, costs one send. The order
-of writes is kept, and closing the connection sends what is held first.
+second often a separate TCP segment. `HeadHeld` holds a write that starts a response (`HTTP/`)
+until the next write, and sends both as one buffer then; a head with no body in the same turn of
+the event loop (a stream's) goes at the turn's end. Every other write goes at once, so a stream's
+chunks are not delayed. The order of writes is kept, and closing sends a held head first.
 
     config = uvicorn.Config(app, http=OneSendProtocol, ...)
 """
@@ -17,35 +17,43 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+_HEAD = b"HTTP/"
 
-class TurnWrites(asyncio.Transport):
-    """A transport that holds the writes of one event-loop turn and sends them together at its end."""
+
+class HeadHeld(asyncio.Transport):
+    """A transport that holds a response's head until its body is written, then sends both together."""
 
     def __init__(self, transport: asyncio.Transport) -> None:
         super().__init__()
         self._transport = transport
-        self._held: list[bytes | bytearray | memoryview] = []
+        self._head: bytes | bytearray | memoryview | None = None
         self._loop = asyncio.get_running_loop()
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Hold `data` until the end of this turn (the first write of a turn schedules the send)."""
-        if not self._held:
+        """Send `data` (with a held head before it); hold it instead when it starts a response."""
+        head = self._head
+        if head is not None:
+            self._head = None
+            self._transport.write(b"".join((head, data)))
+        elif data[:5] == _HEAD:
+            self._head = data
             self._loop.call_soon(self._send)
-        self._held.append(data)
+        else:
+            self._transport.write(data)
 
     def _send(self) -> None:
-        held, self._held = self._held, []
-        if held and not self._transport.is_closing():
-            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
+        head, self._head = self._head, None
+        if head is not None and not self._transport.is_closing():
+            self._transport.write(head)
 
     def close(self) -> None:
-        """Send what is held, then close."""
+        """Send a held head, then close."""
         self._send()
         self._transport.close()
 
     def abort(self) -> None:
-        """Close at once, dropping what is held."""
-        self._held = []
+        """Close at once, dropping a held head."""
+        self._head = None
         self._transport.abort()
 
     def is_closing(self) -> bool:
@@ -78,12 +86,12 @@ class TurnWrites(asyncio.Transport):
 
     def get_write_buffer_size(self) -> int:
         """Bytes held here and in the transport's own buffer."""
-        return sum(len(data) for data in self._held) + self._transport.get_write_buffer_size()
+        return (len(self._head) if self._head is not None else 0) + self._transport.get_write_buffer_size()
 
 
 class OneSendProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol writing through `TurnWrites`."""
+    """uvicorn's httptools protocol writing through `HeadHeld`."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        """Start the connection with its writes held until the end of each turn."""
-        super().connection_made(TurnWrites(transport))
+        """Start the connection, each response's head sent with its body."""
+        super().connection_made(HeadHeld(transport))

@@ -1,4 +1,5 @@
-"""`TurnWrites` sends what one event-loop turn wrote as one buffer, in order, and nothing is lost on close.
+"""`HeadHeld` sends a response's head with its body in one send, sends everything else at once, in order,
+and loses nothing on close.
 
 The unit tests watch a real socket's sends through `SendCounter`, a transport that passes every
 write to the real one and counts them (the kernel's own sends cannot be observed from Python). The
@@ -14,7 +15,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from services.common.turnwrites import OneSendProtocol, TurnWrites
+from services.common.headheld import HeadHeld, OneSendProtocol
 
 
 class SendCounter(asyncio.Transport):
@@ -50,42 +51,43 @@ async def _read(sock: socket.socket) -> bytes:
     return await asyncio.get_running_loop().sock_recv(sock, 65536)
 
 
-def test_writes_of_one_turn_go_as_one_send_in_order() -> None:
+def test_a_head_goes_with_its_body_and_other_writes_go_at_once() -> None:
     async def scenario() -> None:
         counter, peer = await _pair()
-        writes = TurnWrites(counter)
+        writes = HeadHeld(counter)
         writes.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        assert counter.sends == []  # held for its body
         writes.write(b"body")
-        assert counter.sends == []  # held until the turn ends
-        await asyncio.sleep(0)
         assert counter.sends == [b"HTTP/1.1 200 OK\r\n\r\nbody"]
-        writes.write(b"next")
+        writes.write(b"chunk")  # not a head: at once
+        assert counter.sends[1:] == [b"chunk"]
+        writes.write(b"HTTP/1.1 200 OK\r\n\r\n")  # a stream's head, no body this turn: at the turn's end
         await asyncio.sleep(0)
-        assert counter.sends[1:] == [b"next"]
-        assert await _read(peer) == b"HTTP/1.1 200 OK\r\n\r\nbodynext"
+        assert counter.sends[2:] == [b"HTTP/1.1 200 OK\r\n\r\n"]
+        writes.write(b"data: 1")
+        assert counter.sends[3:] == [b"data: 1"]
+        assert await _read(peer) == b"HTTP/1.1 200 OK\r\n\r\nbodychunkHTTP/1.1 200 OK\r\n\r\ndata: 1"
         peer.close()
         writes.abort()
 
     asyncio.run(scenario())
 
 
-def test_close_sends_what_is_held_and_abort_drops_it() -> None:
+def test_close_sends_a_held_head_and_abort_drops_it() -> None:
     async def scenario() -> None:
         counter, peer = await _pair()
-        writes = TurnWrites(counter)
-        writes.write(b"last words")
+        writes = HeadHeld(counter)
+        writes.write(b"HTTP/1.1 204 No Content\r\n\r\n")
         writes.close()
-        assert counter.sends == [b"last words"] and writes.is_closing()
+        assert counter.sends == [b"HTTP/1.1 204 No Content\r\n\r\n"] and writes.is_closing()
         await asyncio.sleep(0)
-        writes.write(b"after close")
-        await asyncio.sleep(0)
-        assert counter.sends == [b"last words"]
-        assert await _read(peer) == b"last words"
+        assert len(counter.sends) == 1
+        assert await _read(peer) == b"HTTP/1.1 204 No Content\r\n\r\n"
         peer.close()
 
         counter, peer = await _pair()
-        writes = TurnWrites(counter)
-        writes.write(b"dropped")
+        writes = HeadHeld(counter)
+        writes.write(b"HTTP/1.1 200 OK\r\n\r\n")
         writes.abort()
         await asyncio.sleep(0)
         assert counter.sends == []
