@@ -5,7 +5,7 @@ Chat Completions front end, exact prompt mode) on a real nats-server, the fake v
 real gateway process, and writes its figures. The direct path's figure is the fake upstream's own
 CPU per call when called directly: a Python ASGI server answering the same call on the same
 machine, so a loaded or slow machine moves both and the ratio holds. The proxy does much more per
-call (admission, budget, call marker, recording, metrics): about 8 times the upstream's CPU in the
+call (admission, budget, call marker, recording, metrics): about 7 times the upstream's CPU in the
 full bench on 2 cores. Past `MAX_RATIO` the proxy's cost per call has more than doubled, and this
 fails. (The direct path's figure is a few clock ticks of CPU in this short run, so the ratio moves
 between runs: 6.3 to 11 in three runs of this one.)
