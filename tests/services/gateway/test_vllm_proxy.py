@@ -125,3 +125,29 @@ async def test_async_stream_matches_the_engine(gateway: GatewayHandle, vllm_serv
         direct = _direct(engine_url, {"messages": HELLO, "max_tokens": 10, "seed": seed}, vllm_server.api_key)
         _same_as_engine(by_seed[seed], direct)
     await client.close()
+
+
+def test_vllms_own_answer_is_read_on_the_int32_path_and_passed_back_whole(
+    gateway: GatewayHandle, vllm_server: VllmServer, run_id: str
+) -> None:
+    """vLLM's JSON for `prompt_token_ids` is what the proxy parses straight into int32 (not the list
+    fallback), and a client that asks for the ids gets vLLM's own back through the proxy."""
+    import numpy as np
+
+    from services.gateway.proxy.openai_format import decode_completion
+    from services.gateway.proxy.promptids import prompt_token_ids
+
+    request = {"messages": HELLO, "max_tokens": 4, "seed": 11, "temperature": 1.0}
+    body = {**request, "model": SERVED, "return_token_ids": True, "logprobs": True}
+    headers = {"authorization": f"Bearer {vllm_server.api_key}"}
+    raw = httpx.post(f"{vllm_server.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+    assert raw.status_code == 200, raw.text
+    ids = prompt_token_ids(decode_completion(raw.content)["prompt_token_ids"])
+    assert isinstance(ids, np.ndarray) and ids.tolist() == raw.json()["prompt_token_ids"]
+
+    rollout, attempt = _running(gateway, run_id, vllm_server)
+    client: Any = openai.OpenAI(base_url=attempt["proxy_base_url"], api_key=attempt["token"])
+    answer = client.chat.completions.create(model="anything", extra_body={"return_token_ids": True}, **request)
+    assert answer.model_extra["prompt_token_ids"] == ids.tolist()
+    (call,) = _recorded(gateway, rollout["rollout_id"])
+    assert call["prompt_ids"] == ids.tolist() and call["status"] == "ok"
