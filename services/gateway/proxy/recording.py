@@ -35,6 +35,10 @@ MIN_SHARED = 16
 PER_ATTEMPT = 8
 """Recent `ok` calls remembered per attempt (harnesses with sub-agents interleave a few chains)."""
 
+IN_FLIGHT_PROMPT_BYTES = 256 << 20
+"""Memory for the prompt arrays of the calls between compaction and their ack (a call whose array was
+pushed out is not kept for later references, which only costs those a full record)."""
+
 _encode = msgspec.json.Encoder().encode
 
 
@@ -110,8 +114,9 @@ class CallChains:
         self.references = compact
         self.attempts: ByteLRU[AttemptKey, list[RecordedCall]] = ByteLRU(max_bytes, _calls_size)
         self.referenced = 0
-        self._prompts: dict[str, IdArray] = {}
-        """The prompt arrays `compact` made or was given, by the call's first event id, for `remember`."""
+        self._prompts: ByteLRU[str, IdArray] = ByteLRU(IN_FLIGHT_PROMPT_BYTES, _nbytes)
+        """The prompt arrays `compact` made or was given, by the call's first event id, for `remember`
+        (every call's append ends in `remember` or `drop`; the bound only covers one that does not)."""
 
     def compact(
         self, events: list[ModelRequestRecorded], prompt_ids: PromptIds | None = None
@@ -135,9 +140,7 @@ class CallChains:
         shared = 0
         prompt = _ids(given)
         if prompt is not None and first.status == "ok":
-            if len(self._prompts) >= 256:  # a bound: every call's append ends in `remember` or `drop`
-                self._prompts.clear()
-            self._prompts[first.event_id] = prompt
+            self._prompts.put(first.event_id, prompt)
             for recorded in reversed(self.attempts.get(_key(first)) or []):
                 n = _shared(prompt, recorded.tokens)
                 if n > shared:
@@ -155,7 +158,7 @@ class CallChains:
     def remember(self, events: list[ModelRequestRecorded], appended: Sequence[Appended]) -> None:
         """Keep the acknowledged `ok` calls (full events, as built before `compact`) for later references
         and continuous prompts."""
-        made = self._prompts.pop(events[0].event_id, None) if events else None
+        made = self._prompts.pop(events[0].event_id) if events else None
         for event, ack in zip(events, appended, strict=True):
             if event.status != "ok" or ack.duplicate:
                 continue
@@ -171,7 +174,7 @@ class CallChains:
     def drop(self, events: list[ModelRequestRecorded]) -> None:
         """Forget what `compact` made for events whose append failed (they are not remembered)."""
         if events:
-            self._prompts.pop(events[0].event_id, None)
+            self._prompts.pop(events[0].event_id)
 
     def add(self, key: AttemptKey, event: ModelRequestRecorded, seq: int, tokens: Any, prompt_size: int) -> None:
         """Keep one call (full prompt + response ids, `prompt_size` of them the prompt's, and its request)
@@ -207,6 +210,10 @@ class CallChains:
     def forget(self, run_id: str, rollout_id: str, attempt_id: str | None) -> None:
         """Drop an attempt's calls (it ended: nothing will reference them)."""
         self.attempts.pop((run_id, rollout_id, attempt_id))
+
+
+def _nbytes(prompt: IdArray) -> int:
+    return int(prompt.nbytes)
 
 
 def _calls_size(calls: list[RecordedCall]) -> int:

@@ -136,3 +136,25 @@ def test_a_token_in_completions_choice_ids_stay_raw() -> None:
     assert decode_token_in(b'{"choices":[1,"x"]}') == {"choices": [1, "x"]}
     with pytest.raises(msgspec.ValidationError):
         decode_token_in(b"[1]")
+
+
+def test_array_prompts_of_many_calls_in_flight_are_all_remembered() -> None:
+    """600 calls compacted with their prompt as an array (their events hold no list) before any is
+    acknowledged, as at 600 calls in flight: each is kept for the next call of its attempt to reference."""
+    from schemas import ModelRequestRecorded
+    from services.common.eventstore import Appended
+    from services.gateway.proxy.recording import CallChains
+
+    chains = CallChains()
+    calls = []
+    for i in range(600):
+        prompt = np.arange(100, 164, dtype=np.int32) + i
+        event = ModelRequestRecorded(run_id="r", rollout_id=f"x{i}", attempt_id="a", call_id=f"c{i}",
+                                     event_id=f"c{i}-0", response_ids=[7, 8], logprobs=[-0.5, -0.5])  # fmt: skip
+        (stored,) = chains.compact([event], prompt)
+        assert stored.prompt_ref is msgspec.UNSET and stored.packed  # the first of its attempt: in full
+        calls.append((event, prompt))
+    for seq, (event, prompt) in enumerate(calls, 1):
+        chains.remember([event], [Appended(seq=seq)])
+        (kept,) = chains.recent(("r", event.rollout_id, "a")) or [None]
+        assert kept is not None and kept.tokens.tolist() == [*prompt.tolist(), 7, 8]
