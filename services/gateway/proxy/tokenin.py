@@ -29,6 +29,7 @@ from services.common.toolcalls import (
     parse_tool_calls,
     split_reasoning,
 )
+from services.gateway.proxy import openai_format
 
 _SAMPLING = (
     "temperature",
@@ -161,7 +162,6 @@ class _Completion(msgspec.Struct):
 
 
 _decode_completion = msgspec.json.Decoder(_Completion).decode
-_decode_any = msgspec.json.Decoder(dict[str, Any]).decode
 
 
 def decode_completion(content: bytes) -> dict[str, Any]:
@@ -171,7 +171,7 @@ def decode_completion(content: bytes) -> dict[str, Any]:
     try:
         completion = _decode_completion(content)
     except msgspec.ValidationError:
-        return _decode_any(content)
+        return openai_format.decode_completion(content)
     answer = msgspec.structs.asdict(completion)
     answer["choices"] = choices = [msgspec.structs.asdict(choice) for choice in completion.choices]
     for choice in choices:
