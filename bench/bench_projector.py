@@ -48,11 +48,12 @@ from schemas import (
     RunStarted,
 )
 from services.common.eventstore import EventStore
+from services.common.gctune import tune_gc
 from services.common.settings import run_async as run
 from services.devstack.embedded import NatsServer, PostgresServer, free_port
 from services.projector.migrate import migrate
 from services.projector.pgstore import NOTIFY_CHANNEL
-from services.projector.service import Projector, ProjectorSettings, tune_gc
+from services.projector.service import Projector, ProjectorSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "the of and to in is that for it as with was on be by this are or from at an file test def return".split()

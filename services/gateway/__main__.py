@@ -17,6 +17,7 @@ import uvicorn
 
 from services.common.accesslog import AccessLogError, access_format
 from services.common.eventstore import EventStore, EventStoreError
+from services.common.gctune import tune_gc
 from services.common.headheld import OneSendProtocol
 from services.common.settings import fail, run_async, run_command, typer_app
 from services.gateway.app import create_app
@@ -48,6 +49,7 @@ async def serve(settings: GatewaySettings) -> None:
         timeout_graceful_shutdown=30,
     )
     server = uvicorn.Server(config)
+    tune_gc()  # the app and its modules are built: frozen out of the collector's scans
     # Our own handlers: uvicorn's would re-raise the signal after shutdown (exit status -15).
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     loop = asyncio.get_running_loop()

@@ -21,11 +21,12 @@ import uvicorn
 
 from schemas.ids import STREAM_NAME
 from services.common.accesslog import AccessLogError, access_format
+from services.common.gctune import tune_gc
 from services.common.settings import fail, run_async, run_command, typer_app
 from services.projector.api import create_query_app
 from services.projector.migrate import MigrationError
 from services.projector.reader import PostgresRolloutReader
-from services.projector.service import Projector, ProjectorSettings, tune_gc
+from services.projector.service import Projector, ProjectorSettings
 from services.projector.tokens import Detokenizer, TokenizerError
 
 DEFAULT_PORT = 18090

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -57,17 +56,6 @@ PG_CONNECTION_ERRORS = (
     asyncpg.CannotConnectNowError,
     asyncpg.AdminShutdownError,
 )
-
-
-def tune_gc() -> None:
-    """Make Python's cycle collector cheap for a projector process (call once, after start-up).
-
-    The hot path allocates many short-lived objects and creates no reference cycles, yet with the
-    default thresholds the collector ran every few hundred allocations and took a fifth of the
-    CPU. Start-up objects are frozen out of its scans, and young collections become rarer.
-    """
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
 
 
 class ProjectorSettings(msgspec.Struct, kw_only=True):
