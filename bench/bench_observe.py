@@ -5,9 +5,10 @@
 In one process, no sockets (so only our code is measured): a FastAPI route like the gateway's GETs
 and a bare ASGI handler like the proxy, each called directly with ASGI messages, plain and wrapped
 in `ObservedApp` (request counter, latency histogram, access line) with the access log `off`,
-`text` and `json` (lines go to /dev/null, as to a log file). The proxy case also adds the proxy's
-own wrapper (`observe_proxy`: per-front-end counter, duration and time-to-first-token scan) over a
-4-chunk SSE answer. Prints microseconds per request (median of 5 rounds) and the overhead.
+`text` and `json` (lines go to /dev/null, as to a log file). The proxy case wraps a 4-chunk SSE
+answer as `Proxy.__call__` does instead: one `CallWatch` around its `send` (status, time to first
+token scan), then the per-front-end families, the HTTP families and the access line. Prints
+microseconds per request (median of 5 rounds) and the overhead.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ sys.stderr = open(os.devnull, "w")  # access lines are written, to nowhere
 from fastapi import FastAPI, Response  # noqa: E402
 
 from services.common.accesslog import AccessLog  # noqa: E402
-from services.common.metrics import ObservedApp  # noqa: E402
-from services.gateway.metrics import observe_proxy, proxy_route  # noqa: E402
+from services.common.metrics import HttpObserver, ObservedApp  # noqa: E402
+from services.gateway.metrics import CallWatch  # noqa: E402
 
 PROXY_PATH = "/proxy/rollout/ro-1/attempt/a-1/mode/train/openai/v1/chat/completions"
 CHUNKS = [b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'] + [
@@ -91,9 +92,16 @@ def main() -> None:
     for fmt in ("off", "text", "json"):
 
         def observed_proxy(f: str = fmt) -> Any:
-            return ObservedApp(
-                observe_proxy(proxy_like), "bench", route_of=proxy_route, access_log=AccessLog("bench", f)
-            )
+            http = HttpObserver("bench", AccessLog("bench", f))
+
+            async def edge(scope: dict[str, Any], receive: Any, send: Any) -> None:
+                watch = CallWatch(send)
+                try:
+                    await proxy_like(scope, receive, watch.send)
+                finally:
+                    watch.answered(scope, http, ("openai", "chat/completions"), ("ro-1", "a-1"))
+
+            return edge
 
         wrapped = measure(observed_proxy, PROXY_PATH, "POST", n)
         rows.append((f"proxy-like SSE, access log {fmt}", base, wrapped))

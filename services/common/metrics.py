@@ -10,8 +10,9 @@ collector's `process_cpu_seconds_total`, `process_resident_memory_bytes` come al
 - one access line per request (`services.common.accesslog`).
 
 `route` is the route's template (`/api/rollouts/{rollout_id}`), never the raw path, so ids never
-become label values: unmatched paths are `unmatched`, and a service can pass `route_of` to name
-paths its router does not see (the gateway's proxy). Label sets stay bounded by the routes.
+become label values: unmatched paths are `unmatched`. A handler the router does not see (the
+gateway's proxy) records its requests, with its own route templates, through an `HttpObserver`,
+as the middleware does. Label sets stay bounded by the routes.
 """
 
 from __future__ import annotations
@@ -94,6 +95,29 @@ def route_template(scope: Scope) -> str:
     return path if isinstance(path, str) else "unmatched"
 
 
+class HttpObserver:
+    """Counts and times one service's requests on the HTTP families and writes their access lines."""
+
+    def __init__(self, service: str, access_log: AccessLog | None = None) -> None:
+        self.service = service
+        self.access = access_log if access_log is not None else AccessLog(service)
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}  # label lookups, made once
+
+    def observe(
+        self, method: str, path: str, route: str, status: int, elapsed: float, ids: tuple[str, str] | None = None
+    ) -> None:
+        """Record one answered request (`ids`: its rollout and attempt, when the caller has parsed them)."""
+        label = method if method in _METHODS else "other"
+        key = (label, route, str(status))
+        children = self._children.get(key)
+        if children is None:
+            children = (HTTP_REQUESTS.labels(self.service, *key), HTTP_DURATION.labels(self.service, label, route))
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(elapsed)
+        self.access.write(method, path, status, elapsed, ids)
+
+
 class ObservedApp:
     """ASGI middleware: HTTP metrics, `/metrics` and access logs for one service (module docstring)."""
 
@@ -102,14 +126,10 @@ class ObservedApp:
         app: ASGIApp,
         service: str,
         *,
-        route_of: Callable[[Scope], str | None] | None = None,
         access_log: AccessLog | None = None,
     ) -> None:
         self.app = app
-        self.service = service
-        self.route_of = route_of
-        self.access = access_log if access_log is not None else AccessLog(service)
-        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}  # label lookups, made once
+        self.observer = HttpObserver(service, access_log)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -134,19 +154,8 @@ class ObservedApp:
                 await self.app(scope, receive, observed_send)
         finally:
             elapsed = time.perf_counter() - began
-            route = (self.route_of(scope) if self.route_of else None) or route_template(scope)
-            if path == METRICS_PATH:
-                route = METRICS_PATH
-            if method not in _METHODS:
-                method = "other"
-            key = (method, route, str(status))
-            children = self._children.get(key)
-            if children is None:
-                children = (HTTP_REQUESTS.labels(self.service, *key), HTTP_DURATION.labels(self.service, method, route))
-                self._children[key] = children
-            children[0].inc()
-            children[1].observe(elapsed)
-            self.access.write(scope["method"], path, status, elapsed)
+            route = METRICS_PATH if path == METRICS_PATH else route_template(scope)
+            self.observer.observe(method, path, route, status, elapsed)
 
 
 _METHODS = frozenset(("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"))

@@ -19,7 +19,7 @@ from starlette.routing import Match
 
 from schemas import PhaseChanged
 from services.common.eventstore import EventStore, StoredEvent
-from services.common.metrics import ObservedApp
+from services.common.metrics import HttpObserver, ObservedApp
 from services.common.readside import ProjectorReader, RolloutReader, StreamRolloutReader
 from services.gateway import metrics
 from services.gateway.api import bodies, reads, routes
@@ -43,8 +43,8 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
 
 
-class _ProxyFirst:
-    """ASGI middleware: `/proxy/...` requests go straight to the proxy handler."""
+class _StoreDown:
+    """ASGI middleware: `/api/...` answers 503 at once while the event store (NATS) is unreachable."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -52,9 +52,6 @@ class _ProxyFirst:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             path = scope["path"]
-            if path.startswith(PREFIX):
-                await scope["app"].state.proxy(scope, receive, send)
-                return
             if path.startswith("/api/") and not scope["app"].state.gateway.store.nc.is_connected:
                 error = unavailable("the event store (NATS) is unavailable; retry later")
                 await send(
@@ -74,21 +71,14 @@ class _ProxyFirst:
 
 class _GatewayApp(FastAPI):
     """FastAPI with `/proxy/...` answered before Starlette's middleware stack (its error, telemetry and
-    body-limit layers cost every model call and serve none: the proxy answers its own errors and bounds
-    its own bodies), still counted, timed and access-logged by `ObservedApp`."""
-
-    proxy_path: ObservedApp | None = None
+    body-limit layers cost every model call and serve none: the proxy answers its own errors, bounds
+    its own bodies, and counts, times and access-logs its own calls)."""
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-        if self.proxy_path is not None and scope["type"] == "http" and scope["path"].startswith(PREFIX):
-            scope["app"] = self
-            await self.proxy_path(scope, receive, send)  # type: ignore[arg-type]  # ASGI scopes are dicts
+        if scope["type"] == "http" and scope["path"].startswith(PREFIX):
+            await self.state.proxy(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
-
-
-async def _to_proxy(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    await scope["app"].state.proxy(scope, receive, send)
 
 
 def _reader(settings: GatewaySettings, store: EventStore) -> RolloutReader:
@@ -135,7 +125,7 @@ def _lifespan(settings: GatewaySettings) -> Callable[[FastAPI], AbstractAsyncCon
         await gateway.idempotency.share(store.js)
         await gateway.budgets.open()
         app.state.gateway = gateway
-        app.state.proxy = metrics.observe_proxy(Proxy(gateway))
+        app.state.proxy = Proxy(gateway, HttpObserver("gateway"))
         metrics.watch_idempotency(gateway.idempotency.__len__, lambda: gateway.idempotency.bytes)
         try:
             yield
@@ -207,9 +197,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
-    app.add_middleware(_ProxyFirst)
-    app.add_middleware(ObservedApp, service="gateway", route_of=metrics.proxy_route)
-    app.proxy_path = ObservedApp(_to_proxy, service="gateway", route_of=metrics.proxy_route)
+    app.add_middleware(_StoreDown)
+    app.add_middleware(ObservedApp, service="gateway")
     app.state.read_side = bool(settings.projector_url)  # the OpenAPI document then lists `min_seq` on every GET
     # Handled by type (not only as `Exception`, whose handler Starlette runs and then re-raises
     # into the server's log): a client's error is an answer, not a traceback.

@@ -12,7 +12,8 @@ Families (all on the process registry, served at `GET /metrics` by `services.com
     rollwire_gateway_idempotency_cache_entries / _bytes            the in-process idempotency cache
 
 `front_end` is the API a call came through (`chat_completions`, `responses`, `anthropic_messages`,
-`models`, or `other`), read from the proxy path; no label carries a run, rollout or attempt id.
+`anthropic_count_tokens`, `models`, or `other`), read from the call's parsed route (an agent named
+in the path included); no label carries a run, rollout or attempt id.
 Time to first token is measured at the proxy's edge: the first streamed chunk that carries
 generated text or a tool call (a chunk with only the role does not count).
 """
@@ -26,17 +27,17 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.common.metrics import LATENCY_BUCKETS, ASGIApp, Message, Receive, Scope, Send, install
+from services.common.metrics import LATENCY_BUCKETS, HttpObserver, Message, Scope, Send, install
 
-PROXY_PREFIX = "/proxy/rollout/"
 _FRONT_ENDS = {
     ("openai", "chat/completions"): "chat_completions",
     ("openai", "responses"): "responses",
-    ("anthropic", "messages"): "anthropic_messages",
-    ("anthropic", "messages/count_tokens"): "anthropic_count_tokens",
+    ("anthropic", "v1/messages"): "anthropic_messages",
+    ("anthropic", "v1/messages/count_tokens"): "anthropic_count_tokens",
     ("openai", "models"): "models",
-    ("anthropic", "models"): "models",
+    ("anthropic", "v1/models"): "models",
 }
+UNMATCHED_ROUTE = "/proxy/unmatched"
 # A streamed chunk that carries generation: OpenAI chat deltas with text or tool calls, Responses API
 # deltas, Anthropic content block deltas (msgspec and json.dumps(separators) write no spaces).
 _TOKEN_CHUNK = re.compile(
@@ -88,72 +89,69 @@ IDEMPOTENCY_BYTES = Gauge(
 )
 
 
-def split_proxy_path(path: str) -> tuple[str, str] | None:
-    """(api, rest) of a well-formed proxy path, e.g. ("openai", "chat/completions"); None otherwise."""
-    parts = path[len(PROXY_PREFIX) :].split("/")
-    if len(parts) < 8 or parts[1] != "attempt" or parts[3] != "mode" or parts[6] != "v1":
-        return None
-    return parts[5], "/".join(parts[7:])
+class CallWatch:
+    """One proxy call's answer as it leaves: its status, whether it streams, when its first token went.
+
+    `send` is the one wrapper around the server's `send` on the proxy's path; `answered` then counts
+    and times the call on the proxy's and the HTTP families and writes its access line.
+    """
+
+    __slots__ = ("began", "first_token", "status", "streaming", "to_client")
+
+    def __init__(self, send: Send) -> None:
+        self.began = time.perf_counter()
+        self.to_client = send
+        self.status: int | None = None
+        self.streaming = False
+        self.first_token: float | None = None
+
+    async def send(self, message: Message) -> None:
+        """Note what the message says about the answer, then send it."""
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            headers = message.get("headers", ())
+            self.streaming = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+        elif self.streaming and self.first_token is None and _TOKEN_CHUNK.search(message.get("body", b"")):
+            self.first_token = time.perf_counter() - self.began
+        await self.to_client(message)
+
+    def answered(
+        self, scope: Scope, http: HttpObserver, served: tuple[str, str] | None, ids: tuple[str, str] | None
+    ) -> None:
+        """Record the call (`served`: its route's API and path below it when the proxy serves that
+        route; `ids`: the rollout and attempt its path names)."""
+        elapsed = time.perf_counter() - self.began
+        status = 500 if self.status is None else self.status  # what the client got when nothing was sent
+        kind = _FRONT_ENDS.get(served, "other") if served is not None else "other"
+        calls = _calls.get((kind, status))
+        if calls is None:
+            calls = _calls[(kind, status)] = PROXY_CALLS.labels(kind, str(status))
+        calls.inc()
+        timers = _timers.get(kind)
+        if timers is None:
+            timers = _timers[kind] = (PROXY_DURATION.labels(kind), PROXY_TTFT.labels(kind))
+        timers[0].observe(elapsed)
+        if self.first_token is not None:
+            timers[1].observe(self.first_token)
+        http.observe(scope["method"], scope["path"], proxy_route(served), status, elapsed, ids)
 
 
-def front_end(path: str) -> str:
-    """The front end of a proxy path (bounded: one of a few names, else `other`)."""
-    split = split_proxy_path(path)
-    return _FRONT_ENDS.get(split, "other") if split else "other"
+def proxy_route(served: tuple[str, str] | None) -> str:
+    """The route template of a proxy call for the HTTP families (`served`: as for `CallWatch.answered`)."""
+    if served is None:
+        return UNMATCHED_ROUTE
+    route = _routes.get(served)
+    if route is None:
+        api, rest = served
+        below = f"/v1/{rest}" if api == "openai" else f"/{rest}" if rest else ""
+        route = _routes[served] = f"/proxy/rollout/{{rollout_id}}/attempt/{{attempt_id}}/mode/{{mode}}/{api}{below}"
+    return route
 
 
-def proxy_route(scope: Scope) -> str | None:
-    """The route template of a proxy request (for the HTTP families); None for other paths."""
-    path = scope["path"]
-    if not path.startswith(PROXY_PREFIX):
-        return None
-    split = split_proxy_path(path)
-    if split is None or split not in _FRONT_ENDS:
-        return "/proxy/unmatched"
-    api, rest = split
-    return f"/proxy/rollout/{{rollout_id}}/attempt/{{attempt_id}}/mode/{{mode}}/{api}/v1/{rest}"
-
-
-def observe_proxy(proxy: ASGIApp) -> ASGIApp:
-    """Wrap the proxy handler: count, time and measure time to first token of each call."""
-
-    async def observed(scope: Scope, receive: Receive, send: Send) -> None:
-        began = time.perf_counter()
-        kind = front_end(scope["path"])
-        status = 500
-        first_token: float | None = None
-        streaming = False
-
-        async def watch(message: Message) -> None:
-            nonlocal status, first_token, streaming
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                headers = message.get("headers", ())
-                streaming = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
-            elif streaming and first_token is None and _TOKEN_CHUNK.search(message.get("body", b"")):
-                first_token = time.perf_counter() - began
-            await send(message)
-
-        try:
-            await proxy(scope, receive, watch)
-        finally:
-            calls = _calls.get((kind, status))
-            if calls is None:
-                calls = _calls[(kind, status)] = PROXY_CALLS.labels(kind, str(status))
-            calls.inc()
-            timers = _timers.get(kind)
-            if timers is None:
-                timers = _timers[kind] = (PROXY_DURATION.labels(kind), PROXY_TTFT.labels(kind))
-            timers[0].observe(time.perf_counter() - began)
-            if first_token is not None:
-                timers[1].observe(first_token)
-
-    return observed
-
-
-# Label children looked up once (bounded: front ends x statuses), not on every call.
+# Label children and route templates made once (bounded: front ends x statuses, served routes), not on every call.
 _calls: dict[tuple[str, int], Any] = {}
 _timers: dict[str, tuple[Any, Any]] = {}
+_routes: dict[tuple[str, str], str] = {}
 
 
 def recorded(events: Sequence[Any]) -> None:

@@ -30,6 +30,7 @@ import msgspec
 from schemas import ModelRequestRecorded, new_id
 from schemas.ids import MODEL_REQUEST
 from schemas.rollout import RolloutView
+from services.common.metrics import HttpObserver
 from services.gateway.asgi import Receive, Scope, Send, header, read_body, send_json
 from services.gateway.auth import AttemptScope, Principal
 from services.gateway.context import Gateway
@@ -45,6 +46,7 @@ from services.gateway.errors import (
     unavailable,
 )
 from services.gateway.http import refuse_huge_numbers
+from services.gateway.metrics import CallWatch
 from services.gateway.proxy.agents import AGENT_HEADER, agent_name, split_agent
 from services.gateway.proxy.call import Call
 from services.gateway.proxy.frontends import chat, messages, responses
@@ -134,18 +136,15 @@ def _replica_of(name: str, model: str) -> bool:
 class Proxy:
     """ASGI handler for `/proxy/...` (mounted in front of the API by `app.py`)."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, http: HttpObserver) -> None:
         self.gw = gateway
         self.pipeline = Pipeline(gateway)
+        self.http = http
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
-
-        async def tracked(message: dict[str, Any]) -> None:
-            nonlocal started
-            started = True
-            await send(message)
-
+        watch = CallWatch(send)  # counted, timed and access-logged here: the only wrapper on this path
+        route: Route | None = None
+        served = False
         try:
             route = parse_route(scope["path"])
             agent = agent_name(route.agent, header(scope, AGENT_HEADER))
@@ -154,9 +153,13 @@ class Proxy:
             handler = ROUTES.get((route.api, scope["method"], route.rest))
             if handler is None:
                 raise not_found(f"the proxy does not serve {scope['method']} {route.rest or '/'}: {SERVED}")
-            await handler(self, scope, receive, tracked, route)
+            served = True
+            await handler(self, scope, receive, watch.send, route)
         except Exception as exc:
-            await self._refuse(exc, scope, send, started)
+            await self._refuse(exc, scope, watch.send, watch.status is not None)
+        finally:
+            ids = None if route is None else (route.rollout_id, route.attempt_id)
+            watch.answered(scope, self.http, (route.api, route.rest) if route is not None and served else None, ids)
 
     async def _refuse(self, exc: Exception, scope: Scope, send: Send, started: bool) -> None:
         if isinstance(exc, TranslationError):

@@ -138,8 +138,9 @@ def test_agents_succeeding_and_failing_move_the_controller_counters(stack: Stack
 
 
 def test_proxy_calls_a_failure_and_the_engine_counters(stack: Stack) -> None:
-    """Two calls through the proxy, one streamed, and one to a dead endpoint: the gateway's counters,
-    and vLLM's, which move by exactly the tokens the two calls' usage reports."""
+    """Three calls through the proxy, one streamed and one by an agent named in the path, and one to a
+    dead endpoint: the gateway's counters (the agent's call on its API's front end and route), and
+    vLLM's, which move by exactly the tokens the three calls' usage reports."""
     with stack.admin() as admin:
         attempt = manual_attempt(admin, "ops-proxy")
         broken_url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
@@ -155,7 +156,12 @@ def test_proxy_calls_a_failure_and_the_engine_counters(stack: Stack) -> None:
             stream_options={"include_usage": True},
         )
     )  # fmt: skip
-    usage = [plain.usage, chunks[-1].usage]
+    named = openai.OpenAI(
+        base_url=attempt["proxy_base_url"].replace("/openai/v1", "/agent/planner/openai/v1"),
+        api_key=attempt["token"], max_retries=0, timeout=180,
+    )  # fmt: skip
+    planner = named.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "d"}], max_tokens=4)
+    usage = [plain.usage, chunks[-1].usage, planner.usage]
     dead = openai.OpenAI(base_url=broken["proxy_base_url"], api_key=broken["token"], max_retries=0)
     try:
         dead.chat.completions.create(model="dead", messages=[{"role": "user", "content": "c"}], max_tokens=5)
@@ -169,15 +175,17 @@ def test_proxy_calls_a_failure_and_the_engine_counters(stack: Stack) -> None:
         return scrapes[1].value(name, **labels) - scrapes[0].value(name, **labels)
 
     gw = (g0, g1)
-    assert moved(gw, "rollwire_gateway_proxy_calls_total", front_end=CHAT, status="200") == 2
+    assert moved(gw, "rollwire_gateway_proxy_calls_total", front_end=CHAT, status="200") == 3
     assert moved(gw, "rollwire_gateway_proxy_calls_total", front_end=CHAT, status="502") == 1
-    assert moved(gw, "rollwire_gateway_proxy_call_duration_seconds_count", front_end=CHAT) == 3
+    assert moved(gw, "rollwire_gateway_proxy_calls_total", front_end="other", status="200") == 0
+    assert moved(gw, "rollwire_gateway_proxy_call_duration_seconds_count", front_end=CHAT) == 4
     assert moved(gw, "rollwire_gateway_proxy_time_to_first_token_seconds_count", front_end=CHAT) == 1
-    assert moved(gw, "rollwire_gateway_recorded_calls_total", status="ok") == 2
+    assert moved(gw, "rollwire_gateway_recorded_calls_total", status="ok") == 3
     assert moved(gw, "rollwire_gateway_recorded_calls_total", status="failed") == 1
     assert moved(gw, "rollwire_gateway_record_failures_total") == 0
     route = "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1/chat/completions"
     assert moved(gw, "rollwire_http_requests_total", service="gateway", method="POST", route=route, status="502") == 1
+    assert moved(gw, "rollwire_http_requests_total", service="gateway", method="POST", route=route, status="200") == 3
     en = (before["engine"], after["engine"])
     assert all(u is not None for u in usage)
     generated = sum(u.completion_tokens for u in usage if u is not None)
@@ -186,13 +194,13 @@ def test_proxy_calls_a_failure_and_the_engine_counters(stack: Stack) -> None:
     assert moved(en, "vllm:generation_tokens_total", **served) == generated
     assert moved(en, "vllm:prompt_tokens_total", **served) == prompt
     ended = sum(moved(en, "vllm:request_success_total", **served, finished_reason=r) for r in ("stop", "length"))
-    assert ended == 2
-    assert moved(en, "vllm:e2e_request_latency_seconds_count", **served) == 2
-    assert moved(en, "vllm:time_to_first_token_seconds_count", **served) == 2
+    assert ended == 3
+    assert moved(en, "vllm:e2e_request_latency_seconds_count", **served) == 3
+    assert moved(en, "vllm:time_to_first_token_seconds_count", **served) == 3
     # One engine step per generated token (the calls ran one after the other); the first token of each
     # call comes from its prefill step, the others each after an inter-token gap.
     assert moved(en, "vllm:iteration_tokens_total_count", **served) == generated
-    assert moved(en, "vllm:inter_token_latency_seconds_count", **served) == generated - 2
+    assert moved(en, "vllm:inter_token_latency_seconds_count", **served) == generated - 3
     computed = moved(en, "vllm:request_prefill_kv_computed_tokens_sum", **served)  # the prompt, less cached blocks
     assert 0 < computed <= prompt
     assert moved(en, "vllm:iteration_tokens_total_sum", **served) == computed + generated
