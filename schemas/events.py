@@ -15,7 +15,6 @@ keys `type`, `event_id`, `schema_version`, `run_id` and `time` are always writte
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal, Union
 
 import msgspec
@@ -34,6 +33,7 @@ from schemas.ids import (
     RUN_SUBJECT,
     check_id,
     check_recurring_id,
+    new_id,
 )
 from schemas.refs import CallRef, PackedTokens
 from schemas.runs import RunSpec
@@ -84,10 +84,6 @@ def reserved_event_name(name: str) -> bool:
     return name in RESERVED_EVENT_NAMES or name.startswith(FLAG_EVENT)
 
 
-def _new_event_id() -> str:
-    return uuid.uuid4().hex
-
-
 def _schema_version() -> int:
     return SCHEMA_VERSION
 
@@ -110,7 +106,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", omit_de
     run_id: str
     rollout_id: str | None = None
     attempt_id: str | None = None
-    event_id: str = msgspec.field(default_factory=_new_event_id)
+    event_id: str = msgspec.field(default_factory=new_id)
     schema_version: int = msgspec.field(default_factory=_schema_version)
     time: float = msgspec.field(default_factory=time.time)
 

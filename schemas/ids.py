@@ -8,8 +8,8 @@ no `.`, `*`, `>`, no whitespace or control characters, no `/`.
 
 from __future__ import annotations
 
+import os
 import re
-import uuid
 from typing import Annotated
 
 import msgspec
@@ -88,5 +88,8 @@ def check_recurring_id(kind: str, value: object) -> str:
 
 
 def new_id(prefix: str = "") -> str:
-    """A fresh random id (32 hex characters), optionally prefixed (`ro-...`)."""
-    return f"{prefix}{uuid.uuid4().hex}"
+    """A fresh random id (32 hex characters, 128 random bits), optionally prefixed (`ro-...`).
+
+    The bits straight from `os.urandom`: `uuid.uuid4().hex` takes five times as long (3.3 against
+    0.6 us here), and the proxy makes one for every model call."""
+    return f"{prefix}{os.urandom(16).hex()}"
