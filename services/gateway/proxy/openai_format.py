@@ -14,9 +14,10 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.proxy.promptids import PromptIds, int_list, prompt_token_ids
+from services.gateway.proxy.promptids import IDS_MARKER, PromptIds, cut_prompt_ids, int_list, prompt_token_ids
 
 _decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode_object = msgspec.json.Decoder(dict[str, Any]).decode
 _decode_any = msgspec.json.Decoder().decode
 
 
@@ -100,10 +101,21 @@ def decode_completion(content: bytes) -> dict[str, Any]:
     """A non-streamed completion's JSON object, its `prompt_token_ids` left raw (`msgspec.Raw`).
 
     `read_completion` parses those ids straight into an int32 array (`promptids.py`) and encoding
-    the answer writes them back as they came, so a long prompt's ids never become Python ints.
-    Raises `msgspec.DecodeError` for malformed JSON and `msgspec.ValidationError` for JSON that is
-    not an object.
+    the answer writes them back as they came, so a long prompt's ids never become Python ints. A
+    compact answer's ids are not even skipped over by the decoder (`cut_prompt_ids`).
+    Raises `msgspec.DecodeError` for malformed JSON (malformed ids: when they are read) and
+    `msgspec.ValidationError` for JSON that is not an object.
     """
+    cut = cut_prompt_ids(content)
+    if cut is not None:  # the ids are not read by the decoder at all (promptids.py)
+        rest, ids = cut
+        try:
+            answer = _decode_object(rest)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            answer = None  # the cut was not where it looked: decoded whole below, and refused there if bad
+        if answer is not None and answer.get("prompt_token_ids") == IDS_MARKER:
+            answer["prompt_token_ids"] = msgspec.Raw(ids)
+            return answer
     fields = _decode_fields(content)
     return {key: value if key == "prompt_token_ids" else _decode_any(value) for key, value in fields.items()}
 

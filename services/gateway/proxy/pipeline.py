@@ -33,6 +33,7 @@ from services.gateway.proxy.frontends.base import error_body
 from services.gateway.proxy.ledger import Charge
 from services.gateway.proxy.limits import RECORD_OVERHEAD, asked, check_call, clamp_max_tokens, lower_max_tokens
 from services.gateway.proxy.openai_format import (
+    ChoiceRecord,
     StreamFold,
     decode_completion,
     int_usage,
@@ -322,17 +323,10 @@ class Pipeline:
             await self._pass_error(call, upstream, send)
             return
         try:
-            decode = decode_token_in if call.token_in else decode_completion
-            answer = decode(upstream.content)
+            answer, content, prompt_ids, records = self._read(call, upstream.content)
         except (msgspec.DecodeError, msgspec.ValidationError):
             await self._fail(call, send, 502, "the model endpoint answered with invalid JSON")
             return
-        content: bytes | None = upstream.content
-        if call.token_in:  # answered as chat: the engine's bytes are not the answer
-            answer = chat_answer(answer, call.parse_tools, call.parse_reasoning)
-            content = None
-        key = (call.view.run_id, call.view.rollout_id, call.attempt_id)
-        prompt_ids, records = read_completion(answer, lambda value: self.prompt_ids.parse(key, value))
         outcome = Outcome(
             status="ok",
             prompt_ids=prompt_ids,
@@ -353,6 +347,16 @@ class Pipeline:
             await send_json(send, 413, error_body(call.translator.api, 413, message, "invalid_request_error"))
             return
         await send_json(send, 200, call.translator.complete(answer, content, records))
+
+    def _read(self, call: Call, content: bytes) -> tuple[dict[str, Any], bytes | None, PromptIds, list[ChoiceRecord]]:
+        """The engine's answer decoded, the bytes to answer with unless it must be encoded anew, and its
+        prompt ids and choices (raises `msgspec.DecodeError` or `ValidationError` for bad JSON, ids included)."""
+        answer = (decode_token_in if call.token_in else decode_completion)(content)
+        if call.token_in:  # answered as chat: the engine's bytes are not the answer
+            answer = chat_answer(answer, call.parse_tools, call.parse_reasoning)
+        key = (call.view.run_id, call.view.rollout_id, call.attempt_id)
+        prompt_ids, records = read_completion(answer, lambda value: self.prompt_ids.parse(key, value))
+        return answer, None if call.token_in else content, prompt_ids, records
 
     async def _pass_error(self, call: Call, upstream: Upstream, send: Send) -> None:
         call.used = 0  # the engine refused the call: nothing was generated

@@ -14,6 +14,14 @@ message), and the engine's ids JSON does the same. `PromptIdParser` keeps each a
 parse: when that JSON, less its closing bracket, starts the new one and a comma follows, only the
 new ids are parsed; the same JSON again is not parsed at all. The ids before that comma are the
 same numbers, since each ended at a separator in both.
+
+The JSON decoder need not read the ids either: it checks every digit of a value it only skips
+(74 us of the 30 KB answer's 85 us decode on a 2-core machine). `cut_prompt_ids` finds the
+top-level `"prompt_token_ids":[...]` of a compact answer (vLLM's, which writes no whitespace) and
+returns the answer with a marker string in its place, for the decoder, and the ids' JSON, checked
+here as a list of plain non-negative integers. The answer decodes with the marker at its top level
+only when that was the top-level key: the same bytes inside a string or a nested object leave the
+marker there instead, and the caller decodes the whole answer as before.
 """
 
 from __future__ import annotations
@@ -34,6 +42,33 @@ _decode_any = msgspec.json.Decoder().decode
 _ID_TEXT = b"0123456789, \t\r\n"
 _INT32_MAX = 2**31 - 1
 _COMMA = 0x2C
+_ZERO = 0x30
+_DIGITS_COMMAS = b"0123456789,"
+_IDS_KEY = b'"prompt_token_ids":['
+IDS_MARKER = "\u0000rollwire:prompt_token_ids"
+"""What `cut_prompt_ids` puts where the ids were: a string no engine sends (it starts with NUL)."""
+_MARKER_JSON = b'"prompt_token_ids":"\\u0000rollwire:prompt_token_ids"'
+_NOT_IN_CUT = (b'"', b"[", b" ", b"\n", b"\t", b"\r")
+_WHITESPACE = b" \t\r\n"
+
+
+def cut_prompt_ids(content: bytes) -> tuple[bytes, bytes] | None:
+    """(the answer with `IDS_MARKER` for its last `"prompt_token_ids":[...]`, the array's JSON), when
+    that array holds no string, array or whitespace; None otherwise (then decode it all).
+
+    Its first `]` then closes it. Its JSON is checked where it is parsed (`_int32_array`, else the
+    exact decoder, which refuses what is not JSON), or equals a parse already checked."""
+    start = content.rfind(_IDS_KEY)
+    if start < 0:
+        return None
+    opening = start + len(_IDS_KEY) - 1
+    closing = content.find(b"]", opening)
+    if closing < 0:
+        return None
+    ids = content[opening : closing + 1]
+    if any(ids.find(c, 1) >= 0 for c in _NOT_IN_CUT):  # memchr each: they are absent from vLLM's ids
+        return None
+    return b"".join((content[:start], _MARKER_JSON, content[closing + 1 :])), ids
 
 
 def int_list(value: Any) -> list[int]:
@@ -62,13 +97,31 @@ def _is_array(data: bytes) -> bool:
 
 
 def _int32_array(inner: bytes) -> IdArray | None:
-    """The ids between a JSON array's brackets as int32; None unless they are all integers in range."""
+    """The ids between a JSON array's brackets as int32; None unless they are all JSON integers in range.
+
+    Only digits and commas are read (whitespace around them dropped: it reaches here only from JSON
+    the decoder checked); an empty element, a leading zero or an unread rest makes it None."""
     if inner.translate(None, _ID_TEXT) or not inner.strip():  # a sign, a fraction, an exponent; no number
         return None
-    ids = np.fromstring(inner, dtype=np.int64, sep=",")
-    if len(ids) != inner.count(b",") + 1 or int(ids.max()) > _INT32_MAX:
+    if inner.translate(None, _DIGITS_COMMAS):
+        inner = inner.translate(None, _WHITESPACE)
+    text = np.frombuffer(inner, np.uint8)
+    if not len(text) or text[0] == _COMMA or text[-1] == _COMMA or _leading_zero(text):
+        return None
+    try:
+        ids = np.fromstring(inner, dtype=np.int64, sep=",")
+    except ValueError:  # numpy stops at an empty element ("1,,2")
+        return None
+    if len(ids) != np.count_nonzero(text == _COMMA) + 1 or int(ids.max()) > _INT32_MAX:
         return None
     return ids.astype(np.int32)
+
+
+def _leading_zero(text: np.ndarray[Any, np.dtype[np.uint8]]) -> bool:
+    """Whether a number of digits and commas starts with 0 and goes on (`007`: not JSON)."""
+    zeros = np.flatnonzero(text[:-1] == _ZERO)
+    firsts = zeros[(zeros == 0) | (text[zeros - 1] == _COMMA)]
+    return bool((text[firsts + 1] != _COMMA).any())
 
 
 class PromptIdParser:

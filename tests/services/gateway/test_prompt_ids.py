@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from services.gateway.proxy.openai_format import decode_completion
-from services.gateway.proxy.promptids import PromptIdParser, prompt_token_ids
+from services.gateway.proxy.promptids import PromptIdParser, cut_prompt_ids, prompt_token_ids
 from services.gateway.proxy.tokenin import decode_completion as decode_token_in
 
 EXACT = msgspec.json.Decoder(dict[str, Any]).decode
@@ -72,7 +72,69 @@ def test_an_answer_without_prompt_ids_or_not_an_object() -> None:
     with pytest.raises(msgspec.ValidationError):
         decode_completion(b"[1,2]")
     with pytest.raises(msgspec.DecodeError):
-        decode_completion(b'{"prompt_token_ids":[1,,2]}')
+        decode_completion(b'{"prompt_token_ids":[1, ,2]}')
+
+
+@pytest.mark.parametrize(
+    ("body", "cut"),
+    [
+        (b'{"id":"c","prompt_token_ids":[5,60,700],"choices":[]}', True),
+        (b'{"choices":[{"index":0}],"usage":{"prompt_tokens":2},"prompt_token_ids":[0,10]}', True),
+        (b'{"prompt_token_ids":[1, 2]}', False),  # whitespace (not vLLM's JSON): decoded whole
+        (b'{"prompt_token_ids":[01,2]}', True),  # not JSON: refused when the ids are parsed
+        (b'{"prompt_token_ids":[0,2,00]}', True),
+        (b'{"prompt_token_ids":[1,,2]}', True),
+        (b'{"prompt_token_ids":[,1]}', True),
+        (b'{"prompt_token_ids":[1,2],}', True),  # cut, but the rest is not JSON: refused by the whole decode
+        (b'{"prompt_token_ids":[1,2,],"x":1}', True),
+        (b'{"prompt_token_ids":[-1]}', True),  # JSON, not an id: read exactly, refused by the recording
+        (b'{"prompt_token_ids":[1,{}]}', True),  # JSON, not ids: none recorded, as before
+        (b'{"prompt_token_ids":[1,"2"]}', False),
+        (b'{"prompt_token_ids":[[1],[2]]}', False),
+        (b'{"prompt_token_ids":[1,2],"choices":[{"prompt_token_ids":[3,4]}]}', True),  # the nested one: whole
+        (b'{"prompt_token_ids":[1,2],"note":"\\"prompt_token_ids\\":[9]"}', True),  # quoted: not a key
+        (b'{"choices":[{"message":{"content":"say \\"prompt_token_ids\\":[9,9]"}}]}', False),
+        (b'{"prompt_token_ids":[1,2],"prompt_token_ids":[3]}', True),  # repeated: the last, as decoders take
+    ],
+)
+def test_an_answer_cut_around_its_ids_decodes_as_the_whole(body: bytes, cut: bool) -> None:
+    """The ids are cut out of the answer only as a top-level array without strings, arrays or whitespace;
+    either way the answer and its ids read as the whole JSON does, or are refused as the whole is."""
+    assert (cut_prompt_ids(body) is not None) is cut
+    try:
+        whole = EXACT(body)
+    except msgspec.DecodeError:
+        with pytest.raises(msgspec.DecodeError):
+            prompt_token_ids(decode_completion(body).get("prompt_token_ids"))
+        with pytest.raises(msgspec.DecodeError):
+            PromptIdParser().parse(("r", "ro", "a"), decode_completion(body).get("prompt_token_ids"))
+        return
+    answer = decode_completion(body)
+    assert isinstance(answer.get("prompt_token_ids"), msgspec.Raw) == ("prompt_token_ids" in whole)
+    assert EXACT(msgspec.json.encode(answer)) == whole
+    assert list(prompt_token_ids(answer.get("prompt_token_ids"))) == _exact(body)
+
+
+def test_a_vllm_answer_is_decoded_without_reading_its_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's compact answer takes the cut: the decoder that would skip over the ids is not called."""
+    from services.gateway.proxy import openai_format
+
+    def unused(content: bytes) -> None:
+        raise AssertionError("the whole answer was decoded")
+
+    monkeypatch.setattr(openai_format, "_decode_fields", unused)
+    ids = list(range(3, 4000, 7))
+    body = msgspec.json.encode({"id": "c", "choices": [{"index": 0}], "usage": None, "prompt_token_ids": ids})
+    assert list(prompt_token_ids(decode_completion(body)["prompt_token_ids"])) == ids
+
+
+def test_a_nested_or_quoted_key_is_not_taken_for_the_ids() -> None:
+    nested = b'{"prompt_token_ids":[1,2],"choices":[{"prompt_token_ids":[3,4]}]}'
+    assert cut_prompt_ids(nested) is not None  # found, but the marker lands in the choice: decoded whole
+    assert list(prompt_token_ids(decode_completion(nested)["prompt_token_ids"])) == [1, 2]
+    quoted = b'{"choices":[{"message":{"content":""prompt_token_ids":[9,9]"}}],"prompt_token_ids":[4]}'
+    rest, ids = cut_prompt_ids(quoted) or (b"", b"")
+    assert ids == b"[4]" and b"[9,9]" in rest
 
 
 def _raw(ids_json: bytes) -> msgspec.Raw:
@@ -158,3 +220,11 @@ def test_array_prompts_of_many_calls_in_flight_are_all_remembered() -> None:
         chains.remember([event], [Appended(seq=seq)])
         (kept,) = chains.recent(("r", event.rollout_id, "a")) or [None]
         assert kept is not None and kept.tokens.tolist() == [*prompt.tolist(), 7, 8]
+
+
+@pytest.mark.parametrize("extension", [b"[1,2,,3]", b"[1,2,03]", b"[1,2,3,]"])
+def test_an_extension_that_is_not_json_is_refused(extension: bytes) -> None:
+    parser, key = PromptIdParser(), ("r", "ro", "a")
+    assert list(parser.parse(key, _raw(b"[1,2]"))) == [1, 2]
+    with pytest.raises(msgspec.DecodeError):
+        parser.parse(key, decode_completion(b'{"prompt_token_ids":' + extension + b"}")["prompt_token_ids"])
