@@ -93,12 +93,25 @@ def pack_ids(values: Sequence[int] | IdArray, width: int = 4) -> bytes:
 
     Raises OverflowError for an id outside the width's range.
     """
-    packed = np.asarray(values, dtype="<i4") if len(values) else np.zeros(0, dtype="<i4")
-    if width == 3:
-        if len(packed) and (int(packed.min()) < 0 or int(packed.max()) >= 1 << 24):
-            raise OverflowError("an id does not fit in 24 bits")
-        return packed.view(np.uint8).reshape(-1, 4)[:, :3].tobytes()
-    return packed.tobytes()
+    packed = _int32_array(values)
+    if width == 3 and _id_width(packed) == 4:
+        raise OverflowError("an id does not fit in 24 bits")
+    return _id_bytes(packed, width)
+
+
+def _int32_array(values: Sequence[int] | IdArray) -> np.ndarray[Any, Any]:
+    """Ids as a little-endian int32 array (the array itself when it is one; OverflowError past int32)."""
+    return np.asarray(values, dtype="<i4") if len(values) else np.zeros(0, dtype="<i4")
+
+
+def _id_width(packed: np.ndarray[Any, Any]) -> int:
+    """3 when every id of the int32 array fits in 24 bits, else 4."""
+    return 4 if len(packed) and (int(packed.min()) < 0 or int(packed.max()) >= 1 << 24) else 3
+
+
+def _id_bytes(packed: np.ndarray[Any, Any], width: int) -> bytes:
+    """An int32 array's ids, `width` bytes each (3: each id's low three bytes)."""
+    return packed.view(np.uint8).reshape(-1, 4)[:, :3].tobytes() if width == 3 else packed.tobytes()
 
 
 def unpack_ids(data: bytes, width: int = 4) -> list[int]:
@@ -137,20 +150,6 @@ def _int32_view(data: bytes, width: int, more: bytes = b"") -> np.ndarray[Any, A
     return ids
 
 
-def id_width(*arrays: Sequence[int] | IdArray) -> int:
-    """3 when every id fits in 24 bits (every vocabulary in use does), else 4."""
-    for values in arrays:
-        if not len(values):
-            continue
-        if isinstance(values, np.ndarray):  # a long prompt's array: its bounds in C
-            low, high = int(values.min()), int(values.max())
-        else:
-            low, high = min(values), max(values)
-        if low < 0 or high >= 1 << 24:
-            return 4
-    return 3
-
-
 def pack_floats(values: Sequence[float]) -> tuple[bytes, int]:
     """Logprobs as little-endian float32 when every value survives it exactly, else float64."""
     narrow = array("f", values)
@@ -167,12 +166,18 @@ def unpack_floats(data: bytes, width: int) -> list[float]:
 
 
 def pack(ids: Sequence[int] | IdArray, response: Sequence[int], logprobs: Sequence[float]) -> PackedTokens:
-    """The packed form of one call's prompt ids (or their new suffix), response ids and logprobs."""
+    """The packed form of one call's prompt ids (or their new suffix), response ids and logprobs.
+
+    Both id lists are packed as one array (one width, one pass: a short call's numpy calls cost
+    more than its ids) and split after."""
     text, width = pack_floats(logprobs)
-    ids_width = id_width(ids, response)
+    both = np.concatenate((_int32_array(ids), _int32_array(response)))
+    ids_width = _id_width(both)
+    data = _id_bytes(both, ids_width)
+    cut = len(ids) * ids_width
     return PackedTokens(
-        prompt=pack_ids(ids, ids_width),
-        response=pack_ids(response, ids_width),
+        prompt=data[:cut],
+        response=data[cut:],
         logprobs=text,
         logprob_width=width,
         id_width=ids_width,

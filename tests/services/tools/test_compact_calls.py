@@ -16,7 +16,6 @@ from schemas.calls import CallRecord
 from schemas.codec import MalformedEvent
 from schemas.refs import (
     _packed_alike,
-    id_width,
     ids_int32,
     pack,
     pack_floats,
@@ -151,11 +150,11 @@ def test_logprobs_pack_as_float32_only_when_exact() -> None:
 
 def test_ids_pack_in_24_bits_when_they_fit_else_32() -> None:
     small = [0, 5, (1 << 24) - 1]
-    assert id_width(small) == 3 and unpack_ids(pack_ids(small, 3), 3) == small
+    assert pack(small, [], []).id_width == 3 and unpack_ids(pack_ids(small, 3), 3) == small
     assert len(pack_ids(small, 3)) == 9
     assert ids_int32(pack_ids(small, 3), 3) == ids_int32(pack_ids(small, 4), 4)
     large = [1 << 24, -1]
-    assert id_width(small, large) == 4 and unpack_ids(pack_ids(large, 4), 4) == large
+    assert pack(small, large, []).id_width == 4 and unpack_ids(pack_ids(large, 4), 4) == large
 
 
 def test_packed_arrays_are_base64_on_the_wire_and_checked_when_read() -> None:
