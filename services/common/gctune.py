@@ -5,7 +5,8 @@ the default thresholds (a young collection every 700 allocations) the collector 
 calls: a fifth of the projector's CPU, and 4% of the gateway's at 32 calls in flight (timed with a
 `gc.callbacks` probe during `bench/bench_proxy.py`). Start-up objects (modules, the app, its
 routes) are frozen out of every scan, and young collections become rarer; cycles are still
-collected, only later.
+collected, only later (the gateway holds about 10 MiB more between collections, flat over 50,000
+calls).
 """
 
 from __future__ import annotations
