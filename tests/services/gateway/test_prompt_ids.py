@@ -4,6 +4,7 @@ last parse when the prompt extends it), equal what the exact path (decode to Pyt
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -228,3 +229,35 @@ def test_an_extension_that_is_not_json_is_refused(extension: bytes) -> None:
     assert list(parser.parse(key, _raw(b"[1,2]"))) == [1, 2]
     with pytest.raises(msgspec.DecodeError):
         parser.parse(key, decode_completion(b'{"prompt_token_ids":' + extension + b"}")["prompt_token_ids"])
+
+
+def _random_value(rng: random.Random, depth: int) -> Any:
+    kind = rng.randrange(7 if depth < 3 else 4)
+    if kind == 0:
+        return rng.randrange(-5, 2**33)
+    if kind == 1:
+        return rng.choice(['"prompt_token_ids":[1,2]', "]", "[", "a\\]b", '{"x":[3]}', "plain"])
+    if kind == 2:
+        return rng.choice([None, True, 1.5])
+    if kind == 3:
+        return [rng.randrange(0, 100) for _ in range(rng.randrange(0, 4))]
+    if kind == 4:
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(0, 3))]
+    keys = ["prompt_token_ids", "choices", "x", "message"]
+    return {rng.choice(keys): _random_value(rng, depth + 1) for _ in range(rng.randrange(0, 3))}
+
+
+def test_random_answers_read_as_their_whole_json() -> None:
+    """Answers with the ids' key nested, quoted, repeated or missing, compact or spaced: the cut never
+    changes what is read, or what the client gets back."""
+    rng = random.Random(33)
+    for _ in range(600):
+        answer = {key: _random_value(rng, 0) for key in rng.sample(["id", "choices", "usage", "x"], 2)}
+        if rng.random() < 0.8:
+            answer["prompt_token_ids"] = [rng.randrange(0, 2**31) for _ in range(rng.randrange(1, 20))]
+        if rng.random() < 0.3:
+            answer["z"] = _random_value(rng, 0)
+        body = msgspec.json.encode(answer) if rng.random() < 0.8 else json.dumps(answer).encode()
+        decoded = decode_completion(body)
+        assert EXACT(msgspec.json.encode(decoded)) == EXACT(body), body
+        assert list(prompt_token_ids(decoded.get("prompt_token_ids"))) == _exact(body), body
