@@ -14,8 +14,7 @@ import contextlib
 import time
 from collections.abc import Callable
 
-from services.common.accesslog import AccessLog
-from services.common.metrics import CONTENT_TYPE, HTTP_DURATION, HTTP_REQUESTS, METRICS_PATH, exposition
+from services.common.metrics import CONTENT_TYPE, METRICS_PATH, HttpObserver, exposition
 
 Health = Callable[[], tuple[int, bytes]]
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
@@ -44,20 +43,16 @@ def respond(method: str, path: str, health: Health) -> tuple[int, bytes, str]:
     return 404, b'{"error": "unknown path: try /metrics or /healthz"}', "application/json"
 
 
-def observe(service: str, access: AccessLog, method: str, path: str, status: int, began: float) -> None:
-    """Count, time and log one answered request."""
-    elapsed = time.perf_counter() - began
+def observe(observer: HttpObserver, method: str, path: str, status: int, began: float) -> None:
+    """Count, time and log one answered request (its route: the path served, else `unmatched`)."""
     bare = path.split("?", 1)[0]
     route = bare if bare == METRICS_PATH or bare in HEALTH_PATHS else "unmatched"
-    method_label = method if method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE") else "other"
-    HTTP_REQUESTS.labels(service, method_label, route, str(status)).inc()
-    HTTP_DURATION.labels(service, method_label, route).observe(elapsed)
-    access.write(method, bare, status, elapsed)
+    observer.observe(method, bare, route, status, time.perf_counter() - began)
 
 
 async def serve(service: str, host: str, port: int, health: Health) -> asyncio.Server:
     """Start serving on host:port (port 0 picks a free one; see `server.sockets`)."""
-    access = AccessLog(service)
+    observer = HttpObserver(service)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         began = time.perf_counter()
@@ -67,7 +62,7 @@ async def serve(service: str, host: str, port: int, health: Health) -> asyncio.S
             code, body, content_type = respond(method, path, health)
             writer.write(encode_response(code, b"" if method == "HEAD" else body, content_type))
             await writer.drain()
-            observe(service, access, method, path, code, began)
+            observe(observer, method, path, code, began)
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, OSError):
             pass
         finally:
