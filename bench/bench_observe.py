@@ -99,7 +99,7 @@ def main() -> None:
                 try:
                     await proxy_like(scope, receive, watch.send)
                 finally:
-                    watch.answered(scope, http, ("openai", "chat/completions"), ("ro-1", "a-1"))
+                    watch.answered(scope, http, ("openai", "chat/completions"))
 
             return edge
 

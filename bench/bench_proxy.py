@@ -47,6 +47,41 @@ ADMIN = "bench-admin"
 RUN = "bench"
 
 
+def gateway_env(nats_url: str) -> dict[str, str]:
+    """The environment a bench gateway runs with: the bench's admin token and secret, on `nats_url`."""
+    return {**os.environ, "ROLLWIRE_ADMIN_TOKEN": ADMIN, "ROLLWIRE_SECRET": "bench-secret", "NATS_URL": nats_url}
+
+
+def start_run(
+    admin: httpx.Client,
+    fake_port: int,
+    run_id: str,
+    budget: bool,
+    prompt_mode: str = "exact",
+    tokenizer: str | None = None,
+) -> None:
+    """Start a run (a calls and tokens budget when asked, beside the default bytes budget) and register
+    the fake model for it (with its tokenizer's directory, which continuous prompt mode renders with)."""
+    spec: dict[str, Any] = {"run_id": run_id, "command": ["true"], "prompt_mode": prompt_mode}
+    if budget:
+        spec["budget"] = {"calls": 2_000_000_000, "tokens": 2_000_000_000}
+    admin.post("/api/runs", json=spec).raise_for_status()
+    model = {"name": "fake", "run_id": run_id, "base_url": f"http://127.0.0.1:{fake_port}/v1"}
+    admin.post("/api/models", json=model | ({"tokenizer": tokenizer} if tokenizer else {})).raise_for_status()
+
+
+def proxy_routes(admin: httpx.Client, port: int, count: int, run_id: str) -> list[tuple[str, dict[str, str]]]:
+    """`count` rollouts of the run, one attempt each: their chat proxy paths and tokens on the gateway at `port`."""
+    created = admin.post("/api/rollouts", json={"rollouts": [{"run_id": run_id, "input": i} for i in range(count)]})
+    created.raise_for_status()
+    routes = []
+    for rollout in created.json()["rollouts"]:
+        attempt = admin.post(f"/api/rollouts/{rollout['rollout_id']}/attempts").json()
+        path = attempt["proxy_base_url"].split(str(port), 1)[1] + "/chat/completions"
+        routes.append((path, {"authorization": f"Bearer {attempt['token']}"}))
+    return routes
+
+
 class Stack:
     """nats-server, the fake upstream, Rollwire's gateway and (when available) Agent Lightning's server."""
 
@@ -61,12 +96,7 @@ class Stack:
         )
         wait_http(f"http://127.0.0.1:{self.fake_port}/v1/models", self.fake)
         self.gw_port = free_port()
-        env = {
-            **os.environ,
-            "ROLLWIRE_ADMIN_TOKEN": ADMIN,
-            "ROLLWIRE_SECRET": "bench-secret",
-            "NATS_URL": self.nats.url,
-        }
+        env = gateway_env(self.nats.url)
         argv = [sys.executable, "-m", "services.gateway"]
         if profile is not None:  # cProfile in the gateway, switched on around each measured case
             argv = [sys.executable, str(ROOT / "bench" / "profiled_gateway.py"), str(profile)]
@@ -93,26 +123,12 @@ class Stack:
         return proc
 
     def start_run(self, run_id: str, budget: bool, prompt_mode: str = "exact", tokenizer: str | None = None) -> None:
-        """Start a run (a calls and tokens budget when asked, beside the default bytes budget) and register
-        the fake model for it (with its tokenizer's directory, which continuous prompt mode renders with)."""
-        spec: dict[str, Any] = {"run_id": run_id, "command": ["true"], "prompt_mode": prompt_mode}
-        if budget:
-            spec["budget"] = {"calls": 2_000_000_000, "tokens": 2_000_000_000}
-        self.admin.post("/api/runs", json=spec).raise_for_status()
-        model = {"name": "fake", "run_id": run_id, "base_url": f"http://127.0.0.1:{self.fake_port}/v1"}
-        self.admin.post("/api/models", json=model | ({"tokenizer": tokenizer} if tokenizer else {})).raise_for_status()
+        """`start_run` on this stack's gateway and fake model."""
+        start_run(self.admin, self.fake_port, run_id, budget, prompt_mode, tokenizer)
 
     def rollwire_routes(self, count: int, run_id: str = RUN) -> list[tuple[str, dict[str, str]]]:
-        created = self.admin.post(
-            "/api/rollouts", json={"rollouts": [{"run_id": run_id, "input": i} for i in range(count)]}
-        )
-        created.raise_for_status()
-        routes = []
-        for rollout in created.json()["rollouts"]:
-            attempt = self.admin.post(f"/api/rollouts/{rollout['rollout_id']}/attempts").json()
-            path = attempt["proxy_base_url"].split(str(self.gw_port), 1)[1] + "/chat/completions"
-            routes.append((path, {"authorization": f"Bearer {attempt['token']}"}))
-        return routes
+        """`proxy_routes` of this stack's gateway."""
+        return proxy_routes(self.admin, self.gw_port, count, run_id)
 
     def start_agl(self) -> None:
         python, reason = agl_python()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,19 +25,16 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_proxy import ADMIN, Stack
+from bench_proxy import ADMIN, Stack, gateway_env, proxy_routes, start_run
 from proxy_load import Target, chat_body, load, wait_http
 
 from services.devstack.embedded import free_port
-
-BUDGET = {"calls": 2_000_000_000, "tokens": 2_000_000_000}
 
 
 def start_baseline(stack: Stack, checkout: Path) -> tuple[subprocess.Popen[bytes], int]:
     """The baseline checkout's gateway on the stack's NATS (its own process, its own code)."""
     port = free_port()
-    env = {**os.environ, "ROLLWIRE_ADMIN_TOKEN": ADMIN, "ROLLWIRE_SECRET": "bench-secret"}
-    env |= {"NATS_URL": stack.nats.url, "PYTHONPATH": str(checkout)}
+    env = gateway_env(stack.nats.url) | {"PYTHONPATH": str(checkout)}
     log = open(stack.tmp / "baseline.log", "ab")
     argv = [sys.executable, "-m", "services.gateway", "--port", str(port)]
     proc = subprocess.Popen(argv, cwd=checkout, env=env, stdout=subprocess.DEVNULL, stderr=log)
@@ -50,17 +46,8 @@ def start_baseline(stack: Stack, checkout: Path) -> tuple[subprocess.Popen[bytes
 def gateway_target(name: str, port: int, pid: int, fake_port: int) -> Target:
     """A run with a calls and tokens budget on the gateway at `port`, and 32 attempts' proxy routes."""
     admin = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"authorization": f"Bearer {ADMIN}"}, timeout=60)
-    run = f"pair-{name}"
-    admin.post("/api/runs", json={"run_id": run, "command": ["true"], "budget": BUDGET}).raise_for_status()
-    model = {"name": "fake", "run_id": run, "base_url": f"http://127.0.0.1:{fake_port}/v1"}
-    admin.post("/api/models", json=model).raise_for_status()
-    created = admin.post("/api/rollouts", json={"rollouts": [{"run_id": run, "input": i} for i in range(32)]})
-    routes = []
-    for rollout in created.raise_for_status().json()["rollouts"]:
-        attempt = admin.post(f"/api/rollouts/{rollout['rollout_id']}/attempts").json()
-        path = attempt["proxy_base_url"].split(str(port), 1)[1] + "/chat/completions"
-        routes.append((path, {"authorization": f"Bearer {attempt['token']}"}))
-    return Target(name, port, routes, pid)
+    start_run(admin, fake_port, f"pair-{name}", budget=True)
+    return Target(name, port, proxy_routes(admin, port, 32, f"pair-{name}"), pid)
 
 
 async def rounds(stack: Stack, targets: list[Target], args: argparse.Namespace) -> dict[str, list[list[float]]]:

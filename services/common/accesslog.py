@@ -60,14 +60,12 @@ class AccessLog:
         """False when access logs are switched off."""
         return self.format != "off"
 
-    def line(self, method: str, path: str, status: int, latency_s: float, ids: tuple[str, str] | None = None) -> str:
-        """The access line of one request (no trailing newline); `ids`, the rollout and attempt the
-        caller already parsed from the path, spare reading them again."""
-        if len(path) > MAX_PATH_CHARS:
-            path, ids = path[:MAX_PATH_CHARS], None  # the ids as far as the cut path holds them
+    def line(self, method: str, path: str, status: int, latency_s: float) -> str:
+        """The access line of one request (no trailing newline)."""
+        path = path[:MAX_PATH_CHARS]
         if not (path.isprintable() and path.isascii()) or " " in path:  # no spaces or newlines from a client
-            path, ids = quote(path, safe="/:@!$&'()*+,;=-._~%"), None  # the ids written as the path is: quoted
-        rollout, attempt = ids_in(path) if ids is None else ids
+            path = quote(path, safe="/:@!$&'()*+,;=-._~%")
+        rollout, attempt = ids_in(path)
         latency_ms = round(latency_s * 1000, 2)
         if self.format == "json":
             record = {
@@ -86,7 +84,7 @@ class AccessLog:
             f"attempt={attempt or '-'} latency_ms={latency_ms} service={self.service}"
         )
 
-    def write(self, method: str, path: str, status: int, latency_s: float, ids: tuple[str, str] | None = None) -> None:
+    def write(self, method: str, path: str, status: int, latency_s: float) -> None:
         """Log one request (nothing when switched off)."""
         if self.format != "off":
-            (self.stream or sys.stderr).write(self.line(method, path, status, latency_s, ids) + "\n")
+            (self.stream or sys.stderr).write(self.line(method, path, status, latency_s) + "\n")

@@ -103,10 +103,8 @@ class HttpObserver:
         self.access = access_log if access_log is not None else AccessLog(service)
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}  # label lookups, made once
 
-    def observe(
-        self, method: str, path: str, route: str, status: int, elapsed: float, ids: tuple[str, str] | None = None
-    ) -> None:
-        """Record one answered request (`ids`: its rollout and attempt, when the caller has parsed them)."""
+    def observe(self, method: str, path: str, route: str, status: int, elapsed: float) -> None:
+        """Record one answered request (`route`: its route template, the label for its path)."""
         label = method if method in _METHODS else "other"
         key = (label, route, str(status))
         children = self._children.get(key)
@@ -115,7 +113,7 @@ class HttpObserver:
             self._children[key] = children
         children[0].inc()
         children[1].observe(elapsed)
-        self.access.write(method, path, status, elapsed, ids)
+        self.access.write(method, path, status, elapsed)
 
 
 class ObservedApp:

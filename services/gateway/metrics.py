@@ -115,11 +115,8 @@ class CallWatch:
             self.first_token = time.perf_counter() - self.began
         await self.to_client(message)
 
-    def answered(
-        self, scope: Scope, http: HttpObserver, served: tuple[str, str] | None, ids: tuple[str, str] | None
-    ) -> None:
-        """Record the call (`served`: its route's API and path below it when the proxy serves that
-        route; `ids`: the rollout and attempt its path names)."""
+    def answered(self, scope: Scope, http: HttpObserver, served: tuple[str, str] | None) -> None:
+        """Record the call (`served`: its route's API and path below it when the proxy serves that route)."""
         elapsed = time.perf_counter() - self.began
         status = 500 if self.status is None else self.status  # what the client got when nothing was sent
         kind = _FRONT_ENDS.get(served, "other") if served is not None else "other"
@@ -133,7 +130,7 @@ class CallWatch:
         timers[0].observe(elapsed)
         if self.first_token is not None:
             timers[1].observe(self.first_token)
-        http.observe(scope["method"], scope["path"], proxy_route(served), status, elapsed, ids)
+        http.observe(scope["method"], scope["path"], proxy_route(served), status, elapsed)
 
 
 def proxy_route(served: tuple[str, str] | None) -> str:

@@ -143,8 +143,7 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = CallWatch(send)  # counted, timed and access-logged here: the only wrapper on this path
-        route: Route | None = None
-        served = False
+        served: tuple[str, str] | None = None  # the API and path of a route the proxy serves
         try:
             route = parse_route(scope["path"])
             agent = agent_name(route.agent, header(scope, AGENT_HEADER))
@@ -153,13 +152,12 @@ class Proxy:
             handler = ROUTES.get((route.api, scope["method"], route.rest))
             if handler is None:
                 raise not_found(f"the proxy does not serve {scope['method']} {route.rest or '/'}: {SERVED}")
-            served = True
+            served = (route.api, route.rest)
             await handler(self, scope, receive, watch.send, route)
         except Exception as exc:
             await self._refuse(exc, scope, watch.send, watch.status is not None)
         finally:
-            ids = None if route is None else (route.rollout_id, route.attempt_id)
-            watch.answered(scope, self.http, (route.api, route.rest) if route is not None and served else None, ids)
+            watch.answered(scope, self.http, served)
 
     async def _refuse(self, exc: Exception, scope: Scope, send: Send, started: bool) -> None:
         if isinstance(exc, TranslationError):

@@ -39,7 +39,6 @@ PromptIds = list[int] | IdArray
 
 AttemptKey = tuple[str, str | None, str | None]
 _decode_any = msgspec.json.Decoder().decode
-_ID_TEXT = b"0123456789, \t\r\n"
 _INT32_MAX = 2**31 - 1
 _COMMA = 0x2C
 _ZERO = 0x30
@@ -101,9 +100,10 @@ def _int32_array(inner: bytes) -> IdArray | None:
 
     Only digits and commas are read (whitespace around them dropped: it reaches here only from JSON
     the decoder checked); an empty element, a leading zero or an unread rest makes it None."""
-    if inner.translate(None, _ID_TEXT) or not inner.strip():  # a sign, a fraction, an exponent; no number
-        return None
-    if inner.translate(None, _DIGITS_COMMAS):
+    other = inner.translate(None, _DIGITS_COMMAS)  # empty for vLLM's ids: one pass over them
+    if other:
+        if other.translate(None, _WHITESPACE):  # a sign, a fraction, an exponent
+            return None
         inner = inner.translate(None, _WHITESPACE)
     text = np.frombuffer(inner, np.uint8)
     if not len(text) or text[0] == _COMMA or text[-1] == _COMMA or _leading_zero(text):

@@ -21,6 +21,7 @@ from vllm_server import VllmServer
 from services.common.eventstore import EventStore
 from services.tools.replay import replay_run
 from trainer.core import AdapterConfig, build_step, collect_rollouts, events_by_rollout
+from trainer.core.tokens import same_ids
 
 AGENT = [sys.executable, str(REPO / "examples" / "multiagent" / "agent.py")]
 ROLLOUTS = 4
@@ -45,17 +46,19 @@ async def _replay(nats_url: str, run_id: str, options: dict[str, Any]) -> Any:
 
 
 def _late_drafts(rollout: Any) -> int:
-    """The rollout's drafts (its first `FAN_OUT` writer calls) that ended before an identical one started and
-    that no later call continues: what the retry rule drops (`trainer/core/dedup.py`)."""
-    writer = [c for c in rollout.calls if c.agent == "writer"]
-    drafts, later = writer[:FAN_OUT], writer[FAN_OUT:]
+    """The rollout's drafts (its first `FAN_OUT` writer calls) that ended before an identical one started
+    and that, by the retry rule (`trainer/core/dedup.py`), are retries: that twin answered the same,
+    or no call of the rollout continues the draft's prompt + answer."""
+    drafts = [c for c in rollout.calls if c.agent == "writer"][:FAN_OUT]
     late = 0
     for draft in drafts:
-        twin_after = any(o is not draft and o.started_at >= draft.ended_at for o in drafts)
-        used = any(list(c.prompt_ids[: len(draft.prompt_ids)]) == list(draft.prompt_ids) and
-                   list(c.prompt_ids[len(draft.prompt_ids) :][: len(draft.response_ids)]) == list(draft.response_ids)
-                   for c in later)  # fmt: skip
-        late += twin_after and not used
+        twins = [o for o in drafts if o is not draft and o.started_at >= draft.ended_at]
+        prompt, answer = list(draft.prompt_ids), list(draft.response_ids)
+        continues = (c for c in rollout.calls if c is not draft)
+        used = bool(answer) and any(
+            list(c.prompt_ids[: len(prompt) + len(answer)]) == prompt + answer for c in continues
+        )
+        late += bool(twins) and (not used or any(same_ids(t.response_ids, draft.response_ids) for t in twins))
     return late
 
 
