@@ -28,7 +28,7 @@ from fastapi import FastAPI, Response  # noqa: E402
 
 from services.common.accesslog import AccessLog  # noqa: E402
 from services.common.metrics import HttpObserver, ObservedApp  # noqa: E402
-from services.gateway.metrics import CallWatch  # noqa: E402
+from services.gateway.metrics import CallWatch, Served  # noqa: E402
 
 PROXY_PATH = "/proxy/rollout/ro-1/attempt/a-1/mode/train/openai/v1/chat/completions"
 CHUNKS = [b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'] + [
@@ -99,7 +99,7 @@ def main() -> None:
                 try:
                     await proxy_like(scope, receive, watch.send)
                 finally:
-                    watch.answered(scope, http, ("openai", "chat/completions"))
+                    watch.answered(scope, http, Served("openai", "chat/completions", "chat_completions"))
 
             return edge
 

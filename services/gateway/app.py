@@ -34,7 +34,7 @@ from services.gateway.phase import PhaseGate
 from services.gateway.phasesync import PhaseSync
 from services.gateway.proxy.budgets import Budgets
 from services.gateway.proxy.frontends.base import error_body
-from services.gateway.proxy.handler import PREFIX, Proxy, misdirected
+from services.gateway.proxy.handler import FRONT_ENDS, PREFIX, Proxy, misdirected
 from services.gateway.proxy.payload import announce
 from services.gateway.proxy.reaper import CallReaper
 from services.gateway.proxy.recording import CallChains
@@ -126,7 +126,7 @@ def _lifespan(settings: GatewaySettings) -> Callable[[FastAPI], AbstractAsyncCon
         await gateway.budgets.open()
         app.state.gateway = gateway
         app.state.proxy = Proxy(gateway, HttpObserver("gateway"))
-        metrics.watch_idempotency(gateway.idempotency.__len__, lambda: gateway.idempotency.bytes)
+        metrics.watch_idempotency(gateway.idempotency.__len__, lambda: gateway.idempotency.bytes, FRONT_ENDS)
         try:
             yield
         finally:

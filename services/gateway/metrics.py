@@ -22,21 +22,13 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.metrics import LATENCY_BUCKETS, HttpObserver, Message, Scope, Send, install
 
-_FRONT_ENDS = {
-    ("openai", "chat/completions"): "chat_completions",
-    ("openai", "responses"): "responses",
-    ("anthropic", "v1/messages"): "anthropic_messages",
-    ("anthropic", "v1/messages/count_tokens"): "anthropic_count_tokens",
-    ("openai", "models"): "models",
-    ("anthropic", "v1/models"): "models",
-}
 UNMATCHED_ROUTE = "/proxy/unmatched"
 # A streamed chunk that carries generation: OpenAI chat deltas with text or tool calls, Responses API
 # deltas, Anthropic content block deltas (msgspec and json.dumps(separators) write no spaces).
@@ -44,6 +36,16 @@ _TOKEN_CHUNK = re.compile(
     rb'"(?:content|reasoning_content)": ?"[^"]|"tool_calls": ?\['
     rb"|output_text\.delta|arguments\.delta|content_block_delta"
 )
+
+
+class Served(NamedTuple):
+    """A route the proxy serves, as its metrics name it: the API, the path below it, the front end's label
+    (each route's is given beside its handler in `proxy.handler.ROUTES`)."""
+
+    api: str
+    rest: str
+    front_end: str
+
 
 PROXY_CALLS = Counter(
     "rollwire_gateway_proxy_calls",
@@ -109,17 +111,18 @@ class CallWatch:
         """Note what the message says about the answer, then send it."""
         if message["type"] == "http.response.start":
             self.status = message["status"]
-            headers = message.get("headers", ())
-            self.streaming = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+            for name, value in message.get("headers", ()):
+                if name == b"content-type":
+                    self.streaming = value.startswith(b"text/event-stream")
         elif self.streaming and self.first_token is None and _TOKEN_CHUNK.search(message.get("body", b"")):
             self.first_token = time.perf_counter() - self.began
         await self.to_client(message)
 
-    def answered(self, scope: Scope, http: HttpObserver, served: tuple[str, str] | None) -> None:
-        """Record the call (`served`: its route's API and path below it when the proxy serves that route)."""
+    def answered(self, scope: Scope, http: HttpObserver, served: Served | None) -> None:
+        """Record the call (`served`: its route when the proxy serves that route)."""
         elapsed = time.perf_counter() - self.began
         status = 500 if self.status is None else self.status  # what the client got when nothing was sent
-        kind = _FRONT_ENDS.get(served, "other") if served is not None else "other"
+        kind = "other" if served is None else served.front_end
         calls = _calls.get((kind, status))
         if calls is None:
             calls = _calls[(kind, status)] = PROXY_CALLS.labels(kind, str(status))
@@ -133,13 +136,13 @@ class CallWatch:
         http.observe(scope["method"], scope["path"], proxy_route(served), status, elapsed)
 
 
-def proxy_route(served: tuple[str, str] | None) -> str:
+def proxy_route(served: Served | None) -> str:
     """The route template of a proxy call for the HTTP families (`served`: as for `CallWatch.answered`)."""
     if served is None:
         return UNMATCHED_ROUTE
     route = _routes.get(served)
     if route is None:
-        api, rest = served
+        api, rest = served.api, served.rest
         below = f"/v1/{rest}" if api == "openai" else f"/{rest}" if rest else ""
         route = _routes[served] = f"/proxy/rollout/{{rollout_id}}/attempt/{{attempt_id}}/mode/{{mode}}/{api}{below}"
     return route
@@ -148,7 +151,7 @@ def proxy_route(served: tuple[str, str] | None) -> str:
 # Label children and route templates made once (bounded: front ends x statuses, served routes), not on every call.
 _calls: dict[tuple[str, int], Any] = {}
 _timers: dict[str, tuple[Any, Any]] = {}
-_routes: dict[tuple[str, str], str] = {}
+_routes: dict[Served, str] = {}
 
 
 def recorded(events: Sequence[Any]) -> None:
@@ -182,10 +185,11 @@ def hold_ended(started: float) -> None:
     HOLD_SECONDS.observe(time.monotonic() - started)
 
 
-def watch_idempotency(entries: Callable[[], int], nbytes: Callable[[], int]) -> None:
-    """Export the gateway's families; read the idempotency cache's size at each scrape (newest app wins)."""
+def watch_idempotency(entries: Callable[[], int], nbytes: Callable[[], int], front_ends: Iterable[str]) -> None:
+    """Export the gateway's families, with each of `front_ends` at 0; read the idempotency cache's size at
+    each scrape (newest app wins)."""
     install(*FAMILIES)
-    for kind in set(_FRONT_ENDS.values()):  # bounded label sets at 0 from the start
+    for kind in front_ends:  # bounded label sets at 0 from the start
         PROXY_CALLS.labels(kind, "200")
         PROXY_DURATION.labels(kind)
         PROXY_TTFT.labels(kind)

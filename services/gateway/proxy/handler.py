@@ -46,7 +46,7 @@ from services.gateway.errors import (
     unavailable,
 )
 from services.gateway.http import refuse_huge_numbers
-from services.gateway.metrics import CallWatch
+from services.gateway.metrics import CallWatch, Served
 from services.gateway.proxy.agents import AGENT_HEADER, agent_name, split_agent
 from services.gateway.proxy.call import Call
 from services.gateway.proxy.frontends import chat, messages, responses
@@ -143,16 +143,16 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = CallWatch(send)  # counted, timed and access-logged here: the only wrapper on this path
-        served: tuple[str, str] | None = None  # the API and path of a route the proxy serves
+        served: Served | None = None  # a route the proxy serves
         try:
             route = parse_route(scope["path"])
             agent = agent_name(route.agent, header(scope, AGENT_HEADER))
             if agent != route.agent:
                 route = msgspec.structs.replace(route, agent=agent)
-            handler = ROUTES.get((route.api, scope["method"], route.rest))
-            if handler is None:
+            endpoint = ROUTES.get((route.api, scope["method"], route.rest))
+            if endpoint is None:
                 raise not_found(f"the proxy does not serve {scope['method']} {route.rest or '/'}: {SERVED}")
-            served = (route.api, route.rest)
+            handler, served = endpoint
             await handler(self, scope, receive, watch.send, route)
         except Exception as exc:
             await self._refuse(exc, scope, watch.send, watch.status is not None)
@@ -434,12 +434,19 @@ async def _head(proxy: Proxy, scope: Scope, receive: Receive, send: Send, route:
     await send({"type": "http.response.body", "body": b""})
 
 
-ROUTES: dict[tuple[str, str, str], Handler] = {
-    ("openai", "POST", "chat/completions"): _chat,
-    ("openai", "POST", "responses"): _responses,
-    ("openai", "GET", "models"): _openai_models,
-    ("anthropic", "POST", "v1/messages"): _messages,
-    ("anthropic", "POST", "v1/messages/count_tokens"): _count_tokens,
-    ("anthropic", "GET", "v1/models"): _anthropic_models,
-    ("anthropic", "HEAD", ""): _head,
+_ENDPOINTS: tuple[tuple[Api, str, str, Handler, str], ...] = (
+    # API, method, path below the API's base, handler, the front end's metrics label
+    ("openai", "POST", "chat/completions", _chat, "chat_completions"),
+    ("openai", "POST", "responses", _responses, "responses"),
+    ("openai", "GET", "models", _openai_models, "models"),
+    ("anthropic", "POST", "v1/messages", _messages, "anthropic_messages"),
+    ("anthropic", "POST", "v1/messages/count_tokens", _count_tokens, "anthropic_count_tokens"),
+    ("anthropic", "GET", "v1/models", _anthropic_models, "models"),
+    ("anthropic", "HEAD", "", _head, "other"),
+)
+ROUTES: dict[tuple[str, str, str], tuple[Handler, Served]] = {
+    (api, method, rest): (handler, Served(api, rest, front_end)) for api, method, rest, handler, front_end in _ENDPOINTS
 }
+"""Every route the proxy serves, by (API, method, path below the API's base): its handler and metrics labels."""
+FRONT_ENDS = tuple(dict.fromkeys(front_end for *_, front_end in _ENDPOINTS))
+"""The front ends' metrics labels."""
