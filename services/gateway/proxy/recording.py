@@ -217,7 +217,7 @@ def _nbytes(prompt: IdArray) -> int:
 
 
 def _calls_size(calls: list[RecordedCall]) -> int:
-    return sum(r.size for r in calls)
+    return sum([r.size for r in calls])  # a list: a generator costs a frame resumed per call
 
 
 def _key(event: ModelRequestRecorded) -> AttemptKey:
