@@ -5,16 +5,13 @@
 
 `ROLLWIRE_ACCESS_LOG` switches the format: `text` (the default, key=value), `json` (one JSON object
 a line) or `off`. Lines are written straight to stderr (not through `logging`: a line per request
-is on the hot path, and a service's logging setup should neither hide nor duplicate them). Inside an
-event loop, the lines of one loop turn are written together at its end: stderr is line-buffered, so
-each line alone would be a write system call (at 32 proxy calls in flight, a turn answers several). The rollout and
+is on the hot path, and a service's logging setup should neither hide nor duplicate them). The rollout and
 attempt come from the path (`/api/rollouts/{id}/attempt/{aid}/...`, `/proxy/rollout/{id}/attempt/{aid}/...`);
 the query string is left out (it can carry filters nobody asked to keep).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -57,9 +54,6 @@ class AccessLog:
         if self.format not in FORMATS:
             raise AccessLogError(f"access log format {self.format!r}: use one of {', '.join(FORMATS)}")
         self.stream = stream
-        self._turn: list[str] | None = None
-        """The lines of this event-loop turn, written at its end (None: none yet)."""
-        self._turn_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def enabled(self) -> bool:
@@ -91,26 +85,6 @@ class AccessLog:
         )
 
     def write(self, method: str, path: str, status: int, latency_s: float) -> None:
-        """Log one request (nothing when switched off): at the end of this event-loop turn, or now outside one."""
-        if self.format == "off":
-            return
-        line = self.line(method, path, status, latency_s)
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if loop is not None and self._turn is not None and self._turn_loop is loop:
-            self._turn.append(line)
-            return
-        if self._turn:  # a turn of a loop that stopped before its end (a test's loop, say)
-            self._end_turn()
-        if loop is None:
-            (self.stream or sys.stderr).write(line + "\n")
-            return
-        self._turn, self._turn_loop = [line], loop
-        loop.call_soon(self._end_turn)
-
-    def _end_turn(self) -> None:
-        lines, self._turn, self._turn_loop = self._turn, None, None
-        if lines:
-            (self.stream or sys.stderr).write("\n".join(lines) + "\n")
+        """Log one request (nothing when switched off)."""
+        if self.format != "off":
+            (self.stream or sys.stderr).write(self.line(method, path, status, latency_s) + "\n")

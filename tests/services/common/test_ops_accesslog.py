@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -34,54 +33,3 @@ def test_the_switch_names_its_values() -> None:
     assert not AccessLog("x", "off").enabled
     with pytest.raises(AccessLogError, match="use one of text, json, off"):
         access_format({"ROLLWIRE_ACCESS_LOG": "yaml"})
-
-
-class _Writes:
-    """A stream that keeps each `write` apart, to count the writes."""
-
-    def __init__(self) -> None:
-        self.writes: list[str] = []
-
-    def write(self, text: str) -> int:
-        self.writes.append(text)
-        return len(text)
-
-
-def test_one_loop_turn_is_one_write_and_nothing_waits_outside_a_loop() -> None:
-    stream = _Writes()
-    log = AccessLog("gateway", "text", stream)  # type: ignore[arg-type]
-
-    async def turns() -> None:
-        for status in (200, 201, 202):
-            log.write("GET", "/healthz", status, 0.0)
-        assert stream.writes == []  # written at the end of the turn
-        await asyncio.sleep(0)
-        log.write("GET", "/healthz", 203, 0.0)
-        await asyncio.sleep(0)
-
-    asyncio.run(turns())
-    assert len(stream.writes) == 2 and stream.writes[0].count("\n") == 3
-    statuses = [line.split("status=")[1].split()[0] for line in "".join(stream.writes).splitlines()]
-    assert statuses == ["200", "201", "202", "203"]
-
-    stream.writes.clear()
-    log.write("GET", "/healthz", 404, 0.0)  # no loop: written at once
-    assert len(stream.writes) == 1 and "status=404" in stream.writes[0]
-
-
-def test_a_turn_cut_short_by_its_loop_closing_is_written_by_the_next_line() -> None:
-    stream = _Writes()
-    log = AccessLog("gateway", "text", stream)  # type: ignore[arg-type]
-    loop = asyncio.new_event_loop()
-
-    def one() -> None:
-        log.write("GET", "/a", 200, 0.0)
-        loop.stop()  # the loop stops before the turn's write runs
-
-    loop.call_soon(one)
-    loop.run_forever()
-    loop.close()
-    assert stream.writes == []
-    log.write("GET", "/b", 200, 0.0)
-    text = "".join(stream.writes)
-    assert text.index("path=/a") < text.index("path=/b") and text.count("\n") == 2
