@@ -28,9 +28,11 @@ from fastapi import FastAPI, Response  # noqa: E402
 
 from services.common.accesslog import AccessLog  # noqa: E402
 from services.common.metrics import HttpObserver, ObservedApp  # noqa: E402
-from services.gateway.metrics import CallWatch, Served  # noqa: E402
+from services.gateway.metrics import CallWatch  # noqa: E402
+from services.gateway.proxy.handler import ROUTES  # noqa: E402
 
 PROXY_PATH = "/proxy/rollout/ro-1/attempt/a-1/mode/train/openai/v1/chat/completions"
+CHAT = ROUTES[("openai", "POST", "chat/completions")][1]
 CHUNKS = [b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'] + [
     b'data: {"choices":[{"delta":{"content":"tok"}}]}\n\n'
 ] * 3
@@ -99,7 +101,7 @@ def main() -> None:
                 try:
                     await proxy_like(scope, receive, watch.send)
                 finally:
-                    watch.answered(scope, http, Served("openai", "chat/completions", "chat_completions"))
+                    watch.answered(scope, http, CHAT)
 
             return edge
 

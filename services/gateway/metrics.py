@@ -39,12 +39,11 @@ _TOKEN_CHUNK = re.compile(
 
 
 class Served(NamedTuple):
-    """A route the proxy serves, as its metrics name it: the API, the path below it, the front end's label
-    (each route's is given beside its handler in `proxy.handler.ROUTES`)."""
+    """A route the proxy serves, as its metrics label it: its front end and its route template (made once
+    per route, beside its handler, in `proxy.handler.ROUTES`)."""
 
-    api: str
-    rest: str
     front_end: str
+    route: str
 
 
 PROXY_CALLS = Counter(
@@ -133,25 +132,13 @@ class CallWatch:
         timers[0].observe(elapsed)
         if self.first_token is not None:
             timers[1].observe(self.first_token)
-        http.observe(scope["method"], scope["path"], proxy_route(served), status, elapsed)
+        route = UNMATCHED_ROUTE if served is None else served.route
+        http.observe(scope["method"], scope["path"], route, status, elapsed)
 
 
-def proxy_route(served: Served | None) -> str:
-    """The route template of a proxy call for the HTTP families (`served`: as for `CallWatch.answered`)."""
-    if served is None:
-        return UNMATCHED_ROUTE
-    route = _routes.get(served)
-    if route is None:
-        api, rest = served.api, served.rest
-        below = f"/v1/{rest}" if api == "openai" else f"/{rest}" if rest else ""
-        route = _routes[served] = f"/proxy/rollout/{{rollout_id}}/attempt/{{attempt_id}}/mode/{{mode}}/{api}{below}"
-    return route
-
-
-# Label children and route templates made once (bounded: front ends x statuses, served routes), not on every call.
+# Label children made once (bounded: front ends x statuses), not on every call.
 _calls: dict[tuple[str, int], Any] = {}
 _timers: dict[str, tuple[Any, Any]] = {}
-_routes: dict[Served, str] = {}
 
 
 def recorded(events: Sequence[Any]) -> None:

@@ -26,11 +26,10 @@ from fastapi.routing import APIRoute
 from schemas.bounds import JSON_INT_MAX, PAGE_MAX
 from schemas.ids import ID_PATTERN, MAX_ID_LENGTH
 from services.common.metrics import METRICS_PATH
+from services.gateway.proxy.handler import AGENT_BASE, PROXY_BASE, route_template
 from services.gateway.proxy.handler import ROUTES as PROXY_ROUTES
 
 REF = "#/components/schemas/{name}"
-PROXY_BASE = "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}"
-AGENT_BASE = PROXY_BASE + "/agent/{agent}"
 PROXY_SUMMARIES = {
     "chat/completions": "OpenAI Chat Completions for one attempt (its agent token); every call is recorded",
     "responses": "OpenAI Responses API for one attempt (its agent token); every call is recorded",
@@ -268,13 +267,9 @@ def served_routes(app: FastAPI) -> list[tuple[str, str]]:
     ]
     for (api, method, rest), _ in PROXY_ROUTES.items():
         for base in (PROXY_BASE, AGENT_BASE):
-            served.append((method, _proxy_path(base, api, rest)))
+            served.append((method, route_template(api, rest, base)))
     served.append(("GET", METRICS_PATH))
     return sorted(set(served))
-
-
-def _proxy_path(base: str, api: str, rest: str) -> str:
-    return f"{base}/openai/v1/{rest}" if api == "openai" else f"{base}/anthropic/{rest}".rstrip("/")
 
 
 def _summary(handler: Callable[..., Any]) -> tuple[str, str]:

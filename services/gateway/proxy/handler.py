@@ -61,6 +61,9 @@ from services.gateway.proxy.upstream import UpstreamError
 from services.gateway.state import ModelEntry
 
 PREFIX = "/proxy/rollout/"
+PROXY_BASE = PREFIX + "{rollout_id}/attempt/{attempt_id}/mode/{mode}"
+"""An attempt's proxy base URL as a path template."""
+AGENT_BASE = PROXY_BASE + "/agent/{agent}"
 SERVED = (
     "this proxy serves OpenAI's API under .../openai/v1/ (POST chat/completions, POST responses, GET models) "
     "and Anthropic's Messages API under .../anthropic/ (POST v1/messages, POST v1/messages/count_tokens, "
@@ -444,8 +447,16 @@ _ENDPOINTS: tuple[tuple[Api, str, str, Handler, str], ...] = (
     ("anthropic", "GET", "v1/models", _anthropic_models, "models"),
     ("anthropic", "HEAD", "", _head, "other"),
 )
+
+
+def route_template(api: str, rest: str, base: str = PROXY_BASE) -> str:
+    """The path template of the proxy route `rest` below `api`'s base (`base`: `AGENT_BASE` for an agent's)."""
+    return f"{base}/openai/v1/{rest}" if api == "openai" else f"{base}/anthropic/{rest}".rstrip("/")
+
+
 ROUTES: dict[tuple[str, str, str], tuple[Handler, Served]] = {
-    (api, method, rest): (handler, Served(api, rest, front_end)) for api, method, rest, handler, front_end in _ENDPOINTS
+    (api, method, rest): (handler, Served(front_end, route_template(api, rest)))
+    for api, method, rest, handler, front_end in _ENDPOINTS
 }
 """Every route the proxy serves, by (API, method, path below the API's base): its handler and metrics labels."""
 FRONT_ENDS = tuple(dict.fromkeys(front_end for *_, front_end in _ENDPOINTS))
