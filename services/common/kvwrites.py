@@ -65,10 +65,10 @@ class PublishPipeline:
             return None
         return self._pipeline.kv_put_nowait(bucket, key, value, urgent=urgent)
 
-    async def kv_remove(self, bucket: str, revision: int) -> Awaitable[bool]:
+    async def kv_remove(self, bucket: str, key: str, revision: int) -> Awaitable[bool]:
         """Send the erasure of a key-value entry at `revision` (`PipelinedAcks.kv_remove`) and return what
         awaits it (True: erased; False: that revision was gone); `NotSent` while NATS is disconnected."""
         try:
-            return await self._acks.kv_remove(bucket, revision)
+            return await self._acks.kv_remove(bucket, key, revision)
         except nats.errors.OutboundBufferLimitError:
-            raise self._not_sent(f"{bucket}@{revision}") from None
+            raise self._not_sent(f"{bucket}/{key}@{revision}") from None

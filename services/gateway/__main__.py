@@ -21,6 +21,7 @@ from services.common.gctune import tune_gc
 from services.common.headheld import OneSendProtocol
 from services.common.settings import fail, run_async, run_command, typer_app
 from services.gateway.app import create_app
+from services.gateway.proxy.reaper import require_msg_ttl
 from services.gateway.settings import DEFAULT_PORT, GatewaySettings, SettingsError, settings_from_env
 
 NAME = "rollwire gateway"
@@ -28,7 +29,10 @@ NAME = "rollwire gateway"
 
 async def _check_nats(settings: GatewaySettings) -> None:
     store = await EventStore.connect(settings.nats_url, stream=settings.stream)
-    await store.close()
+    try:
+        require_msg_ttl(store.nc)
+    finally:
+        await store.close()
 
 
 async def serve(settings: GatewaySettings) -> None:

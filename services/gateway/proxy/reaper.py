@@ -3,18 +3,20 @@
 When a call passes the phase gate, the proxy puts a light marker for it into the JetStream
 key-value bucket `rollwire_inflight` (key: `<gateway instance id>.<call id>`; value: run, rollout,
 attempt, the gateway's instance id, mode and model) without waiting for it: the marker costs the
-call no latency. When the call ends, recorded or not, the proxy erases the marker's message (a
-stream message delete, not a key-value delete), so the bucket holds exactly the calls in flight,
-with no delete marker left per call: `nats kv ls rollwire_inflight` lists them. A rollout's event
+call no latency. When the call ends, recorded or not, the proxy erases the marker: a key-value
+delete at the marker's revision whose delete marker expires a second later (a per-message TTL), so
+the bucket holds the calls in flight and, for a second, the ones just ended: `nats kv ls
+rollwire_inflight` lists them. A rollout's event
 history holds only what happened: the markers are transient state, not events (entries also
 expire after `LOOKBACK_S`).
 
 Every gateway heartbeats into the bucket `rollwire_gateways` (its instance id, entries expire after
 three intervals). Once per interval it lists the bucket's keys (one `STREAM.INFO` with a subject
 filter: the key names the gateway, so no marker is read) and, only for markers of gateways whose
-heartbeat has expired and that it saw a whole interval ago, reads the marker and records the call
-as `aborted` with the reason, under the deterministic event id `<call_id>-reaped` (so several
-reapers append it once), then erases the marker. A gateway therefore receives nothing per call of
+heartbeat has expired and that it saw a whole interval ago, reads the marker (a delete marker,
+listed in its one second, reads as no call) and records the call as `aborted` with the reason,
+under the deterministic event id `<call_id>-reaped` (so several reapers append it once), then
+erases the marker. A gateway therefore receives nothing per call of
 another gateway (watching every marker cost each gateway two messages per call of the whole
 cluster).
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -43,6 +46,7 @@ from typing import Any
 import msgspec
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NATS
 from nats.js.api import DiscardPolicy, StreamConfig
 from nats.js.kv import KeyValue
 
@@ -136,7 +140,7 @@ class CallReaper:
         if revision is None or self.calls is None:
             return _won()
         try:  # claimed by erasing it: a reaper's claim from the revision it read then fails
-            pending = await self.store.kv_remove(CALLS, revision)
+            pending = await self.store.kv_remove(CALLS, f"{self.instance}.{call_id}", revision)
         except (nats.errors.Error, OSError):
             return _won()  # the store is unreachable: the record's own append fails and says so
         return self._verdict(call_id, pending)
@@ -156,17 +160,18 @@ class CallReaper:
         """Erase the call's marker (it was recorded, or its gateway is alive to answer for it)."""
         mine = self.mine.pop(call_id, None)
         if mine is not None:  # not claimed (nothing recorded): erase it once its put is done; a claim erased it
-            mine.add_done_callback(lambda put: self._erase(None if put.cancelled() else put.result()))
+            key = f"{self.instance}.{call_id}"
+            mine.add_done_callback(lambda put: self._erase(key, None if put.cancelled() else put.result()))
 
-    def _erase(self, revision: int | None) -> None:
+    def _erase(self, key: str, revision: int | None) -> None:
         """Erase a marker at `revision` without waiting (a marker left behind expires after `LOOKBACK_S`)."""
         if revision is None:
             return
-        task = asyncio.get_running_loop().create_task(self._erase_now(revision))
+        task = asyncio.get_running_loop().create_task(self._erase_now(key, revision))
         task.add_done_callback(_quiet)
 
-    async def _erase_now(self, revision: int) -> None:
-        await (await self.store.kv_remove(CALLS, revision))
+    async def _erase_now(self, key: str, revision: int) -> None:
+        await (await self.store.kv_remove(CALLS, key, revision))
 
     async def start(self) -> None:
         """Create the two buckets, then heartbeat and reap in the background."""
@@ -184,8 +189,10 @@ class CallReaper:
             return await self.store.js.key_value(name)
 
     async def _markers_bucket(self) -> KeyValue:
-        """The markers' bucket: a key-value bucket whose stream allows erasing a message (nats-py creates
-        buckets that deny it), so that an ended call leaves nothing behind."""
+        """The markers' bucket: a key-value bucket whose stream lets a message carry its own TTL
+        (`allow_msg_ttl`, which nats-py's buckets lack), so that an erased marker's delete marker is gone
+        a second later and the bucket holds only the calls in flight."""
+        require_msg_ttl(self.store.nc)
         config = StreamConfig(
             name=f"KV_{CALLS}",
             subjects=[f"$KV.{CALLS}.>"],
@@ -195,9 +202,14 @@ class CallReaper:
             deny_delete=False,
             discard=DiscardPolicy.NEW,
             allow_direct=True,
+            allow_msg_ttl=True,
         )
-        with contextlib.suppress(nats.js.errors.BadRequestError):  # it exists (another gateway made it)
+        try:
             await self.store.js.add_stream(config)
+        except nats.js.errors.BadRequestError:  # it exists, made by another gateway
+            made = (await self.store.js.stream_info(f"KV_{CALLS}")).config
+            if not made.allow_msg_ttl:  # by a gateway that erased markers by message delete
+                await self.store.js.update_stream(dataclasses.replace(made, allow_msg_ttl=True))
         return await self.store.js.key_value(CALLS)
 
     async def stop(self) -> None:
@@ -273,8 +285,8 @@ class CallReaper:
         assert self.calls is not None
         try:
             entry = await self.calls.get(f"{gateway}.{call_id}")
-        except nats.js.errors.KeyNotFoundError:
-            return False  # its owner claimed it since the listing
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return False  # its owner claimed it since the listing (its delete marker lives a second)
         try:
             call = _decode(entry.value or b"")
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -289,8 +301,19 @@ class CallReaper:
             except nats.js.errors.KeyWrongLastSequenceError:
                 return False  # its owner claimed it (or another reaper did)
         await self.store.append(_aborted(call_id, call, self.interval_s))
-        self._erase(revision)
+        self._erase(f"{gateway}.{call_id}", revision)
         return True
+
+
+def require_msg_ttl(nc: NATS) -> None:
+    """Refuse a nats-server without per-message TTLs (before 2.11), whose delete markers would stay in
+    the markers' bucket for an hour: `EventStoreError` with what to upgrade."""
+    version = nc.connected_server_version
+    if (version.major, version.minor) < (2, 11):
+        raise EventStoreError(
+            f"nats-server {version.major}.{version.minor} is too old: the gateway needs 2.11 or newer "
+            "(its call markers' delete markers expire by per-message TTL)"
+        )
 
 
 def _aborted(call_id: str, call: CallMarker, interval_s: float) -> ModelRequestRecorded:

@@ -18,14 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from fake_vllm import FakeVLLM
 from gw_harness import GatewayHandle, Served, gateway_settings
+from nats.aio.client import ServerVersion
+from nats.js.api import StreamConfig
 from test_reaper import INTERVAL_S, _events, _markers, _start_gateway
 
-from services.common.eventstore import EventStore
+from services.common.eventstore import EventStore, EventStoreError
 from services.devstack.embedded import NatsServer, free_port
 from services.gateway import create_app
-from services.gateway.proxy.reaper import CallReaper
+from services.gateway.proxy.reaper import CALLS, CallReaper, require_msg_ttl
 
 
 async def _pair(url: str) -> tuple[CallReaper, CallReaper, EventStore, EventStore]:
@@ -82,6 +85,57 @@ async def test_an_owner_that_claims_first_is_not_reaped(fresh_nats: NatsServer) 
         await replica.stop()
         await mine.close()
         await theirs.close()
+
+
+async def test_a_claimed_markers_delete_marker_is_not_reaped(fresh_nats: NatsServer) -> None:
+    owner, replica, mine, theirs = await _pair(fresh_nats.url)
+    try:
+        owner.started("run3", "r3", "a3", "call3", "train", "m")
+        await _until(lambda: _opened(replica, "call3"))
+        await asyncio.sleep(0.25)  # the replica saw the call a whole interval ago
+        assert await owner.claim("call3")  # its delete marker lives a second: listed, but not a call
+        await owner.stop()
+        await replica.reap()
+        assert replica.reaped == 0
+        assert await _reaped(theirs, "run3") == []
+        await _until(lambda: _closed(replica, "call3"))  # the delete marker expired
+        assert (await theirs.js.stream_info(f"KV_{CALLS}")).state.messages == 0
+    finally:
+        await replica.stop()
+        await mine.close()
+        await theirs.close()
+
+
+async def test_a_markers_bucket_made_without_message_ttls_is_given_them(fresh_nats: NatsServer) -> None:
+    store = await EventStore.connect(fresh_nats.url)
+    try:
+        made = StreamConfig(name=f"KV_{CALLS}", subjects=[f"$KV.{CALLS}.>"], max_msgs_per_subject=1, deny_delete=False)
+        await store.js.add_stream(made)  # as gateways that erased markers by message delete made it
+        owner = CallReaper(store, interval_s=0.2)
+        await owner.start()
+        try:
+            assert (await store.js.stream_info(f"KV_{CALLS}")).config.allow_msg_ttl
+            owner.started("run4", "r4", "a4", "call4", "train", "m")
+            assert await owner.claim("call4")
+            await _until(lambda: _empty(store))
+        finally:
+            await owner.stop()
+    finally:
+        await store.close()
+
+
+def test_a_nats_server_without_message_ttls_is_refused() -> None:
+    class Connected:  # what `require_msg_ttl` reads of nats-py's client: the server's version
+        def __init__(self, version: str) -> None:
+            self.connected_server_version = ServerVersion(version)
+
+    with pytest.raises(EventStoreError, match=r"nats-server 2\.10 is too old: the gateway needs 2\.11"):
+        require_msg_ttl(Connected("2.10.24"))  # type: ignore[arg-type]
+    require_msg_ttl(Connected("2.11.0"))  # type: ignore[arg-type]
+
+
+async def _empty(store: EventStore) -> bool:
+    return (await store.js.stream_info(f"KV_{CALLS}")).state.messages == 0
 
 
 async def _opened(reaper: CallReaper, call_id: str) -> bool:
