@@ -119,13 +119,8 @@ class PipelinedAcks:
         self.wire: NatsWire | None = None
         self._subscribed = False
 
-    async def send(
-        self, subject: str, data: bytes, headers: dict[str, str] | None, *, urgent: bool = True
-    ) -> tuple[str, asyncio.Future[Ack]]:
+    async def send(self, subject: str, data: bytes, headers: dict[str, str] | None) -> tuple[str, asyncio.Future[Ack]]:
         """Publish one message: (its token, a future completed with its ack or JetStream's error).
-
-        `urgent=False` on the lean connection: written with the event loop turn's other writes at its
-        end, never on its own at once (a call's marker: the engine's request is written first).
 
         Disconnected, it raises `OutboundBufferLimitError` at once rather than queue the message for
         a reconnect: a caller answered "not stored" must never see it stored later."""
@@ -140,7 +135,7 @@ class PipelinedAcks:
             self.ready = None
             ready.result()
         if self.wire is not None and self.wire.connected:
-            sent = self._publish_now(subject, data, headers, urgent)
+            sent = self._publish_now(subject, data, headers)
             if sent is None:  # closed in this instant: not sent, as while disconnected
                 raise nats.errors.OutboundBufferLimitError
             return sent
@@ -161,7 +156,7 @@ class PipelinedAcks:
         return token, future
 
     def _publish_now(
-        self, subject: str, data: bytes, headers: dict[str, str] | None, urgent: bool
+        self, subject: str, data: bytes, headers: dict[str, str] | None
     ) -> tuple[str, asyncio.Future[Ack]] | None:
         """Publish on the lean connection without awaiting anything; None when it is not up."""
         wire = self.wire
@@ -169,7 +164,7 @@ class PipelinedAcks:
             return None
         token, future = self._waiter()
         try:
-            wire.publish(subject, self.prefix + token, data, headers, urgent=urgent)
+            wire.publish(subject, self.prefix + token, data, headers)
         except WireError:
             self.waiting.pop(token, None)
             return None
@@ -225,13 +220,13 @@ class PipelinedAcks:
         return self._kv_ack(token, future, timeout)
 
     def kv_put_nowait(
-        self, bucket: str, key: str, value: bytes, *, timeout: float = 5, urgent: bool = True
+        self, bucket: str, key: str, value: bytes, *, timeout: float = 5
     ) -> asyncio.Future[int | None] | None:
         """A key-value put sent now, without a task, on the lean connection: a future of its revision
         (None when it was not stored or no ack came in `timeout` seconds). None when the lean
         connection is not up: use `kv_send`. For a write made on every call (the call's marker), where
         a task and its chain of coroutines cost more than the write."""
-        sent = self._publish_now(f"$KV.{bucket}.{key}", value, None, urgent) if self.nc.is_connected else None
+        sent = self._publish_now(f"$KV.{bucket}.{key}", value, None) if self.nc.is_connected else None
         if sent is None:
             return None
         token, ack = sent

@@ -56,14 +56,12 @@ class PublishPipeline:
         except nats.errors.OutboundBufferLimitError:
             raise self._not_sent(f"{bucket}/{key}") from None
 
-    def kv_put_nowait(
-        self, bucket: str, key: str, value: bytes, *, urgent: bool = True
-    ) -> asyncio.Future[int | None] | None:
+    def kv_put_nowait(self, bucket: str, key: str, value: bytes) -> asyncio.Future[int | None] | None:
         """A key-value put sent now without a task (`PipelinedAcks.kv_put_nowait`): a future of its
         revision, None when it was not stored; None when it cannot be sent so (use `kv_write`)."""
         if self._pipeline is None:
             return None
-        return self._pipeline.kv_put_nowait(bucket, key, value, urgent=urgent)
+        return self._pipeline.kv_put_nowait(bucket, key, value)
 
     async def kv_remove(self, bucket: str, key: str, revision: int) -> Awaitable[bool]:
         """Send the erasure of a key-value entry at `revision` (`PipelinedAcks.kv_remove`) and return what

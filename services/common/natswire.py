@@ -95,12 +95,8 @@ class NatsWire(asyncio.Protocol):
         wire.connected = wire._opened = True
         return wire
 
-    def publish(
-        self, subject: str, reply: str, data: bytes, headers: dict[str, str] | None, *, urgent: bool = True
-    ) -> None:
-        """Write one message (with `headers`, as HPUB); raises `WireError` when the connection is gone.
-
-        `urgent=False`: never written on its own at once (see `_write`)."""
+    def publish(self, subject: str, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
+        """Write one message (with `headers`, as HPUB); raises `WireError` when the connection is gone."""
         if not self.connected:
             raise WireError("the connection is closed")
         if _UNSAFE_SUBJECT.search(subject):  # the reply subject is the caller's own inbox
@@ -120,9 +116,9 @@ class NatsWire(asyncio.Protocol):
                 head,
             )
         if len(data) < _JOIN_BELOW:
-            self._write((b"%s%s\r\n" % (line, data),), urgent)
+            self._write((b"%s%s\r\n" % (line, data),))
         else:  # a large payload is handed to the socket as it is, not copied into one buffer
-            self._write((line, data, _CRLF), urgent)
+            self._write((line, data, _CRLF))
 
     def close(self) -> None:
         """Close the connection (`on_lost` follows, and fails the waiting publishes)."""
@@ -130,10 +126,10 @@ class NatsWire(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def _write(self, parts: tuple[bytes, ...], urgent: bool = True) -> None:
+    def _write(self, parts: tuple[bytes, ...]) -> None:
         """Write at once when nothing was written in this turn of the event loop (a lone claim travels
         while its record is built), else with the turn's other writes in one send at its end (32 calls
-        in flight cost one system call a turn, not one a publish); not `urgent`, always at the end."""
+        in flight cost one system call a turn, not one a publish)."""
         if self.transport is None or self.transport.is_closing():
             raise WireError("the connection is closed")
         if self._turn is not None:
@@ -143,11 +139,8 @@ class NatsWire(asyncio.Protocol):
                 self.transport.writelines(self._turn)
                 self._turn, self._turn_bytes = [], 0
             return
-        if urgent:
-            self.transport.writelines(parts)
-            self._turn, self._turn_bytes = [], 0
-        else:
-            self._turn, self._turn_bytes = list(parts), sum(map(len, parts))
+        self.transport.writelines(parts)
+        self._turn, self._turn_bytes = [], 0
         asyncio.get_running_loop().call_soon(self._end_turn)
 
     def _end_turn(self) -> None:

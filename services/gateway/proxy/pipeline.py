@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from typing import Any
 
@@ -115,10 +116,6 @@ class Pipeline:
         gate = gw.gate
         await gate.enter(view.run_id)
         try:
-            if gw.reaper is not None:
-                gw.reaper.started(
-                    view.run_id, view.rollout_id, call.attempt_id, call.call_id, call.mode, call.model.name
-                )
             call.started = time.perf_counter()
             if call.stream:
                 await self._stream(call, receive, send)
@@ -280,9 +277,19 @@ class Pipeline:
             headers["authorization"] = f"Bearer {call.model.api_key}"
         return headers
 
-    async def _post(self, call: Call) -> Upstream:
+    async def _request(self, call: Call) -> UpstreamResponse:
+        """Send the call to its endpoint; the call's marker is put once the engine's request is written
+        (first the request, then the marker, whose ack comes back while the engine works)."""
+        reaper, view = self.gw.reaper, call.view
+        started = None
+        if reaper is not None:
+            marker = (view.run_id, view.rollout_id, call.attempt_id, call.call_id, call.mode, call.model.name)
+            started = functools.partial(reaper.started, *marker)
         url = f"{call.model.base_url}{call.endpoint}"
-        response = await self.gw.upstream.request("POST", url, call.payload, self._headers(call))
+        return await self.gw.upstream.request("POST", url, call.payload, self._headers(call), started)
+
+    async def _post(self, call: Call) -> Upstream:
+        response = await self._request(call)
         try:
             content = await response.read()
         except BaseException:
@@ -369,9 +376,8 @@ class Pipeline:
     # ---- streamed ------------------------------------------------------------------------------
 
     async def _stream(self, call: Call, receive: Receive, send: Send) -> None:
-        url = f"{call.model.base_url}{call.endpoint}"
         try:
-            response = await self.gw.upstream.request("POST", url, call.payload, self._headers(call))
+            response = await self._request(call)
         except TimeoutError:
             await self._fail(call, send, 504, "the model endpoint timed out", "timeout")
             return

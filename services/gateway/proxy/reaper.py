@@ -112,7 +112,7 @@ class CallReaper:
         """Put the call's marker without waiting for JetStream (a lost marker only loses the reaping)."""
         marker = CallMarker(run_id, rollout_id, attempt_id, self.instance, mode, model)
         key, data = f"{self.instance}.{call_id}", _encode(marker)
-        put = self.store.kv_put_nowait(CALLS, key, data, urgent=False)  # the engine's request is written first
+        put = self.store.kv_put_nowait(CALLS, key, data)
         self.mine[call_id] = put if put is not None else asyncio.get_running_loop().create_task(self._put(key, data))
 
     async def _put(self, key: str, data: bytes) -> int | None:

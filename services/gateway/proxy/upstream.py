@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -239,8 +239,12 @@ class UpstreamClient:
             raise UpstreamError(f"could not connect to {host}:{port}: {exc}") from None
         return conn
 
-    async def request(self, method: str, url: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        """Send a request; returns once the status line and headers have arrived."""
+    async def request(
+        self, method: str, url: str, body: bytes, headers: dict[str, str], sent: Callable[[], None] | None = None
+    ) -> UpstreamResponse:
+        """Send a request; returns once the status line and headers have arrived. `sent` is called once, as
+        soon as the request is handed to the socket: what the caller does then travels while the
+        engine works."""
         key, head = self._head(method, url, headers)
         payload = b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body)
         for attempt in (0, 1):
@@ -258,6 +262,9 @@ class UpstreamClient:
             conn.response = response
             assert conn.transport is not None
             conn.transport.write(payload)
+            if sent is not None:
+                sent()
+                sent = None
             try:
                 await within(response.head, self.read_timeout_s, self._unanswered)
             except UpstreamTimeout:
