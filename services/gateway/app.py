@@ -126,7 +126,7 @@ def _lifespan(settings: GatewaySettings) -> Callable[[FastAPI], AbstractAsyncCon
         await gateway.budgets.open()
         app.state.gateway = gateway
         app.state.proxy = Proxy(gateway, HttpObserver("gateway"))
-        metrics.watch_idempotency(gateway.idempotency.__len__, lambda: gateway.idempotency.bytes, FRONT_ENDS)
+        metrics.export(FRONT_ENDS, gateway.idempotency.__len__, lambda: gateway.idempotency.bytes)
         try:
             yield
         finally:

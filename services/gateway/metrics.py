@@ -172,18 +172,20 @@ def hold_ended(started: float) -> None:
     HOLD_SECONDS.observe(time.monotonic() - started)
 
 
-def watch_idempotency(entries: Callable[[], int], nbytes: Callable[[], int], front_ends: Iterable[str]) -> None:
-    """Export the gateway's families, with each of `front_ends` at 0; read the idempotency cache's size at
-    each scrape (newest app wins)."""
+def export(
+    front_ends: Iterable[str], idempotency_entries: Callable[[], int], idempotency_bytes: Callable[[], int]
+) -> None:
+    """Export the gateway's families: each of `front_ends`' series and each record status at 0 from the
+    start (bounded label sets), the idempotency cache's size read at each scrape (newest app wins)."""
     install(*FAMILIES)
-    for kind in front_ends:  # bounded label sets at 0 from the start
+    for kind in front_ends:
         PROXY_CALLS.labels(kind, "200")
         PROXY_DURATION.labels(kind)
         PROXY_TTFT.labels(kind)
     for status in ("ok", "failed", "aborted"):
         RECORDED.labels(status)
-    IDEMPOTENCY_ENTRIES.set_function(lambda: float(entries()))
-    IDEMPOTENCY_BYTES.set_function(lambda: float(nbytes()))
+    IDEMPOTENCY_ENTRIES.set_function(lambda: float(idempotency_entries()))
+    IDEMPOTENCY_BYTES.set_function(lambda: float(idempotency_bytes()))
 
 
 FAMILIES = (
