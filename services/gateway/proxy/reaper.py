@@ -1,14 +1,14 @@
 """Calls visible from their start, and ended as `aborted` when the gateway serving them dies.
 
-When a call passes the phase gate, the proxy puts a light marker for it into the JetStream
-key-value bucket `rollwire_inflight` (key: `<gateway instance id>.<call id>`; value: run, rollout,
-attempt, the gateway's instance id, mode and model) without waiting for it: the marker costs the
-call no latency. When the call ends, recorded or not, the proxy erases the marker: a key-value
-delete at the marker's revision whose delete marker expires a second later (a per-message TTL), so
-the bucket holds the calls in flight and, for a second, the ones just ended: `nats kv ls
-rollwire_inflight` lists them. A rollout's event
-history holds only what happened: the markers are transient state, not events (entries also
-expire after `LOOKBACK_S`).
+When a call has passed the phase gate and its request is written to the engine, the proxy puts a
+light marker for it into the JetStream key-value bucket `rollwire_inflight` (key: `<gateway
+instance id>.<call id>`; value: run, rollout, attempt, the gateway's instance id, mode and model)
+without waiting for it: the marker costs the call no latency. When the call ends, recorded or not,
+the proxy erases the marker: a key-value delete at the marker's revision whose delete marker
+expires a second later (a per-message TTL), so the bucket holds the calls in flight (and, for a
+second, the delete markers of those just ended): `nats kv ls rollwire_inflight` lists the calls.
+A rollout's event history holds only what happened: the markers are transient state, not events
+(entries also expire after `LOOKBACK_S`).
 
 Every gateway heartbeats into the bucket `rollwire_gateways` (its instance id, entries expire after
 three intervals). Once per interval it lists the bucket's keys (one `STREAM.INFO` with a subject
