@@ -94,6 +94,15 @@ Ack = tuple[int, bool]
 """A publish's stream sequence and whether it was a duplicate."""
 
 
+async def _removed(pending: Awaitable[int]) -> bool:
+    """A key-value erasure's outcome: False when the entry was no longer at the revision it named."""
+    try:
+        await pending
+    except nats.js.errors.KeyWrongLastSequenceError:
+        return False
+    return True
+
+
 def _no_ack() -> TimeoutError:
     return TimeoutError("no ack from JetStream in time")
 
@@ -209,13 +218,24 @@ class PipelinedAcks:
             self.forget([token], [future])
 
     async def kv_send(
-        self, bucket: str, key: str, value: bytes, last: int | None = None, *, delete: bool = False, timeout: float = 5
+        self,
+        bucket: str,
+        key: str,
+        value: bytes,
+        last: int | None = None,
+        *,
+        delete: bool = False,
+        ttl: str | None = None,
+        timeout: float = 5,
     ) -> Awaitable[int]:
         """Send a key-value write (a delete with `delete`; with `last`, a compare-and-set on the entry's
-        revision) and return what awaits its new revision, raising as nats-py's `KeyValue` does."""
+        revision; with `ttl`, a message that expires, `Nats-TTL`) and return what awaits its new
+        revision, raising as nats-py's `KeyValue` does."""
         headers = {} if last is None else {"Nats-Expected-Last-Subject-Sequence": str(last)}
         if delete:
             headers["KV-Operation"] = "DEL"
+        if ttl is not None:
+            headers["Nats-TTL"] = ttl
         token, future = await self.send(f"$KV.{bucket}.{key}", value, headers)
         return self._kv_ack(token, future, timeout)
 
@@ -269,20 +289,8 @@ class PipelinedAcks:
         (`Nats-TTL`; the bucket's stream must allow it, `allow_msg_ttl`): the bucket soon holds only
         live entries, and the erasure takes JetStream's publish path (its API's message delete, which
         leaves nothing at all, took 183 µs a round trip against a publish's 127)."""
-        headers = {
-            "KV-Operation": "DEL",
-            "Nats-Expected-Last-Subject-Sequence": str(revision),
-            "Nats-TTL": ERASED_TTL,
-        }
-        token, future = await self.send(f"$KV.{bucket}.{key}", b"", headers)
-        return self._removed(token, future, timeout)
-
-    async def _removed(self, token: str, future: asyncio.Future[Ack], timeout: float) -> bool:
-        try:
-            await self._kv_ack(token, future, timeout)
-        except nats.js.errors.KeyWrongLastSequenceError:
-            return False  # the entry is no longer at that revision
-        return True
+        pending = await self.kv_send(bucket, key, b"", revision, delete=True, ttl=ERASED_TTL, timeout=timeout)
+        return _removed(pending)
 
     def connection_dropped(self) -> None:
         """Fail every publish still waiting for its ack, as a timeout would (it may or may not be

@@ -199,6 +199,8 @@ class CallReaper:
             max_msgs_per_subject=1,
             max_age=LOOKBACK_S,
             allow_rollup_hdrs=True,
+            # Older gateways erase markers by message delete: refused, a call they recorded would keep
+            # its marker and be reaped as aborted too once they stop.
             deny_delete=False,
             discard=DiscardPolicy.NEW,
             allow_direct=True,
@@ -285,7 +287,7 @@ class CallReaper:
         assert self.calls is not None
         try:
             entry = await self.calls.get(f"{gateway}.{call_id}")
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+        except nats.js.errors.KeyNotFoundError:  # nats-py's `get` raises it for a delete marker too
             return False  # its owner claimed it since the listing (its delete marker lives a second)
         try:
             call = _decode(entry.value or b"")

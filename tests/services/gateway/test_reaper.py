@@ -110,8 +110,7 @@ def test_kill_9_mid_stream_leaves_the_call_aborted(fake_vllm: FakeVLLM, run_id: 
             while _markers(nats.url) and time.monotonic() < deadline:  # a finished call erases its marker
                 time.sleep(0.05)
             assert _markers(nats.url) == {}
-            assert _messages(nats.url) <= 1  # its delete marker, which expires a second later ...
-            while _messages(nats.url) and time.monotonic() < deadline + 3:
+            while _messages(nats.url) and time.monotonic() < deadline + 3:  # its delete marker expires ...
                 time.sleep(0.1)
             assert _messages(nats.url) == 0  # ... and leaves nothing behind in the bucket
             fake_vllm.token_delay_s = 0.2

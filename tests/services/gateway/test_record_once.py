@@ -96,6 +96,7 @@ async def test_a_claimed_markers_delete_marker_is_not_reaped(fresh_nats: NatsSer
         assert await owner.claim("call3")  # its delete marker lives a second: listed, but not a call
         await owner.stop()
         await replica.reap()
+        assert "call3" in replica.open  # listed: the reaper read the delete marker, not an absence
         assert replica.reaped == 0
         assert await _reaped(theirs, "run3") == []
         await _until(lambda: _closed(replica, "call3"))  # the delete marker expired
