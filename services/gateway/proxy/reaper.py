@@ -103,8 +103,8 @@ class CallReaper:
         self.kv: KeyValue | None = None
         self.calls: KeyValue | None = None
         self.tasks: list[asyncio.Task[None]] = []
-        self.mine: dict[str, asyncio.Future[int | None]] = {}
-        """This gateway's open calls: the put that stores each one's marker (its revision, None if lost)."""
+        self.mine: dict[str, tuple[str, asyncio.Future[int | None]]] = {}
+        """This gateway's open calls: each one's marker key and the put that stores it (its revision, None if lost)."""
         self.lost = 0  # claims this gateway lost to a reaper (its call was recorded `aborted`)
         self.outage = Outage(log, "the call reaper's store")
 
@@ -113,7 +113,9 @@ class CallReaper:
         marker = CallMarker(run_id, rollout_id, attempt_id, self.instance, mode, model)
         key, data = f"{self.instance}.{call_id}", _encode(marker)
         put = self.store.kv_put_nowait(CALLS, key, data)
-        self.mine[call_id] = put if put is not None else asyncio.get_running_loop().create_task(self._put(key, data))
+        if put is None:
+            put = asyncio.get_running_loop().create_task(self._put(key, data))
+        self.mine[call_id] = key, put
 
     async def _put(self, key: str, data: bytes) -> int | None:
         try:
@@ -136,11 +138,12 @@ class CallReaper:
         mine = self.mine.pop(call_id, None)
         if mine is None:
             return _won()
-        revision = await mine
+        key, put = mine
+        revision = await put
         if revision is None or self.calls is None:
             return _won()
         try:  # claimed by erasing it: a reaper's claim from the revision it read then fails
-            pending = await self.store.kv_remove(CALLS, f"{self.instance}.{call_id}", revision)
+            pending = await self.store.kv_remove(CALLS, key, revision)
         except (nats.errors.Error, OSError):
             return _won()  # the store is unreachable: the record's own append fails and says so
         return self._verdict(call_id, pending)
@@ -160,8 +163,8 @@ class CallReaper:
         """Erase the call's marker (it was recorded, or its gateway is alive to answer for it)."""
         mine = self.mine.pop(call_id, None)
         if mine is not None:  # not claimed (nothing recorded): erase it once its put is done; a claim erased it
-            key = f"{self.instance}.{call_id}"
-            mine.add_done_callback(lambda put: self._erase(key, None if put.cancelled() else put.result()))
+            key, put = mine
+            put.add_done_callback(lambda done: self._erase(key, None if done.cancelled() else done.result()))
 
     def _erase(self, key: str, revision: int | None) -> None:
         """Erase a marker at `revision` without waiting (a marker left behind expires after `LOOKBACK_S`)."""
