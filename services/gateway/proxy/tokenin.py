@@ -30,6 +30,7 @@ from services.common.toolcalls import (
     split_reasoning,
 )
 from services.gateway.proxy import openai_format
+from services.gateway.proxy.promptids import IDS_MARKER_JSON, cut_prompt_ids
 
 _SAMPLING = (
     "temperature",
@@ -137,6 +138,7 @@ def _finish(reason: Any, calls: list[dict[str, Any]]) -> Any:
 
 
 _NULL = msgspec.Raw(b"null")
+_CUT = msgspec.Raw(IDS_MARKER_JSON)
 
 
 class _Choice(msgspec.Struct):
@@ -167,11 +169,31 @@ _decode_completion = msgspec.json.Decoder(_Completion).decode
 def decode_completion(content: bytes) -> dict[str, Any]:
     """A non-streamed token-in completion in one pass, each choice's `prompt_token_ids` left raw for the
     proxy's id parser (`promptids.py`); a shape other than vLLM's is decoded as it is. Raises
-    `msgspec.DecodeError` for malformed JSON and `msgspec.ValidationError` for JSON that is not an object."""
+    `msgspec.DecodeError` for malformed JSON and `msgspec.ValidationError` for JSON that is not an object.
+
+    The last choice's ids (the only one's, as a rule) are cut out before decoding (`cut_prompt_ids`),
+    so the decoder does not read them; the answer is decoded whole when the marker left in their place
+    is not exactly one choice's `prompt_token_ids`."""
+    cut = cut_prompt_ids(content)
+    if cut is not None:
+        rest, ids = cut
+        try:
+            answer = _as_dict(_decode_completion(rest))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            answer = None  # the cut was not where it looked: decoded whole below, and refused there if bad
+        if answer is not None:
+            marked = [choice for choice in answer["choices"] if choice["prompt_token_ids"] == _CUT]
+            if len(marked) == 1:
+                marked[0]["prompt_token_ids"] = msgspec.Raw(ids)
+                return answer
     try:
         completion = _decode_completion(content)
     except msgspec.ValidationError:
         return openai_format.decode_completion(content)
+    return _as_dict(completion)
+
+
+def _as_dict(completion: _Completion) -> dict[str, Any]:
     answer = msgspec.structs.asdict(completion)
     answer["choices"] = choices = [msgspec.structs.asdict(choice) for choice in completion.choices]
     for choice in choices:

@@ -261,3 +261,62 @@ def test_random_answers_read_as_their_whole_json() -> None:
         decoded = decode_completion(body)
         assert EXACT(msgspec.json.encode(decoded)) == EXACT(body), body
         assert list(prompt_token_ids(decoded.get("prompt_token_ids"))) == _exact(body), body
+
+
+CHOICE_FIELDS = ("index", "text", "finish_reason", "stop_reason", "token_ids", "logprobs")
+
+
+def _token_in_answer(rng: random.Random) -> dict[str, Any]:
+    """A completion as vLLM answers it, or with its choices' ids nested, quoted, null, missing or not ids."""
+    choices = []
+    for index in range(rng.randrange(0, 4)):
+        choice: dict[str, Any] = {"index": index, "text": rng.choice(["hi", '"prompt_token_ids":[5]', "]"])}
+        ids = rng.choice([[rng.randrange(0, 2**31) for _ in range(rng.randrange(1, 30))], None, [1, "2"], [-1]])
+        if ids is not None or rng.random() < 0.5:
+            choice["prompt_token_ids"] = ids
+        choice["token_ids"] = [rng.randrange(0, 100) for _ in range(rng.randrange(0, 4))]
+        if rng.random() < 0.3:
+            choice["logprobs"] = {"prompt_token_ids": [1, 2], "token_logprobs": [-0.5]}  # a nested key
+        if rng.random() < 0.2:
+            choice["x"] = _random_value(rng, 1)
+        choices.append(choice)
+    answer: dict[str, Any] = {"id": "cmpl-1", "model": "m", "choices": choices, "usage": {"prompt_tokens": 3}}
+    if rng.random() < 0.2:
+        answer["z"] = _random_value(rng, 0)
+    return answer
+
+
+def test_random_token_in_answers_read_as_their_whole_json() -> None:
+    """A token-in completion's choices read the same whether its last ids were cut out or not: each
+    field as the whole JSON has it, each choice's ids raw JSON of the same value (None when null or absent)."""
+    rng = random.Random(34)
+    cuts = 0
+    for _ in range(600):
+        answer = _token_in_answer(rng)
+        body = msgspec.json.encode(answer) if rng.random() < 0.8 else json.dumps(answer).encode()
+        cuts += cut_prompt_ids(body) is not None
+        decoded = decode_token_in(body)
+        whole = EXACT(body)
+        assert [decoded.get(key) for key in ("id", "model", "usage")] == [
+            whole.get(key) for key in ("id", "model", "usage")
+        ]
+        assert len(decoded["choices"]) == len(whole["choices"]), body
+        for got, sent in zip(decoded["choices"], whole["choices"], strict=True):
+            assert [got[field] for field in CHOICE_FIELDS] == [sent.get(field) for field in CHOICE_FIELDS], body
+            ids = got["prompt_token_ids"]
+            assert (None if ids is None else msgspec.json.decode(ids)) == sent.get("prompt_token_ids"), body
+    assert cuts > 200  # many were cut (the rest: spaced JSON, ids not plain, no choice with ids)
+
+
+def test_a_vllm_token_in_answer_is_decoded_without_reading_its_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one choice's ids of a compact completion are cut out: the answer is decoded once, without them."""
+    from services.gateway.proxy import tokenin
+
+    decoded: list[bytes] = []
+    decode = tokenin._decode_completion
+    monkeypatch.setattr(tokenin, "_decode_completion", lambda content: decoded.append(content) or decode(content))
+    ids = list(range(3, 40000, 7))
+    choice = {"index": 0, "text": "ok", "prompt_token_ids": ids, "token_ids": [1], "logprobs": None}
+    answer = decode_token_in(msgspec.json.encode({"id": "cmpl-1", "choices": [choice], "usage": None}))
+    assert len(decoded) == 1 and len(decoded[0]) < 200
+    assert list(prompt_token_ids(answer["choices"][0]["prompt_token_ids"])) == ids

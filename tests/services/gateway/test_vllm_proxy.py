@@ -151,3 +151,32 @@ def test_vllms_own_answer_is_read_on_the_int32_path_and_passed_back_whole(
     assert answer.model_extra["prompt_token_ids"] == ids.tolist()
     (call,) = _recorded(gateway, rollout["rollout_id"])
     assert call["prompt_ids"] == ids.tolist() and call["status"] == "ok"
+
+
+def test_vllms_token_in_answer_is_read_without_decoding_its_ids(
+    vllm_server: VllmServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's `/v1/completions` answer to a token-id prompt (continuous mode's request) is compact: its
+    choice's `prompt_token_ids` are cut out before the answer is decoded, and parse to vLLM's own ids."""
+    import numpy as np
+
+    from services.gateway.proxy import tokenin
+    from services.gateway.proxy.promptids import cut_prompt_ids, prompt_token_ids
+
+    decoded: list[bytes] = []
+    decode = tokenin._decode_completion
+    monkeypatch.setattr(tokenin, "_decode_completion", lambda content: decoded.append(content) or decode(content))
+
+    prompt = list(range(100, 1300))
+    body = {"model": SERVED, "prompt": prompt, "max_tokens": 4, "return_token_ids": True, "logprobs": 0}
+    headers = {"authorization": f"Bearer {vllm_server.api_key}"}
+    raw = httpx.post(f"{vllm_server.url}/v1/completions", json=body, headers=headers, timeout=120)
+    assert raw.status_code == 200, raw.text
+    (sent,) = raw.json()["choices"]
+    cut = cut_prompt_ids(raw.content)
+    assert cut is not None and len(cut[0]) < len(raw.content) // 2  # the ids are most of the answer
+    (choice,) = tokenin.decode_completion(raw.content)["choices"]
+    assert decoded == [cut[0]]  # decoded once, without the ids
+    ids = prompt_token_ids(choice["prompt_token_ids"])
+    assert isinstance(ids, np.ndarray) and ids.tolist() == sent["prompt_token_ids"] == prompt
+    assert choice["token_ids"] == sent["token_ids"] and choice["text"] == sent["text"]
