@@ -130,10 +130,10 @@ def render_cost(root: Path, turn_counts: list[int], repeat: int = 20) -> None:
             for _ in range(repeat):
                 began = time.process_time()
                 planned = plan(renderer, request, calls)
-                _encode(completion_body(request, planned.prompt_ids, "m"))
+                _encode(completion_body(request, msgspec.Raw(planned.prompt), "m"))
                 chat_answer(answer, tools=True, reasoning=False)
                 best = min(best, time.process_time() - began)
-            timings[kind] = (best * 1000, len(planned.prompt_ids), planned.continuity)
+            timings[kind] = (best * 1000, planned.size, planned.continuity)
         assert timings["extended"][2] == "extended", timings
         print(f"{turns:>5} {timings['extended'][1]:>14,} {timings['extended'][0]:>18.2f} {timings['fresh'][0]:>15.2f}")
 

@@ -44,6 +44,9 @@ _LEAD = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
 
 
 _encode_key = msgspec.json.Encoder().encode
+_decode_ids = msgspec.json.Decoder(list[int]).decode
+PromptJson = tuple[bytes, int]
+"""A prompt's ids as the JSON array the engine is sent, and how many ids it holds."""
 
 
 class RenderError(ValueError):
@@ -160,8 +163,8 @@ class ChatRenderer:
             eos.add(eos_id)
         self.eos_ids = frozenset(eos)
         # A template that reads the clock (`strftime_now`) renders another prompt tomorrow: not kept.
-        self._rendered: ByteLRU[bytes, tuple[int, ...]] | None = (
-            None if "strftime_now" in template else ByteLRU(RENDERED_BYTES, lambda ids: 36 * len(ids))
+        self._rendered: ByteLRU[bytes, PromptJson] | None = (
+            None if "strftime_now" in template else ByteLRU(RENDERED_BYTES, lambda kept: 64 + len(kept[0]))
         )
         self._rendered_lock = threading.Lock()  # renders run in worker threads
 
@@ -198,24 +201,46 @@ class ChatRenderer:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def prompt_ids(self, messages: Sequence[Any], tools: Any, kwargs: dict[str, Any]) -> list[int]:
-        """A whole conversation's prompt, with the generation prompt (what the engine would render).
+        """A whole conversation's prompt, with the generation prompt (what the engine would render)."""
+        return _decode_ids(self.prompt_json(messages, tools, kwargs)[0])
+
+    def prompt_json(self, messages: Sequence[Any], tools: Any, kwargs: dict[str, Any]) -> PromptJson:
+        """`prompt_ids` as the JSON array the engine is sent, and how many ids it holds.
 
         Kept by the conversation's digest: every rollout of a group sends the same first prompt, and a
-        long one costs milliseconds to render and tokenize (6 ms for 20,000 characters here)."""
-        if self._rendered is None:
-            return self._render(messages, tools, kwargs)
-        try:
-            key = hashlib.blake2b(_encode_key([messages, tools, kwargs]), digest_size=16).digest()
-        except (TypeError, ValueError, OverflowError):  # not plain JSON: rendered, not kept
-            return self._render(messages, tools, kwargs)
-        with self._rendered_lock:
-            kept = self._rendered.get(key)
-        if kept is not None:
-            return list(kept)
+        long one costs milliseconds to render and tokenize (6 ms for 20,000 characters here). Kept as
+        JSON, a kept prompt is not encoded again (125 us for 15,746 ids)."""
+        key = self._key(messages, tools, kwargs)
+        if key is not None:
+            kept = self._kept(key)
+            if kept is not None:
+                return kept
         ids = self._render(messages, tools, kwargs)
+        made = _encode_key(ids), len(ids)
+        if key is not None and self._rendered is not None:
+            with self._rendered_lock:
+                self._rendered.put(key, made)
+        return made
+
+    def kept_json(self, messages: Sequence[Any], tools: Any, kwargs: dict[str, Any]) -> PromptJson | None:
+        """`prompt_json` when the conversation's prompt is kept, else None: it never renders, so it may run
+        on the event loop."""
+        key = self._key(messages, tools, kwargs)
+        return None if key is None else self._kept(key)
+
+    def _key(self, messages: Sequence[Any], tools: Any, kwargs: dict[str, Any]) -> bytes | None:
+        if self._rendered is None:
+            return None
+        try:
+            return hashlib.blake2b(_encode_key([messages, tools, kwargs]), digest_size=16).digest()
+        except (TypeError, ValueError, OverflowError):  # not plain JSON: rendered, not kept
+            return None
+
+    def _kept(self, key: bytes) -> PromptJson | None:
+        if self._rendered is None:
+            return None
         with self._rendered_lock:
-            self._rendered.put(key, tuple(ids))
-        return ids
+            return self._rendered.get(key)
 
     def _render(self, messages: Sequence[Any], tools: Any, kwargs: dict[str, Any]) -> list[int]:
         return self.encode(self.text(template_messages(messages, self.content_format), tools, True, kwargs))

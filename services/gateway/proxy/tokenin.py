@@ -50,8 +50,9 @@ _SAMPLING = (
 )
 
 
-def completion_body(chat: dict[str, Any], prompt_ids: list[int], model: str) -> dict[str, Any]:
-    """The engine's token-in completions body for a chat request (its sampling fields, the given prompt)."""
+def completion_body(chat: dict[str, Any], prompt_ids: list[int] | msgspec.Raw, model: str) -> dict[str, Any]:
+    """The engine's token-in completions body for a chat request (its sampling fields, the given prompt:
+    ids, or their JSON array as `msgspec.Raw`)."""
     body: dict[str, Any] = {"model": model, "prompt": prompt_ids, "return_token_ids": True}
     for key in _SAMPLING:
         if chat.get(key) is not None:

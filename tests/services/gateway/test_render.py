@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import numpy as np
 import pytest
 from template_vllm import qwen3_style_dir
 
@@ -13,6 +15,8 @@ pytest.importorskip("transformers", reason="the comparison needs transformers (p
 
 from services.common.tinymodel.build import build_tiny_model
 from services.common.tinymodel.tokenizer import load_tokenizer
+from services.gateway.proxy.continuity import kept_plan, plan
+from services.gateway.proxy.recording import RecordedCall
 from services.gateway.proxy.render import ChatRenderer, RenderError, template_messages
 from services.gateway.proxy.tokenin import OutputParser, completion_body
 
@@ -145,3 +149,24 @@ def test_a_repeated_conversation_is_rendered_once_and_a_clock_template_every_tim
         [{"role": "user", "content": "hi"}], None, {}
     )
     assert len(timed_renders) == 2
+    assert timed.kept_json([{"role": "user", "content": "hi"}], None, {}) is None  # never kept
+
+
+def test_a_kept_prompt_is_planned_without_rendering(dirs: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group's repeated first prompt is planned from the kept JSON (on the event loop: no render, no
+    thread); a first sight of a conversation, or one that extends an earlier call, is not."""
+    renderer = ChatRenderer.from_dir(dirs[0])
+    request = {"messages": CONVERSATION[:2], "tools": TOOLS}
+    assert kept_plan(renderer, request, []) is None
+    fresh = plan(renderer, request, [])
+    monkeypatch.setattr(renderer, "_render", lambda *a: pytest.fail("rendered again"))
+    kept = kept_plan(renderer, request, [])
+    assert kept == fresh and kept.continuity == "fresh: first call of the attempt"
+    assert msgspec.json.decode(kept.prompt) == _transformers_ids(dirs[0], CONVERSATION[:2], TOOLS)
+    assert kept.size == len(msgspec.json.decode(kept.prompt))
+    answer = {"role": "assistant", "content": "It is 2."}
+    ids = np.asarray([*msgspec.json.decode(kept.prompt), 5, 6], dtype=np.int32)
+    earlier = RecordedCall("e", 1, ids, request, ids.nbytes, kept.size, answer)
+    extending = {**request, "messages": [*CONVERSATION[:2], answer, {"role": "user", "content": "And 3+3?"}]}
+    assert kept_plan(renderer, extending, [earlier]) is None  # its suffix must be rendered
+    assert plan(renderer, extending, [earlier]).continuity == "extended"
