@@ -36,15 +36,10 @@ async def within(future: asyncio.Future[T], timeout_s: float, timed_out: Callabl
 
 def fail_after(future: asyncio.Future[T], timeout_s: float, timed_out: Callable[[], BaseException]) -> Deadline:
     """Fail the future with `timed_out()` unless it is done in `timeout_s` seconds (cancel the deadline when it is)."""
-    global _last
     loop = asyncio.get_running_loop()
-    last = _last  # one read: another thread's loop may replace it meanwhile
-    if last is not None and last[0]() is loop:
-        waits = last[1]
-    else:
-        waits = _waits.get(loop) or _Waits()
-        _waits[loop] = waits
-        _last = (weakref.ref(loop), waits)
+    waits = _waits.get(loop)
+    if waits is None:
+        waits = _waits[loop] = _Waits()
     return waits.add(loop, future, loop.time() + timeout_s, timed_out)
 
 
@@ -95,5 +90,3 @@ class _Waits:
 
 
 _waits: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Waits] = weakref.WeakKeyDictionary()
-_last: tuple[weakref.ref[asyncio.AbstractEventLoop], _Waits] | None = None
-"""The last loop looked up and its waits: a weak dictionary's lookup makes a weak reference each time."""

@@ -49,7 +49,7 @@ def test_a_done_future_keeps_its_result_and_the_timer_stops() -> None:
     _run(main())
 
 
-def test_a_cancelled_wait_leaves_its_future_alone() -> None:
+def test_a_cancelled_wait_cancels_its_future_and_no_deadline_fails_it() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -81,11 +81,11 @@ def test_each_event_loop_keeps_its_own_deadlines() -> None:
     """Loops in threads (servers in tests, a controller's) time their waits apart, at the same time."""
     results: dict[str, object] = {}
 
-    def wait(name: str, timeout: float) -> None:
+    def wait(name: str, timeout: float) -> None:  # three waits a loop, the two loops' waits interleaved
         async def main() -> float:
             loop = asyncio.get_running_loop()
             began = loop.time()
-            for _ in range(3):  # each loop in turn is the last one looked up
+            for _ in range(3):
                 with pytest.raises(Late):
                     await within(loop.create_future(), timeout, Late)
             return loop.time() - began
