@@ -73,7 +73,7 @@ def harness_figures(root: Path, rollouts: int) -> None:
     try:
         app = scripted_engine(model_dir)
         with Served(app) as engine:
-            app.url = engine.url  # type: ignore[attr-defined]
+            app.url = engine.url
             settings = gateway_settings(nats.url)
             with Served(create_app(settings), settings.port) as served:
                 gateway = GatewayHandle(served, settings)
