@@ -3,6 +3,7 @@
     python bench/bench_proxy.py                 # all cases (a few minutes on 2 cores)
     python bench/bench_proxy.py --quick         # fewer calls per case
     python bench/bench_proxy.py --setup-agl     # create the Agent Lightning 1.0.2 venv first
+    python bench/bench_proxy.py --gateway-python other-venv/bin/python   # the gateway on another interpreter
 
 Everything runs on this machine: an embedded nats-server, the fake upstream
 (`tests/services/gateway/fake_vllm.py`, one process), Rollwire's gateway (`python -m services.gateway`,
@@ -12,7 +13,7 @@ generator is a minimal keep-alive HTTP/1.1 client on asyncio, so the client cost
 
 Printed: p50/p99 latency and calls/s at 1 and 32 calls in flight with 200-character and
 20,000-character prompts; streaming time to first token, direct and proxied; the gateway's
-resident memory over 50,000 proxied calls.
+resident memory over 50,000 proxied calls; the interpreter each proxy runs on.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def proxy_routes(admin: httpx.Client, port: int, count: int, run_id: str) -> lis
 class Stack:
     """nats-server, the fake upstream, Rollwire's gateway and (when available) Agent Lightning's server."""
 
-    def __init__(self, tmp: Path, profile: Path | None = None) -> None:
+    def __init__(self, tmp: Path, profile: Path | None = None, python: str | None = None) -> None:
         self.tmp = tmp
         self.profile = profile
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -97,9 +98,10 @@ class Stack:
         wait_http(f"http://127.0.0.1:{self.fake_port}/v1/models", self.fake)
         self.gw_port = free_port()
         env = gateway_env(self.nats.url)
-        argv = [sys.executable, "-m", "services.gateway"]
+        python = python or sys.executable
+        argv = [python, "-m", "services.gateway"]
         if profile is not None:  # cProfile in the gateway, switched on around each measured case
-            argv = [sys.executable, str(ROOT / "bench" / "profiled_gateway.py"), str(profile)]
+            argv = [python, str(ROOT / "bench" / "profiled_gateway.py"), str(profile)]
         self.gateway = self._spawn([*argv, "--port", str(self.gw_port)], env=env)
         wait_http(f"http://127.0.0.1:{self.gw_port}/healthz", self.gateway)
         self.admin = httpx.Client(
@@ -190,7 +192,7 @@ class Stack:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rollwire-bench-") as tmp:
-        stack = Stack(Path(tmp), args.profile)
+        stack = Stack(Path(tmp), args.profile, args.gateway_python)
         try:
             return await measure(stack, args)
         finally:
@@ -237,8 +239,19 @@ async def measure(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     print(f"budget on the run: {'calls and tokens' if args.budget else 'none'}")
     if stack.agl is None:
         print(f"agent lightning: skipped ({stack.agl_reason})")
+    interpreters = {"rollwire": interpreter(stack.gateway.pid)}
+    if stack.agl is not None:
+        interpreters["agent-lightning"] = interpreter(stack.agl.pid)
+    for name, build in interpreters.items():
+        print(f"{name} runs on {build}")
     print()
-    figures: dict[str, Any] = {"load_before": load_before, "cpus": os.cpu_count(), "budget": args.budget, "cases": {}}
+    figures: dict[str, Any] = {
+        "load_before": load_before,
+        "cpus": os.cpu_count(),
+        "budget": args.budget,
+        "interpreters": interpreters,
+        "cases": {},
+    }
     profiled = Profiled(stack)
     table: dict[tuple[str, int, int], Result] = {}
     if "main" in sections:
@@ -394,6 +407,17 @@ def summarize(table: dict[tuple[str, int, int], Result]) -> dict[str, Any]:
     return out
 
 
+def interpreter(pid: int) -> str:
+    """The Python a proxy process runs on, and whether its interpreter is a shared libpython: the
+    interpreter's build moves the CPU per call (the gateway README has the figures)."""
+    exe = Path(f"/proc/{pid}/exe").resolve()
+    version = subprocess.run([exe, "-c", "import sys; print(sys.version.split()[0])"], capture_output=True, text=True)
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    shared = next((line.rsplit("/", 1)[1] for line in maps.splitlines() if "/libpython" in line), None)
+    where = f"{shared} loaded" if shared else "the interpreter linked into its executable"
+    return f"Python {version.stdout.strip()} ({exe}; {where})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer calls per case")
@@ -406,6 +430,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, nargs="+", default=[200, 20_000], help="prompt sizes (characters)")
     parser.add_argument("--in-flight", type=int, nargs="+", default=[1, 32], help="calls in flight")
     parser.add_argument("--no-budget", dest="budget", action="store_false", help="run without an attempt budget")
+    parser.add_argument(
+        "--gateway-python", help="the interpreter of Rollwire's gateway (a venv's python with this checkout installed)"
+    )
     args = parser.parse_args()
     if args.setup_agl and agl_python()[0] is None:
         print(f"Agent Lightning venv: {setup()}")
