@@ -35,8 +35,10 @@ async def within(future: asyncio.Future[T], timeout_s: float, timed_out: Callabl
 
 
 def fail_after(future: asyncio.Future[T], timeout_s: float, timed_out: Callable[[], BaseException]) -> Deadline:
-    """Fail the future with `timed_out()` unless it is done in `timeout_s` seconds (cancel the deadline when it is)."""
-    loop = asyncio.get_running_loop()
+    """Fail the future with `timed_out()` unless it is done in `timeout_s` seconds (cancel the deadline when it is).
+
+    The future's own loop times it: `get_running_loop` would cost a `getpid` system call on Python 3.11."""
+    loop = future.get_loop()
     waits = _waits.get(loop)
     if waits is None:
         waits = _waits[loop] = _Waits()

@@ -91,31 +91,9 @@ def _covered(messages: list[Any], earlier: RecordedCall) -> int:
 
 def plan(renderer: ChatRenderer, request: dict[str, Any], earlier: list[RecordedCall]) -> Plan:
     """The prompt for `request`: an earlier call's ids extended, or a fresh render (RenderError if it fails)."""
-    planned = _plan(renderer, request, earlier, render=True)
-    assert planned is not None  # rendering, it always makes one
-    return planned
-
-
-def kept_plan(renderer: ChatRenderer, request: dict[str, Any], earlier: list[RecordedCall]) -> Plan | None:
-    """`plan` of a conversation with no assistant turn (a group's shared first prompt) when its render is
-    kept, else None: it runs on the event loop, without the hop to a worker thread (about 100 us of CPU).
-
-    A conversation with an assistant turn is left to `plan`: looking for the call it extends compares
-    every earlier call's messages, and it renders the new turns. A first prompt not kept yet is hashed
-    twice (here and in `plan`): microseconds, before a render of milliseconds."""
-    if _has_assistant_turn(request.get("messages") or []):
-        return None
-    return _plan(renderer, request, earlier, render=False)
-
-
-def _has_assistant_turn(messages: list[Any]) -> bool:
-    return any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
-
-
-def _plan(renderer: ChatRenderer, request: dict[str, Any], earlier: list[RecordedCall], render: bool) -> Plan | None:
     messages = list(request.get("messages") or [])
     tools, kwargs = _settings(request)
-    reason = "first call of the attempt" if not earlier else "a new conversation (no earlier assistant turn)"
+    reason = _new_conversation(earlier)
     if earlier and _has_assistant_turn(messages):
         best: tuple[int, RecordedCall] | None = None
         differs = 0
@@ -141,11 +119,32 @@ def _plan(renderer: ChatRenderer, request: dict[str, Any], earlier: list[Recorde
             reason = f"history differs from every earlier call at message {differs}"
         else:
             reason = "tools or chat_template_kwargs differ from every earlier call"
-    rendered = (renderer.prompt_json if render else renderer.kept_json)(messages, tools, dict(kwargs or {}))
-    if rendered is None:
+    rendered = renderer.prompt_json(messages, tools, dict(kwargs or {}))
+    return Plan(*rendered, f"fresh: {reason}", partial=_has_assistant_turn(messages))
+
+
+def kept_plan(renderer: ChatRenderer, request: dict[str, Any], earlier: list[RecordedCall]) -> Plan | None:
+    """`plan` of a conversation with no assistant turn (a group's shared first prompt) when its render is
+    kept, else None: it runs on the event loop, without the hop to a worker thread (about 100 us of CPU).
+
+    A conversation with an assistant turn is left to `plan`: looking for the call it extends compares
+    every earlier call's messages, and it renders the new turns. A first prompt not kept yet is hashed
+    twice (here and in `plan`): microseconds, before a render of milliseconds."""
+    messages = list(request.get("messages") or [])
+    if _has_assistant_turn(messages):
         return None
-    partial = _has_assistant_turn(messages)
-    return Plan(*rendered, f"fresh: {reason}", partial=partial)
+    tools, kwargs = _settings(request)
+    kept = renderer.kept_json(messages, tools, dict(kwargs or {}))
+    return None if kept is None else Plan(*kept, f"fresh: {_new_conversation(earlier)}")
+
+
+def _new_conversation(earlier: list[RecordedCall]) -> str:
+    """Why a conversation with no call to extend is rendered fresh."""
+    return "first call of the attempt" if not earlier else "a new conversation (no earlier assistant turn)"
+
+
+def _has_assistant_turn(messages: list[Any]) -> bool:
+    return any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
 
 
 class Continuity:

@@ -35,9 +35,8 @@ def test_a_wait_fails_at_its_deadline_and_not_before() -> None:
         return waited
 
     late = _run(main())
-    assert all(-CLOCK_S <= by < 1 for by in late), (
-        late
-    )  # never early; late by a tick (`TICK_S`), more on a loaded machine
+    # Never early; late by a tick (`TICK_S`), more on a loaded machine.
+    assert all(-CLOCK_S <= by < 1 for by in late), late
 
 
 def test_a_done_future_keeps_its_result_and_the_timer_stops() -> None:
